@@ -1,0 +1,29 @@
+# Two commands do everything on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CHECKPOINT := demo/qwen2-vl-tiny
+
+.PHONY: install checkpoint serve test clean
+
+install: $(STAMP)
+
+# torch first and pinned: here 2.13.0 is a local CPU build; an unpinned torch pulls gigabytes of CUDA packages.
+$(STAMP): requirements.txt requirements-test.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-test.txt
+	touch $(STAMP)
+
+checkpoint: $(STAMP)
+	$(PY) -m demo.build_tiny --out $(CHECKPOINT)
+
+serve: checkpoint
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/serve run serve_config.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) $(CHECKPOINT)
