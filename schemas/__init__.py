@@ -1,0 +1,24 @@
+"""Pydantic models at the edges (HTTP, config) and the small dataclasses components exchange."""
+
+from schemas.checkpoint import Component, load_components, split_key
+from schemas.config import AppArgs, LLMArgs, Limits, resolve_device, resolve_dtype, resolve_max_model_len
+from schemas.engine import FinishReason, GenerateRequest, SamplingParams, TokenChunk
+from schemas.errors import InvalidRequest, Overloaded
+
+__all__ = [
+    "AppArgs",
+    "Component",
+    "FinishReason",
+    "GenerateRequest",
+    "InvalidRequest",
+    "LLMArgs",
+    "Limits",
+    "Overloaded",
+    "SamplingParams",
+    "TokenChunk",
+    "load_components",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_max_model_len",
+    "split_key",
+]

@@ -1,0 +1,67 @@
+"""Checkpoint layouts: which safetensors keys hold the vision tower, the language model and lm_head.
+
+Two layouts exist in the wild and both are read: real hub checkpoints (and what transformers 5 writes) use
+`visual.*`, `model.*`, `lm_head.*`; transformers 4.52-4.57 wrote `model.visual.*`, `model.language_model.*`.
+Each replica reads only the tensors of its own components, so the other weights never enter its memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors import safe_open
+
+Component = Literal["vision", "text", "lm_head"]
+
+# First match wins: the longer legacy prefixes must come before the short hub ones.
+_PREFIXES: tuple[tuple[str, Component], ...] = (
+    ("model.visual.", "vision"),
+    ("visual.", "vision"),
+    ("model.language_model.", "text"),
+    ("model.", "text"),
+    ("lm_head.", "lm_head"),
+)
+
+
+def split_key(key: str) -> tuple[Component, str] | None:
+    """`model.language_model.layers.0.x` -> ("text", "layers.0.x"); None for keys of no component."""
+    for prefix, component in _PREFIXES:
+        if key.startswith(prefix):
+            return component, key[len(prefix) :]
+    return None
+
+
+def _shards(model_dir: Path) -> dict[Path, list[str] | None]:
+    """Shard file -> the keys it holds (None: read its own key list)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        by_file: dict[Path, list[str] | None] = {}
+        for key, name in json.loads(index.read_text())["weight_map"].items():
+            keys = by_file.setdefault(model_dir / name, [])
+            assert keys is not None
+            keys.append(key)
+        return by_file
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    return {f: None for f in files}
+
+
+def load_components(model_dir: str | Path, components: set[Component]) -> dict[Component, dict[str, torch.Tensor]]:
+    """Read only the tensors of `components`, keyed by their name inside the component."""
+    out: dict[Component, dict[str, torch.Tensor]] = {c: {} for c in components}
+    for path, keys in _shards(Path(model_dir)).items():
+        if keys is not None and not any((s := split_key(k)) and s[0] in components for k in keys):
+            continue  # NOTE: a shard with none of our weights is never opened.
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                split = split_key(key)
+                if split is not None and split[0] in components:
+                    out[split[0]][split[1]] = f.get_tensor(key)
+    return out
+
+
+__all__ = ["Component", "load_components", "split_key"]

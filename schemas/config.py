@@ -1,0 +1,79 @@
+"""The application's static settings: `args:` of serve_config.yaml, validated once when the app is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Limits(_Strict):
+    max_request_bytes: int = Field(32 << 20, ge=1024, description="Largest HTTP request body; larger is a 413.")
+    max_image_bytes: int = Field(16 << 20, ge=1, description="Largest encoded image (after base64 decoding).")
+    max_image_pixels: int = Field(
+        4096 * 4096, ge=1, description="Largest width*height of an image, checked on its header before decoding."
+    )
+    max_aspect_ratio: float = Field(
+        200.0, ge=1.0, le=200.0, description="Largest long/short side ratio (Qwen2-VL's smart_resize allows 200)."
+    )
+    max_images_per_request: int = Field(8, ge=0, description="Most images in one request, all turns together.")
+    default_max_tokens: int = Field(
+        512, ge=1, description="Completion length when the request sets none (capped by the context left)."
+    )
+    max_stop: int = Field(4, ge=0, description="Most stop strings in one request.")
+    max_stop_chars: int = Field(64, ge=1, description="Longest stop string, in characters.")
+
+
+class LLMArgs(_Strict):
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length (prompt + completion); default: the checkpoint's, capped at 32768."
+    )
+    max_queued_requests: int = Field(
+        64, ge=1, description="Requests waiting for the engine; past this a request gets 503 + Retry-After."
+    )
+
+
+class AppArgs(_Strict):
+    model: str = Field(description="Path to a Hugging Face-format checkpoint directory (config.json, safetensors).")
+    served_model_name: str | None = Field(None, description="Name in /v1/models and responses; default: the folder name.")
+    device: Device = Field("auto", description="cuda when the Ray cluster has GPUs, else cpu; or set one.")
+    dtype: DType = Field("auto", description="Weights and activations: bfloat16 on cuda, float32 on cpu when auto.")
+    limits: Limits = Field(default_factory=Limits, description="Input limits; every one gets a 4xx past it.")
+    llm: LLMArgs = Field(default_factory=LLMArgs, description="Language-model replica settings.")
+
+    @field_validator("model")
+    @classmethod
+    def _model_dir(cls, v: str) -> str:
+        if not (Path(v) / "config.json").is_file():
+            raise ValueError(f"model={v!r} is not a checkpoint directory (no config.json there)")
+        return str(Path(v).resolve())
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+
+def resolve_device(device: Device, has_gpu: bool) -> Literal["cpu", "cuda"]:
+    return ("cuda" if has_gpu else "cpu") if device == "auto" else device
+
+
+def resolve_dtype(dtype: DType, device: str) -> Literal["float32", "bfloat16", "float16"]:
+    return ("bfloat16" if device == "cuda" else "float32") if dtype == "auto" else dtype
+
+
+def resolve_max_model_len(configured: int | None, max_position_embeddings: int) -> int:
+    """The context length both the ingress (admission) and the LLM (cache size) use."""
+    if configured is not None and configured > max_position_embeddings:
+        raise ValueError(f"max_model_len={configured} exceeds the checkpoint's {max_position_embeddings} positions")
+    return configured if configured is not None else min(max_position_embeddings, 32768)
+
+
+__all__ = ["AppArgs", "Device", "DType", "LLMArgs", "Limits", "resolve_device", "resolve_dtype", "resolve_max_model_len"]

@@ -1,0 +1,196 @@
+"""OpenAI chat-completions wire format: requests, responses, stream chunks, errors, model list."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Tolerant(BaseModel):
+    # NOTE: OpenAI clients send fields we do not know (metadata, store, user, ...); tolerate them rather
+    # than break a client, but never let them reach the engine.
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageURL(_Tolerant):
+    url: str = Field(description="A data: URL (base64) of the image.")
+    detail: Literal["auto", "low", "high"] = Field("auto", description="Accepted for compatibility; ignored.")
+
+
+class TextPart(_Tolerant):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Tolerant):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class Message(_Tolerant):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> Message:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if isinstance(self.content, list) and self.role != "user":
+            if any(isinstance(p, ImagePart) for p in self.content):
+                raise ValueError(f"images are only accepted in user messages, not in a {self.role} message")
+        return self
+
+
+class StreamOptions(_Tolerant):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Tolerant):
+    model: str | None = Field(None, description="Must name the served model when given.")
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: list[str] = Field(default_factory=list, description="Up to max_stop strings; a string means one.")
+    n: int = Field(1, ge=1)
+    logprobs: bool | None = None
+    # Extension, as in vLLM: return the prompt and completion token ids (for parity checks and debugging).
+    return_token_ids: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        return [] if v is None else [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n_one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"n={v} is not supported yet; only n=1")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("logprobs are not supported yet")
+        return v
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    finish_reason: Literal["stop", "length"]
+    token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
+
+
+class ChatCompletion(BaseModel):
+    id: str = Field(default_factory=_completion_id)
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = Field(None, exclude_if=lambda v: v is None)
+    content: str | None = Field(None, exclude_if=lambda v: v is None)
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = Field(None, exclude_if=lambda v: v is None)
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "vlm-serve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+__all__ = [
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "Choice",
+    "ChunkChoice",
+    "Delta",
+    "ErrorBody",
+    "ErrorDetail",
+    "ImagePart",
+    "Message",
+    "ModelCard",
+    "ModelList",
+    "ResponseMessage",
+    "TextPart",
+    "Usage",
+]
