@@ -1,0 +1,92 @@
+"""Image bytes from requests: data: URL decoding, header-only checks, and full decoding to RGB."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import warnings
+from dataclasses import dataclass
+
+from PIL import Image, UnidentifiedImageError
+
+from schemas import InvalidRequest, Limits
+
+FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
+
+
+@dataclass(slots=True, frozen=True)
+class ImageInfo:
+    format: str
+    width: int
+    height: int
+
+
+def decode_data_url(url: str, max_bytes: int) -> bytes:
+    """`data:image/png;base64,...` -> the image bytes; anything else is the client's error."""
+    if not url.startswith("data:"):
+        scheme = url.split(":", 1)[0][:16] if ":" in url else "(none)"
+        raise InvalidRequest(f"only data: URLs (base64) are accepted for images, got scheme {scheme!r}")
+    header, sep, payload = url[5:].partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise InvalidRequest("image data URL must look like data:image/<type>;base64,<data>")
+    # NOTE: bound the work before decoding: base64 is 4 chars per 3 bytes.
+    if len(payload) // 4 * 3 > max_bytes + 3:
+        raise InvalidRequest(f"image is about {len(payload) // 4 * 3} bytes, over the limit of {max_bytes}", status=413)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidRequest(f"image data URL is not valid base64: {e}") from e
+    if not data:
+        raise InvalidRequest("image data URL is empty")
+    if len(data) > max_bytes:
+        raise InvalidRequest(f"image is {len(data)} bytes, over the limit of {max_bytes}", status=413)
+    return data
+
+
+def _open(data: bytes) -> Image.Image:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data))
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise InvalidRequest(f"image has too many pixels: {e}") from e
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise InvalidRequest("image bytes are not a decodable image (PNG, JPEG, WEBP, GIF or BMP)") from e
+
+
+def probe_image(data: bytes, limits: Limits) -> ImageInfo:
+    """Format and size from the header alone (no pixel decoding), checked against the limits."""
+    image = _open(data)  # PIL reads only the header here; pixels are decoded lazily.
+    info = ImageInfo(format=str(image.format), width=image.width, height=image.height)
+    image.close()
+    if info.format not in FORMATS:
+        raise InvalidRequest(f"image format {info.format} is not accepted; use one of {sorted(FORMATS)}")
+    if info.width < 1 or info.height < 1:
+        raise InvalidRequest(f"image is {info.width}x{info.height}")
+    if info.width * info.height > limits.max_image_pixels:
+        raise InvalidRequest(
+            f"image is {info.width}x{info.height} = {info.width * info.height} pixels, "
+            f"over the limit of {limits.max_image_pixels}"
+        )
+    ratio = max(info.width, info.height) / min(info.width, info.height)
+    if ratio > limits.max_aspect_ratio:
+        raise InvalidRequest(f"image aspect ratio {ratio:.1f} is over the limit of {limits.max_aspect_ratio:g}")
+    return info
+
+
+def load_rgb(data: bytes) -> Image.Image:
+    """Decode fully to RGB; transparency is composited onto white, as transformers' image processors do."""
+    image = _open(data)
+    try:
+        image.load()
+        if "A" in image.getbands() or image.info.get("transparency") is not None:
+            rgba = image.convert("RGBA")
+            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(background, rgba).convert("RGB")
+        return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt pixel data behind a valid header
+        raise InvalidRequest(f"image could not be decoded: {e}") from e
+
+
+__all__ = ["FORMATS", "ImageInfo", "decode_data_url", "load_rgb", "probe_image"]

@@ -1,0 +1,125 @@
+"""Qwen2-VL images: token counts from the size alone, preprocessing, and the ViT + merger that encodes them."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import AutoConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+    Qwen2VisionTransformerPretrainedModel,
+    Qwen2VLVisionRotaryEmbedding,
+)
+
+from schemas import InvalidRequest, load_components
+
+# OpenAI CLIP statistics, Qwen2-VL's defaults when preprocessor_config.json names none.
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Nearest size with both sides multiples of `factor` and an area within [min_pixels, max_pixels]."""
+    # Adapted from transformers/models/qwen2_vl/image_processing_qwen2_vl.py (same rounding, so the same counts).
+    if max(height, width) / min(height, width) > 200:
+        raise InvalidRequest(f"image aspect ratio must be at most 200, got {max(height, width) / min(height, width):.1f}")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(slots=True, frozen=True)
+class Qwen2VLImageProcessing:
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_mean: tuple[float, float, float] = _CLIP_MEAN
+    image_std: tuple[float, float, float] = _CLIP_STD
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> Qwen2VLImageProcessing:
+        path = Path(model_dir) / "preprocessor_config.json"
+        cfg = json.loads(path.read_text()) if path.is_file() else {}
+        size, default = cfg.get("size") or {}, cls()
+        # Top-level min/max_pixels (older files) win over size{}, as in transformers' image processor.
+        min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or default.min_pixels
+        max_pixels = cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or default.max_pixels
+        return cls(
+            min_pixels=int(min_pixels),
+            max_pixels=int(max_pixels),
+            patch_size=int(cfg.get("patch_size", default.patch_size)),
+            temporal_patch_size=int(cfg.get("temporal_patch_size", default.temporal_patch_size)),
+            merge_size=int(cfg.get("merge_size", default.merge_size)),
+            image_mean=tuple(cfg.get("image_mean", _CLIP_MEAN)),
+            image_std=tuple(cfg.get("image_std", _CLIP_STD)),
+        )
+
+    def resized_size(self, width: int, height: int) -> tuple[int, int]:
+        h, w = smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
+        return w, h
+
+    def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
+        w, h = self.resized_size(width, height)
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def num_image_tokens(self, width: int, height: int) -> int:
+        t, h, w = self.grid_thw(width, height)
+        return t * h * w // self.merge_size**2
+
+    def preprocess(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """RGB image -> (pixel_values (h*w, 3*T*p*p) in merge order, grid (1, h, w))."""
+        p, m, T = self.patch_size, self.merge_size, self.temporal_patch_size
+        w, h = self.resized_size(image.width, image.height)
+        resized = image.resize((w, h), resample=Image.Resampling.BICUBIC)
+        x = torch.from_numpy(np.asarray(resized, dtype=np.float32)).permute(2, 0, 1)  # (3, H, W)
+        mean = torch.tensor(self.image_mean, dtype=torch.float32).view(3, 1, 1)
+        std = torch.tensor(self.image_std, dtype=torch.float32).view(3, 1, 1)
+        x = (x / 255.0 - mean) / std
+        gh, gw = h // p, w // p
+        x = x.view(3, gh // m, m, p, gw // m, m, p)  # (C, gh/m, m, p, gw/m, m, p)
+        x = x.permute(1, 4, 2, 5, 0, 3, 6)  # (gh/m, gw/m, m, m, C, p, p): rows in merge order
+        x = x.unsqueeze(5).expand(*x.shape[:5], T, p, p)  # (gh/m, gw/m, m, m, C, T, p, p): a still image, T frames
+        return x.reshape(gh * gw, 3 * T * p * p), (1, gh, gw)  # (gh*gw, C*T*p*p)
+
+
+class Qwen2VLVisionEncoder:
+    """Qwen2-VL's ViT and patch merger, loaded alone from the checkpoint's `visual.*` weights."""
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        config = AutoConfig.from_pretrained(model_dir).vision_config
+        self.processing = Qwen2VLImageProcessing.from_pretrained(model_dir)
+        self.device, self.dtype = torch.device(device), dtype
+        weights = load_components(model_dir, {"vision"})["vision"]
+        with torch.device("meta"):  # no random init of weights we are about to replace
+            vit = Qwen2VisionTransformerPretrainedModel._from_config(config, attn_implementation="sdpa")
+        vit.load_state_dict(weights, strict=True, assign=True)
+        vit.rotary_pos_emb = Qwen2VLVisionRotaryEmbedding(config)  # non-persistent buffers: build them for real
+        self.vit = vit.to(device=self.device, dtype=dtype).eval()
+        self.hidden_size = int(config.hidden_size)
+
+    @torch.inference_mode()
+    def encode(self, images: list[Image.Image]) -> list[torch.Tensor]:
+        """One (num_image_tokens, llm_hidden) tensor per image, as transformers' get_image_features splits them."""
+        processed = [self.processing.preprocess(im) for im in images]
+        pixel_values = torch.cat([pv for pv, _ in processed]).to(self.device, self.dtype)  # (sum h*w, C*T*p*p)
+        grid_thw = torch.tensor([g for _, g in processed], dtype=torch.long, device=self.device)  # (n, 3)
+        embeds = self.vit(pixel_values, grid_thw=grid_thw).pooler_output  # (sum tokens, llm_hidden)
+        sizes = (grid_thw.prod(-1) // self.processing.merge_size**2).tolist()
+        return list(embeds.split(sizes))
+
+
+__all__ = ["Qwen2VLImageProcessing", "Qwen2VLVisionEncoder", "smart_resize"]

@@ -1,0 +1,71 @@
+"""Image input: data URLs, header-only checks against the limits, decoding."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from encoders import decode_data_url, load_rgb, probe_image
+from schemas import InvalidRequest, Limits
+from tests.helpers import data_url, image_bytes, make_image
+
+
+def test_data_url_round_trip():
+    png = image_bytes(make_image(20, 10))
+    assert decode_data_url(data_url(png), max_bytes=1 << 20) == png
+
+
+@pytest.mark.parametrize(
+    ("url", "fragment"),
+    [
+        ("http://example.com/cat.png", "only data: URLs"),
+        ("file:///etc/passwd", "only data: URLs"),
+        ("cat.png", "only data: URLs"),
+        ("data:image/png,abc", "base64"),
+        ("data:image/png;base64,@@@notbase64", "not valid base64"),
+        ("data:image/png;base64,", "empty"),
+    ],
+)
+def test_bad_data_urls_are_client_errors(url, fragment):
+    with pytest.raises(InvalidRequest, match=fragment):
+        decode_data_url(url, max_bytes=1 << 20)
+
+
+def test_image_bytes_limit_is_checked_before_decoding():
+    url = "data:image/png;base64," + base64.b64encode(b"x" * 5000).decode()
+    with pytest.raises(InvalidRequest, match="over the limit of 1000") as e:
+        decode_data_url(url, max_bytes=1000)
+    assert e.value.status == 413
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP"])
+def test_probe_reads_format_and_size(fmt):
+    info = probe_image(image_bytes(make_image(33, 21), fmt), Limits())
+    assert (info.format, info.width, info.height) == (fmt, 33, 21)
+
+
+def test_probe_rejects_non_images_and_limits():
+    with pytest.raises(InvalidRequest, match="not a decodable image"):
+        probe_image(b"this is not an image at all", Limits())
+    with pytest.raises(InvalidRequest, match="over the limit of 100"):
+        probe_image(image_bytes(make_image(11, 10)), Limits(max_image_pixels=100))
+    with pytest.raises(InvalidRequest, match="aspect ratio"):
+        probe_image(image_bytes(make_image(300, 1)), Limits())
+    with pytest.raises(InvalidRequest, match="format TIFF"):
+        probe_image(image_bytes(make_image(8, 8), "TIFF"), Limits())
+
+
+def test_truncated_pixels_fail_on_decode_not_on_probe():
+    png = image_bytes(make_image(64, 64))
+    truncated = png[: len(png) // 2]
+    assert probe_image(truncated, Limits()).width == 64  # the header is intact
+    with pytest.raises(InvalidRequest, match="could not be decoded"):
+        load_rgb(truncated)
+
+
+def test_modes_become_rgb():
+    for mode in ("L", "P", "RGBA", "CMYK"):
+        image = make_image(12, 9, mode=mode)
+        fmt = "JPEG" if mode == "CMYK" else "PNG"
+        assert load_rgb(image_bytes(image, fmt)).mode == "RGB"
