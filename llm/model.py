@@ -1,0 +1,192 @@
+"""A compact Qwen2 decoder (Qwen2-VL's language model) with M-RoPE, over a flat (T, D) token layout.
+
+The module names match the checkpoint's (`layers.0.self_attn.q_proj`, ...), so weights load by name.
+With `mrope_section=None` the same code is a plain 1-D RoPE decoder (Llama-family LMs differ only in biases).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig
+
+from llm.kv_cache import KVCache
+from schemas import load_components
+
+
+@dataclass(frozen=True, slots=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    def __post_init__(self) -> None:
+        assert self.num_heads % self.num_kv_heads == 0, (self.num_heads, self.num_kv_heads)
+        if self.mrope_section is not None:
+            assert sum(self.mrope_section) == self.head_dim // 2, (self.mrope_section, self.head_dim)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> TextConfig:
+        config = AutoConfig.from_pretrained(model_dir)
+        tc = getattr(config, "text_config", config)
+        if getattr(tc, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported")
+        rope = dict(tc.rope_parameters or {})
+        mrope = rope.get("mrope_section")
+        return cls(
+            vocab_size=tc.vocab_size,
+            hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size,
+            num_layers=tc.num_hidden_layers,
+            num_heads=tc.num_attention_heads,
+            num_kv_heads=tc.num_key_value_heads or tc.num_attention_heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            rms_norm_eps=tc.rms_norm_eps,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            mrope_section=tuple(mrope) if mrope else None,
+            max_position_embeddings=tc.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section: tuple[int, ...] | None):
+    """positions (3, T) -> cos, sin (T, head_dim); M-RoPE takes each frequency band from its own axis (t, h, w)."""
+    freqs = positions[..., None].float() * inv_freq  # (3, T, hd/2)
+    if mrope_section is None:
+        freqs = freqs[0]  # (T, hd/2)
+    else:
+        freqs = torch.cat([band[i % 3] for i, band in enumerate(freqs.split(list(mrope_section), -1))], -1)  # (T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=True)
+        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=True)
+        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=True)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.nh, self.hd)  # (T, nh, hd)
+        k = self.k_proj(x).view(T, self.nkv, self.hd)  # (T, nkv, hd)
+        v = self.v_proj(x).view(T, self.nkv, self.hd)  # (T, nkv, hd)
+        cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)  # (T, 1, hd)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        end = start + T
+        k_cache[start:end], v_cache[start:end] = k, v
+        qh = q.transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
+        kh = k_cache[:end].transpose(0, 1).unsqueeze(0)  # (1, nkv, S, hd)
+        vh = v_cache[:end].transpose(0, 1).unsqueeze(0)  # (1, nkv, S, hd)
+        mask = None
+        if T > 1 and start > 0:  # a chunk after cached tokens: query i sees keys up to start + i
+            mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=T > 1 and start == 0, enable_gqa=True)
+        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(T, self.nh * self.hd))  # (T, D)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2LM(nn.Module):
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Qwen2LM:
+        """Reads only the language model, its embedding table and lm_head (never the vision weights)."""
+        c = TextConfig.from_pretrained(model_dir)
+        parts = load_components(model_dir, {"text", "lm_head"})
+        state = dict(parts["text"])
+        lm_head = parts["lm_head"].get("weight")
+        if lm_head is None and not c.tie_word_embeddings:
+            raise ValueError(f"{model_dir}: no lm_head.weight and tie_word_embeddings is false")
+        state["lm_head.weight"] = lm_head if lm_head is not None else state["embed_tokens.weight"]
+        with torch.device("meta"):
+            model = cls(c)
+        model.load_state_dict(state, strict=True, assign=True)
+        model.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim))
+        return model.to(device=device, dtype=dtype).eval()
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        p = self.lm_head.weight
+        return KVCache.allocate(self.config.num_layers, max_tokens, self.config.num_kv_heads, self.config.head_dim,
+                                device=p.device, dtype=p.dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids.to(self.embed_tokens.weight.device))  # (T, D)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """inputs_embeds (T, D) at cache rows [start, start+T), positions (3, T) -> final hidden states (T, D)."""
+        cos, sin = rope_cos_sin(positions.to(self.inv_freq.device), self.inv_freq, self.config.mrope_section)
+        x = inputs_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], start)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (T, V)
+
+
+__all__ = ["Qwen2LM", "RMSNorm", "TextConfig", "rope_cos_sin"]

@@ -1,0 +1,63 @@
+"""Prompt token ids from chat messages: the checkpoint's own chat template, then one placeholder run per image."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from schemas import InvalidRequest
+from schemas.openai import ImagePart, Message
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer, with its chat template even where only the processor files carry it."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.chat_template is None:
+        d = Path(model_dir)
+        if (d / "chat_template.jinja").is_file():
+            tokenizer.chat_template = (d / "chat_template.jinja").read_text()
+        elif (d / "chat_template.json").is_file():
+            tokenizer.chat_template = json.loads((d / "chat_template.json").read_text())["chat_template"]
+        else:
+            raise ValueError(f"{model_dir} has no chat template")
+    return tokenizer
+
+
+def template_messages(messages: list[Message]) -> list[dict]:
+    """OpenAI messages -> the content format chat templates expect ({"type": "image"} stands for an image)."""
+    out = []
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        if m.content is None or isinstance(m.content, str):
+            out.append({"role": role, "content": m.content or ""})
+        else:
+            parts = [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text} for p in m.content]
+            out.append({"role": role, "content": parts})
+    return out
+
+
+def build_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[Message], image_token_id: int,
+                 image_token_counts: list[int]) -> list[int]:
+    """Render, tokenize, and expand the template's one placeholder per image to that image's run of tokens."""
+    text = tokenizer.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    slots = [i for i, t in enumerate(ids) if t == image_token_id]
+    if len(slots) != len(image_token_counts):
+        # The template writes one placeholder per image; more means the user typed the placeholder token.
+        raise InvalidRequest(
+            f"the prompt has {len(slots)} image placeholder tokens for {len(image_token_counts)} images: "
+            f"text must not contain the reserved token {tokenizer.convert_ids_to_tokens(image_token_id)!r}",
+            param="messages")
+    expanded: list[int] = []
+    prev = 0
+    for slot, count in zip(slots, image_token_counts, strict=True):
+        expanded += ids[prev:slot]
+        expanded += [image_token_id] * count
+        prev = slot + 1
+    expanded += ids[prev:]
+    return expanded
+
+
+__all__ = ["build_prompt", "load_tokenizer", "template_messages"]

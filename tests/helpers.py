@@ -1,0 +1,30 @@
+"""Test helpers: deterministic images and data URLs."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+from PIL import Image
+
+
+def make_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    """Smooth gradients plus noise: varied enough that different images give different answers."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / max(width - 1, 1), y * 255 / max(height - 1, 1), (x + y) % 256], -1)
+    pixels = np.clip(base + rng.normal(0, 40, base.shape), 0, 255).astype(np.uint8)
+    image = Image.fromarray(pixels, "RGB")
+    return image.convert(mode) if mode != "RGB" else image
+
+
+def image_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def data_url(image: Image.Image | bytes, fmt: str = "PNG") -> str:
+    data = image if isinstance(image, bytes) else image_bytes(image, fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(data).decode()}"
