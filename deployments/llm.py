@@ -1,0 +1,68 @@
+"""LLM deployment: token ids + ObjectRefs of image embeddings in, a stream of TokenChunks out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import ray
+import torch
+from ray import serve
+from transformers import AutoConfig, GenerationConfig
+
+from deployments.http import root_cause
+from llm import Engine, Qwen2LM, SequenceInput
+from schemas import AppArgs, GenerateRequest, InvalidRequest, TokenChunk, resolve_device, resolve_dtype
+from schemas import resolve_max_model_len
+
+logger = logging.getLogger("ray.serve")
+
+
+def eos_token_ids(model_dir: str, config: Any) -> set[int]:
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = getattr(getattr(config, "text_config", config), "eos_token_id", None)
+    return set([eos] if isinstance(eos, int) else eos or [])
+
+
+@serve.deployment(name="LLM", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=256)
+class LLM:
+    def __init__(self, args: dict[str, Any], model_factory: Callable[..., Qwen2LM] | None = None):
+        self.args = AppArgs.model_validate(args)
+        device = resolve_device(self.args.device, torch.cuda.is_available())
+        dtype = getattr(torch, resolve_dtype(self.args.dtype, device))
+        config = AutoConfig.from_pretrained(self.args.model)
+        model = (model_factory or Qwen2LM.from_pretrained)(self.args.model, device=device, dtype=dtype)
+        max_model_len = resolve_max_model_len(self.args.llm.max_model_len, model.config.max_position_embeddings)
+        self.engine = Engine(
+            model,
+            image_token_id=config.image_token_id,
+            merge_size=config.vision_config.spatial_merge_size,
+            eos_token_ids=eos_token_ids(self.args.model, config),
+            max_model_len=max_model_len,
+            max_queued=self.args.llm.max_queued_requests,
+        )
+        logger.info("llm ready: %s on %s (%s), context %d", self.args.model, device, dtype, max_model_len)
+
+    async def _fetch_embeds(self, refs: list[Any]) -> list[torch.Tensor]:
+        for ref in refs:  # invariant: the ingress passes references, never embeddings
+            if not isinstance(ref, ray.ObjectRef):
+                raise TypeError(f"image embeddings must arrive as ObjectRefs, got {type(ref).__name__}")
+        results = await asyncio.gather(*refs, return_exceptions=True)
+        for i, r in enumerate(results):
+            if isinstance(r, BaseException):
+                cause = root_cause(r)
+                if isinstance(cause, InvalidRequest):
+                    raise InvalidRequest(f"image {i}: {cause.message}", param="messages") from None
+                raise r
+        return list(results)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        embeds = await self._fetch_embeds(request.image_embed_refs)
+        seq = SequenceInput(request.request_id, request.prompt_token_ids, request.image_grid_thw, embeds,
+                            request.sampling)
+        async for chunk in self.engine.generate(seq):
+            yield chunk
