@@ -43,7 +43,8 @@ class Ingress:
     async def __call__(self, request: Request) -> Response:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            method, handler = self.routes.get(request.url.path.rstrip("/"), (None, None))
+            path = request.url.path.removeprefix(request.scope.get("root_path", "")).rstrip("/")
+            method, handler = self.routes.get(path, (None, None))
             if handler is None:
                 raise InvalidRequest(f"no route {request.url.path}", status=404, code="not_found")
             if request.method != method:

@@ -60,6 +60,9 @@ class LLM:
                 raise r
         return list(results)
 
+    async def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         embeds = await self._fetch_embeds(request.image_embed_refs)
         seq = SequenceInput(request.request_id, request.prompt_token_ids, request.image_grid_thw, embeds,

@@ -51,6 +51,7 @@ class Engine:
         self.model, self.image_token_id, self.merge_size = model, image_token_id, merge_size
         self.eos_token_ids, self.max_model_len = frozenset(eos_token_ids), max_model_len
         self._jobs: queue.Queue[_Job] = queue.Queue(maxsize=max_queued)
+        self.counts = {"running": 0, "finished": 0, "cancelled": 0, "failed": 0}  # written by the worker only
         threading.Thread(target=self._loop, name="llm-engine", daemon=True).start()
 
     def _prepare(self, seq: SequenceInput) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -93,17 +94,25 @@ class Engine:
         finally:
             job.cancelled.set()  # a consumer that went away frees the sequence at the next step
 
+    def stats(self) -> dict[str, int]:
+        return {"waiting": self._jobs.qsize(), **self.counts}
+
     def _loop(self) -> None:
         while True:
             job = self._jobs.get()
-            if job.cancelled.is_set():
-                continue
-            try:
-                with torch.inference_mode():
-                    self._run(job)
-            except Exception as e:  # reported to that request alone; the engine keeps serving
-                logger.exception("request %s failed in the engine", job.seq.request_id)
-                self._emit(job, e)
+            outcome = "cancelled"
+            if not job.cancelled.is_set():
+                self.counts["running"] += 1
+                try:
+                    with torch.inference_mode():
+                        self._run(job)
+                    outcome = "cancelled" if job.cancelled.is_set() else "finished"
+                except Exception as e:  # reported to that request alone; the engine keeps serving
+                    logger.exception("request %s failed in the engine", job.seq.request_id)
+                    self._emit(job, e)
+                    outcome = "failed"
+                self.counts["running"] -= 1
+            self.counts[outcome] += 1
 
     def _emit(self, job: _Job, item: TokenChunk | BaseException) -> None:
         try:

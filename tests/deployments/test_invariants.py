@@ -1,0 +1,91 @@
+"""Design invariants that only show in the running app: the ingress never holds embeddings; cancellation frees."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+import httpx
+import pytest
+import torch
+from ray import serve
+
+from deployments import LLM, Encoder, Ingress
+from schemas import GenerateRequest, SamplingParams
+from tests.deployments.tracing import TracingEncoder, deserializations
+from tests.helpers import data_url, make_image
+
+pytestmark = pytest.mark.e2e
+
+
+def test_ingress_never_deserializes_an_embedding(ray_serve, app_args, tmp_path):
+    record_dir = str(tmp_path)
+    encoder = Encoder.bind(app_args, model_factory=functools.partial(TracingEncoder, record_dir=record_dir))
+    serve.run(Ingress.bind(encoder, LLM.bind(app_args), app_args), name="traced", route_prefix="/traced")
+    try:
+        images = [{"type": "image_url", "image_url": {"url": data_url(make_image(80 + 20 * i, 60, seed=i))}}
+                  for i in range(3)]
+        body = {"messages": [{"role": "user", "content": [*images, {"type": "text", "text": "hi"}]}], "max_tokens": 3}
+        for stream in (False, True):
+            r = httpx.post(f"{ray_serve}/traced/v1/chat/completions", json={**body, "stream": stream}, timeout=60)
+            assert r.status_code == 200, r.text
+        seen = deserializations(record_dir)
+        # The instrument works: the LLM deserialized each of the 6 embeddings exactly once...
+        assert seen.count("traced:LLM") == 6
+        # ...and nobody else did: the ingress only ever held ObjectRefs.
+        assert set(seen) == {"traced:LLM"}
+    finally:
+        serve.delete("traced")
+
+
+def test_llm_refuses_embeddings_that_are_not_refs(base_url):
+    """The LLM checks what it receives, so a future ingress that awaited the embeddings would fail loudly."""
+    llm = serve.get_deployment_handle("LLM", app_name="vlm")
+    request = GenerateRequest("r", [1, 2, 3], [(1, 2, 2)], [torch.zeros(1, 64)], SamplingParams(max_tokens=1))
+    with pytest.raises(Exception, match="must arrive as ObjectRefs, got Tensor"):
+        list(llm.options(stream=True).generate.remote(request))
+
+
+def test_disconnect_cancels_generation(client, base_url):
+    llm = serve.get_deployment_handle("LLM", app_name="vlm")
+    before = llm.stats.remote().result()
+    body = {"messages": [{"role": "user", "content": "Talk for a long time."}], "max_tokens": 900,
+            "temperature": 0, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for n, _ in enumerate(r.iter_lines()):
+            if n >= 4:
+                break  # the client goes away after a few chunks
+    deadline = time.monotonic() + 1.0
+    while (stats := llm.stats.remote().result())["cancelled"] == before["cancelled"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats["cancelled"] == before["cancelled"] + 1 and stats["running"] == 0  # freed within a second
+    assert stats["finished"] == before["finished"]  # it did not run to its 900 tokens
+    r = client.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_stop_strings_cut_the_text(client):
+    body = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 12, "temperature": 0}
+    full = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    for stream in (False, True):
+        r = client.post("/v1/chat/completions", json={**body, "stop": [stop], "stream": stream})
+        if stream:
+            chunks = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+            text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            text, finish = r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["finish_reason"]
+        assert text == full[: full.index(stop)] and finish == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    body = {"messages": [{"role": "user", "content": "Pick words."}], "max_tokens": 10, "temperature": 1.0,
+            "seed": 1234, "return_token_ids": True}
+    first, second = (client.post("/v1/chat/completions", json=body).json() for _ in range(2))
+    assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
+    other = client.post("/v1/chat/completions", json={**body, "seed": 99}).json()
+    greedy = client.post("/v1/chat/completions", json={**body, "temperature": 0}).json()
+    assert len({tuple(x["choices"][0]["token_ids"]) for x in (first, other, greedy)}) > 1

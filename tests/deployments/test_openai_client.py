@@ -1,0 +1,56 @@
+"""The official `openai` client against the running app: plain, streaming with usage, and errors it raises."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.helpers import data_url, make_image
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def oai(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _image_message(text="What is in the picture?"):
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(make_image(100, 70))}},
+                                         {"type": "text", "text": text}]}]
+
+
+def test_models_and_non_streaming(oai):
+    [model] = oai.models.list().data
+    out = oai.chat.completions.create(model=model.id, messages=_image_message(), max_tokens=8, temperature=0)
+    assert out.model == model.id and out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage.completion_tokens <= 8 and out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_streaming_with_usage(oai):
+    stream = oai.chat.completions.create(model="qwen2-vl-tiny", messages=_image_message(), max_tokens=8,
+                                         temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None and usage.completion_tokens <= 8
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    plain = oai.chat.completions.create(model="qwen2-vl-tiny", messages=_image_message(), max_tokens=8, temperature=0)
+    assert text == plain.choices[0].message.content
+    assert usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_errors_are_raised_by_the_client(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="qwen2-vl-tiny", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == "messages[0].content[0].image_url"
+    assert "only data: URLs" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    # Streaming requests that fail before the first token get a real status too.
+    with pytest.raises(openai.BadRequestError):
+        list(oai.chat.completions.create(model="qwen2-vl-tiny", stream=True, max_tokens=5000,
+                                         messages=[{"role": "user", "content": "hi"}]))

@@ -1,0 +1,52 @@
+"""An encoder whose outputs record, on unpickling, which deployment deserialized them (test instrumentation)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from encoders import Qwen2VLVisionEncoder
+
+
+def _where() -> str:
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+        return f"{ctx.app_name}:{ctx.deployment}"
+    except Exception:
+        return f"pid{os.getpid()}"
+
+
+def _record_and_unwrap(record_dir: str, tensor: torch.Tensor) -> torch.Tensor:
+    with open(Path(record_dir) / f"{os.getpid()}.log", "a") as f:
+        f.write(_where() + "\n")
+    return tensor
+
+
+class Traced:
+    """Pickles as 'record where I am, then be the plain tensor': whoever deserializes it leaves a mark."""
+
+    def __init__(self, tensor: torch.Tensor, record_dir: str):
+        self.tensor, self.record_dir = tensor, record_dir
+
+    def cpu(self) -> Traced:
+        return self
+
+    def __reduce__(self):
+        return (_record_and_unwrap, (self.record_dir, self.tensor))
+
+
+class TracingEncoder:
+    def __init__(self, model_dir, device="cpu", dtype=torch.float32, *, record_dir: str):
+        self.inner, self.record_dir = Qwen2VLVisionEncoder(model_dir, device, dtype), record_dir
+        self.hidden_size = self.inner.hidden_size
+
+    def encode(self, images):
+        return [Traced(t, self.record_dir) for t in self.inner.encode(images)]
+
+
+def deserializations(record_dir: str | Path) -> list[str]:
+    return [line for f in sorted(Path(record_dir).glob("*.log")) for line in f.read_text().split()]
