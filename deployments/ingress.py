@@ -88,9 +88,10 @@ class Ingress:
         prompt = build_prompt(self.tokenizer, req.messages, self.image_token_id, counts)
         room = self.max_model_len - len(prompt)
         max_tokens = req.requested_max_tokens or min(limits.default_max_tokens, room)
-        if max_tokens > room or room < 1:
-            raise InvalidRequest(f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the context length "
-                                 f"of {self.max_model_len}", param="messages", code="context_length_exceeded")
+        if room < 1 or max_tokens > room:
+            asked = f" + max_tokens {max_tokens}" if req.requested_max_tokens else ""
+            raise InvalidRequest(f"{len(prompt)} prompt tokens{asked} exceed the context length of "
+                                 f"{self.max_model_len}", param="messages", code="context_length_exceeded")
         return prompt, images, grids, max_tokens
 
     async def chat(self, request: Request, request_id: str) -> Response:

@@ -76,3 +76,10 @@ def test_routes(client, method, path, status):
     r = client.request(method, path)
     assert r.status_code == status and "error" in r.json()
     assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_prompt_alone_over_the_context(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 1100}]})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "prompt tokens exceed the context length of 1024" in message and "max_tokens" not in message

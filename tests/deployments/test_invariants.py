@@ -7,36 +7,61 @@ import json
 import time
 
 import httpx
+import openai
 import pytest
 import torch
 from ray import serve
 
 from deployments import LLM, Encoder, Ingress
 from schemas import GenerateRequest, SamplingParams
-from tests.deployments.tracing import TracingEncoder, deserializations
+from tests.deployments.instruments import FaultyLM, TracingEncoder, deserializations
 from tests.helpers import data_url, make_image
 
 pytestmark = pytest.mark.e2e
 
 
-def test_ingress_never_deserializes_an_embedding(ray_serve, app_args, tmp_path):
-    record_dir = str(tmp_path)
+@pytest.fixture(scope="module")
+def instrumented(ray_serve, app_args, tmp_path_factory):
+    """A second app at /traced: its encoder's outputs record who unpickles them, its LM fails at position 40."""
+    record_dir = str(tmp_path_factory.mktemp("unpickled"))
     encoder = Encoder.bind(app_args, model_factory=functools.partial(TracingEncoder, record_dir=record_dir))
-    serve.run(Ingress.bind(encoder, LLM.bind(app_args), app_args), name="traced", route_prefix="/traced")
-    try:
-        images = [{"type": "image_url", "image_url": {"url": data_url(make_image(80 + 20 * i, 60, seed=i))}}
-                  for i in range(3)]
-        body = {"messages": [{"role": "user", "content": [*images, {"type": "text", "text": "hi"}]}], "max_tokens": 3}
-        for stream in (False, True):
-            r = httpx.post(f"{ray_serve}/traced/v1/chat/completions", json={**body, "stream": stream}, timeout=60)
-            assert r.status_code == 200, r.text
-        seen = deserializations(record_dir)
-        # The instrument works: the LLM deserialized each of the 6 embeddings exactly once...
-        assert seen.count("traced:LLM") == 6
-        # ...and nobody else did: the ingress only ever held ObjectRefs.
-        assert set(seen) == {"traced:LLM"}
-    finally:
-        serve.delete("traced")
+    serve.run(Ingress.bind(encoder, LLM.bind(app_args, model_factory=FaultyLM.load), app_args),
+              name="traced", route_prefix="/traced")
+    yield f"{ray_serve}/traced", record_dir
+    serve.delete("traced")
+
+
+def test_ingress_never_deserializes_an_embedding(instrumented):
+    url, record_dir = instrumented
+    images = [{"type": "image_url", "image_url": {"url": data_url(make_image(80 + 20 * i, 60, seed=i))}}
+              for i in range(3)]
+    body = {"messages": [{"role": "user", "content": [*images, {"type": "text", "text": "hi"}]}], "max_tokens": 3}
+    for stream in (False, True):
+        r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": stream}, timeout=60)
+        assert r.status_code == 200, r.text
+    seen = deserializations(record_dir)
+    # The instrument works: the LLM deserialized each of the 6 embeddings exactly once...
+    assert seen.count("traced:LLM") == 6
+    # ...and nobody else did: the ingress only ever held ObjectRefs.
+    assert set(seen) == {"traced:LLM"}
+
+
+def test_error_after_first_token_is_an_event_the_client_raises(instrumented):
+    url, _ = instrumented
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    received = []
+    with pytest.raises(openai.APIError, match="internal error \\(request chatcmpl-"):
+        for chunk in client.chat.completions.create(model="qwen2-vl-tiny", messages=messages, max_tokens=200,
+                                                    temperature=0, stream=True):
+            received.append(chunk)
+    assert len(received) > 2  # the 200 and some tokens went out before the fault
+    # Before the first token, the same fault is a 500 with the OpenAI body, and the app keeps serving.
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model="qwen2-vl-tiny", max_tokens=5,
+                                       messages=[{"role": "user", "content": "x " * 120}])
+    ok = client.chat.completions.create(model="qwen2-vl-tiny", messages=messages, max_tokens=3)
+    assert ok.usage.completion_tokens == 3
 
 
 def test_llm_refuses_embeddings_that_are_not_refs(base_url):

@@ -124,3 +124,16 @@ def test_queue_bound_gives_overloaded(model, reference):
         assert (await task2).finish_reason == "length"
 
     asyncio.run(scenario())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_float32_matches_cpu_and_bfloat16_runs(checkpoint, reference, model):
+    ids = [5, 6, 7, 8]
+    cpu, _ = asyncio.run(_collect(_engine(model, reference), _seq(ids)))
+    cuda = Qwen2LM.from_pretrained(checkpoint, device="cuda", dtype=torch.float32)
+    ours, _ = asyncio.run(_collect(_engine(cuda, reference), _seq(ids)))
+    assert ours == cpu
+    bf16 = Qwen2LM.from_pretrained(checkpoint, device="cuda", dtype=torch.bfloat16)
+    tokens, finish = asyncio.run(_collect(_engine(bf16, reference), _seq(ids)))
+    assert len(tokens) >= 1 and finish in ("stop", "length")

@@ -1,4 +1,4 @@
-"""An encoder whose outputs record, on unpickling, which deployment deserialized them (test instrumentation)."""
+"""Test instruments: an encoder whose outputs record who deserializes them, and a decoder that fails on cue."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from encoders import Qwen2VLVisionEncoder
+from llm import Qwen2LM
 
 
 def _where() -> str:
@@ -50,3 +51,20 @@ class TracingEncoder:
 
 def deserializations(record_dir: str | Path) -> list[str]:
     return [line for f in sorted(Path(record_dir).glob("*.log")) for line in f.read_text().split()]
+
+
+class FaultyLM(Qwen2LM):
+    """Fails when decoding reaches cache position 40 (mid-stream), or on prefill of 100+ tokens (before any token)."""
+
+    fail_at, fail_prefill_from = 40, 100
+
+    @classmethod
+    def load(cls, model_dir, device="cpu", dtype=torch.float32) -> FaultyLM:
+        model = Qwen2LM.from_pretrained(model_dir, device=device, dtype=dtype)
+        model.__class__ = cls
+        return model
+
+    def forward(self, inputs_embeds, positions, cache, start):
+        if start == self.fail_at or (start == 0 and inputs_embeds.shape[0] >= self.fail_prefill_from):
+            raise RuntimeError("injected fault")
+        return super().forward(inputs_embeds, positions, cache, start)

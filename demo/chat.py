@@ -1,0 +1,38 @@
+"""Ask the running server about an image: python demo/chat.py demo/example.png "What is in the picture?"."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import mimetypes
+
+from openai import OpenAI
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("image", help="path to a PNG, JPEG, WEBP, GIF or BMP file")
+    parser.add_argument("question", nargs="?", default="What is in the picture?")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    mime = mimetypes.guess_type(args.image)[0] or "image/png"
+    with open(args.image, "rb") as f:
+        url = f"data:{mime};base64,{base64.b64encode(f.read()).decode()}"
+    client = OpenAI(base_url=args.base_url, api_key="unused")
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                               {"type": "text", "text": args.question}]}],
+        max_tokens=args.max_tokens, stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            print(chunk.choices[0].delta.content, end="", flush=True)
+        if chunk.usage:
+            print(f"\n[{chunk.usage.prompt_tokens} prompt + {chunk.usage.completion_tokens} completion tokens]")
+
+
+if __name__ == "__main__":
+    main()
