@@ -82,13 +82,17 @@ class Engine:
                 items = [await job.out.get()]
                 while not job.out.empty():
                     items.append(job.out.get_nowait())
-                chunk = TokenChunk()
+                chunk, error = TokenChunk(), None
                 for item in items:
                     if isinstance(item, BaseException):
-                        raise item
+                        error = item  # the worker stops at an error: nothing follows it
+                        break
                     chunk.token_ids.extend(item.token_ids)
                     chunk.finish_reason = item.finish_reason
-                yield chunk
+                if chunk.token_ids:  # tokens made before a fault still reach the client
+                    yield chunk
+                if error is not None:
+                    raise error
                 if chunk.finish_reason is not None:
                     return
         finally:

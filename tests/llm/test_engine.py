@@ -137,3 +137,29 @@ def test_cuda_float32_matches_cpu_and_bfloat16_runs(checkpoint, reference, model
     bf16 = Qwen2LM.from_pretrained(checkpoint, device="cuda", dtype=torch.bfloat16)
     tokens, finish = asyncio.run(_collect(_engine(bf16, reference), _seq(ids)))
     assert len(tokens) >= 1 and finish in ("stop", "length")
+
+
+def test_tokens_before_a_fault_are_delivered_then_the_error(model, reference):
+    engine = _engine(model, reference, max_model_len=4096)
+    real_forward = model.forward
+
+    def failing(inputs_embeds, positions, cache, start):
+        if start == 8:
+            raise RuntimeError("injected fault")
+        return real_forward(inputs_embeds, positions, cache, start)
+
+    async def scenario():
+        received = []
+        with pytest.raises(RuntimeError, match="injected fault"):
+            async for chunk in engine.generate(_seq([5, 6, 7], max_tokens=20)):
+                received += chunk.token_ids
+                await asyncio.sleep(0.3)  # a slow consumer: the rest and the error arrive together
+        return received
+
+    model.forward = failing
+    try:
+        received = asyncio.run(scenario())
+    finally:
+        del model.forward
+    assert len(received) == 6  # positions 3..7 decoded from 5 tokens, plus the first from prefill
+    assert engine.stats()["failed"] == 1
