@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import httpx
@@ -25,6 +26,10 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def ray_serve():
     port = _free_port()
+    # NOTE: Serve's proxy readiness checks (5 s / 10 s) kill the proxy on a loaded 2-core CI machine; the
+    # controller inherits these from the driver's environment at ray.init.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
