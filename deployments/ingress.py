@@ -100,7 +100,8 @@ class Ingress:
         prompt, images, grids, max_tokens = await asyncio.to_thread(self._prepare, req)
         # Fan out one encoder call per image; keep only ObjectRefs (the ingress never holds embeddings).
         refs = await asyncio.gather(*(self.encoder.encode.remote(image)._to_object_ref() for image in images))
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                  ignore_eos=req.ignore_eos)
         gen = self.llm.options(stream=True).generate.remote(
             GenerateRequest(request_id, prompt, grids, list(refs), sampling))
         events = self._events(gen, req.stop)

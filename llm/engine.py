@@ -126,7 +126,7 @@ class Engine:
 
     def _run(self, job: _Job) -> None:
         model, seq, params = self.model, job.seq, job.seq.sampling
-        stop_ids = self.eos_token_ids | params.stop_token_ids
+        stop_ids = params.stop_token_ids | (frozenset() if params.ignore_eos else self.eos_token_ids)
         embeds = model.embed(job.input_ids)  # (T, D)
         if seq.image_embeds:
             embeds = merge_image_embeds(embeds, job.input_ids == self.image_token_id, torch.cat(seq.image_embeds))

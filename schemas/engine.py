@@ -15,6 +15,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 1, self.max_tokens

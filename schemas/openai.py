@@ -65,8 +65,10 @@ class ChatCompletionRequest(_Tolerant):
     stop: list[str] = Field(default_factory=list, description="Up to max_stop strings; a string means one.")
     n: int = Field(1, ge=1)
     logprobs: bool | None = None
-    # Extension, as in vLLM: return the prompt and completion token ids (for parity checks and debugging).
+    # Extensions, as in vLLM: return the prompt and completion token ids (for parity checks and debugging);
+    # keep generating past EOS (benchmarks that need exact output lengths).
     return_token_ids: bool = False
+    ignore_eos: bool = False
 
     @field_validator("stop", mode="before")
     @classmethod

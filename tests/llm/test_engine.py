@@ -163,3 +163,13 @@ def test_tokens_before_a_fault_are_delivered_then_the_error(model, reference):
         del model.forward
     assert len(received) == 6  # positions 3..7 decoded from 5 tokens, plus the first from prefill
     assert engine.stats()["failed"] == 1
+
+
+def test_ignore_eos_runs_to_max_tokens(model, reference):
+    greedy, _ = asyncio.run(_collect(_engine(model, reference), _seq([5, 6, 7], max_tokens=8)))
+    eos_engine = _engine(model, reference)
+    eos_engine.eos_token_ids = frozenset({greedy[1]})  # pretend the second token is EOS
+    ids, finish = asyncio.run(_collect(eos_engine, _seq([5, 6, 7], max_tokens=8)))
+    assert ids == greedy[:2] and finish == "stop"
+    ids, finish = asyncio.run(_collect(eos_engine, _seq([5, 6, 7], max_tokens=8, ignore_eos=True)))
+    assert ids == greedy and finish == "length"
