@@ -13,7 +13,7 @@ from ray import serve
 from transformers import AutoConfig, GenerationConfig
 
 from deployments.http import root_cause
-from llm import Engine, Qwen2LM, SequenceInput
+from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, num_kv_blocks
 from schemas import AppArgs, GenerateRequest, InvalidRequest, TokenChunk, resolve_device, resolve_dtype
 from schemas import resolve_max_model_len
 
@@ -35,17 +35,26 @@ class LLM:
         device = resolve_device(self.args.device, torch.cuda.is_available())
         dtype = getattr(torch, resolve_dtype(self.args.dtype, device))
         config = AutoConfig.from_pretrained(self.args.model)
+        llm_args = self.args.llm
+        if device == "cpu" and llm_args.cpu_threads is not None:
+            torch.set_num_threads(llm_args.cpu_threads)
         model = (model_factory or Qwen2LM.from_pretrained)(self.args.model, device=device, dtype=dtype)
-        max_model_len = resolve_max_model_len(self.args.llm.max_model_len, model.config.max_position_embeddings)
-        self.engine = Engine(
-            model,
-            image_token_id=config.image_token_id,
-            merge_size=config.vision_config.spatial_merge_size,
-            eos_token_ids=eos_token_ids(self.args.model, config),
-            max_model_len=max_model_len,
-            max_queued=self.args.llm.max_queued_requests,
-        )
-        logger.info("llm ready: %s on %s (%s), context %d", self.args.model, device, dtype, max_model_len)
+        max_model_len = resolve_max_model_len(llm_args.max_model_len, model.config.max_position_embeddings)
+        num_blocks = num_kv_blocks(
+            model.kv_bytes_per_token(), block_size=llm_args.block_size, max_model_len=max_model_len,
+            device=torch.device(device), kv_cache_tokens=llm_args.kv_cache_tokens,
+            gpu_memory_utilization=llm_args.gpu_memory_utilization, cpu_kv_cache_gib=llm_args.cpu_kv_cache_gib)
+        engine_config = EngineConfig(
+            max_model_len=max_model_len, num_blocks=num_blocks, block_size=llm_args.block_size,
+            max_num_seqs=llm_args.max_num_seqs, max_num_batched_tokens=llm_args.max_num_batched_tokens,
+            max_queued=llm_args.max_queued_requests, enable_prefix_caching=llm_args.enable_prefix_caching,
+            stream_interval_s=llm_args.stream_interval_ms / 1000)
+        self.engine = Engine(model, engine_config, image_token_id=config.image_token_id,
+                             merge_size=config.vision_config.spatial_merge_size,
+                             eos_token_ids=eos_token_ids(self.args.model, config))
+        logger.info("llm ready: %s on %s (%s, %d threads), context %d, KV cache %d tokens (%.2f GiB)",
+                    self.args.model, device, dtype, torch.get_num_threads(), max_model_len,
+                    num_blocks * llm_args.block_size, self.engine.cache.nbytes / (1 << 30))
 
     async def _fetch_embeds(self, refs: list[Any]) -> list[torch.Tensor]:
         for ref in refs:  # invariant: the ingress passes references, never embeddings
@@ -60,12 +69,12 @@ class LLM:
                 raise r
         return list(results)
 
-    async def stats(self) -> dict[str, int]:
+    async def stats(self) -> dict[str, float]:
         return self.engine.stats()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         embeds = await self._fetch_embeds(request.image_embed_refs)
         seq = SequenceInput(request.request_id, request.prompt_token_ids, request.image_grid_thw, embeds,
-                            request.sampling)
+                            request.sampling, request.image_keys or None)
         async for chunk in self.engine.generate(seq):
             yield chunk

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from transformers import PreTrainedTokenizerBase
+
+from schemas import FinishReason, TokenChunk, TokenLogprob
 
 
 class IncrementalDetokenizer:
@@ -63,4 +67,27 @@ class StopMatcher:
         return out
 
 
-__all__ = ["IncrementalDetokenizer", "StopMatcher"]
+@dataclass(slots=True)
+class TextDelta:
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprob] | None
+
+
+class OutputProcessor:
+    """One choice's token chunks -> text deltas: incremental text, stop strings, the finish reason."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str]):
+        self.detok, self.stop = IncrementalDetokenizer(tokenizer), StopMatcher(stops)
+
+    def feed(self, chunk: TokenChunk) -> TextDelta:
+        text = self.stop.feed(self.detok.add(chunk.token_ids))
+        if chunk.finish_reason is not None and not self.stop.stopped:
+            text += self.stop.feed(self.detok.flush())
+            text += self.stop.flush()
+        finish = "stop" if self.stop.stopped else chunk.finish_reason
+        return TextDelta(text, chunk.token_ids, finish, chunk.logprobs)
+
+
+__all__ = ["IncrementalDetokenizer", "OutputProcessor", "StopMatcher", "TextDelta"]

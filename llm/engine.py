@@ -1,25 +1,33 @@
-"""A simple generation engine: one sequence at a time on a worker thread, a bounded queue in front of it.
+"""The generation engine: continuous batching over a paged KV cache, on one worker thread.
 
-The async side (`generate`) validates, enqueues, and streams `TokenChunk`s, coalescing whatever tokens are
-ready so that a slow consumer gets fewer, larger chunks. Closing the stream cancels the sequence within one
-decode step, and its cache goes with it. (Continuous batching replaces the worker loop; the API stays.)
+The async side (`generate`) validates a request, queues it (bounded), and streams `TokenChunk`s back,
+coalescing tokens that arrive within `stream_interval_s` so a busy replica sends fewer, larger messages.
+The worker loops: schedule a step (decodes + prefill chunks + admissions), run one forward pass over all of
+it, sample every sequence that completed its tokens, and hand each its new token. Closing a stream cancels the
+sequence; its blocks are free at the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from llm.attention import BatchMeta, ChunkSpec
+from llm.block_pool import BlockPool
 from llm.merge import merge_image_embeds
 from llm.model import Qwen2LM
 from llm.positions import mrope_positions
 from llm.sampling import make_generator, sample
+from llm.scheduler import Chunk, Scheduler
+from llm.sequence import Sequence
 from schemas import InvalidRequest, Overloaded, SamplingParams, TokenChunk
 
 logger = logging.getLogger(__name__)
@@ -32,120 +40,177 @@ class SequenceInput:
     image_grid_thw: list[tuple[int, int, int]]
     image_embeds: list[torch.Tensor]  # one (num_image_tokens, D) per image
     sampling: SamplingParams
+    image_keys: list[str] | None = None  # content keys for prefix reuse; None: the prompt is not shared
 
 
 @dataclass(slots=True)
-class _Job:
-    seq: SequenceInput
-    input_ids: torch.Tensor  # (T,) CPU
-    positions: torch.Tensor  # (3, T) CPU
-    rope_delta: int
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
-    cancelled: threading.Event = field(default_factory=threading.Event)
+class EngineConfig:
+    max_model_len: int
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_queued: int = 64
+    enable_prefix_caching: bool = True
+    stream_interval_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        assert self.num_blocks * self.block_size >= self.max_model_len, "the cache must hold one full sequence"
 
 
 class Engine:
-    def __init__(self, model: Qwen2LM, *, image_token_id: int, merge_size: int, eos_token_ids: set[int],
-                 max_model_len: int, max_queued: int):
-        self.model, self.image_token_id, self.merge_size = model, image_token_id, merge_size
-        self.eos_token_ids, self.max_model_len = frozenset(eos_token_ids), max_model_len
-        self._jobs: queue.Queue[_Job] = queue.Queue(maxsize=max_queued)
-        self.counts = {"running": 0, "finished": 0, "cancelled": 0, "failed": 0}  # written by the worker only
+    def __init__(self, model: Qwen2LM, config: EngineConfig, *, image_token_id: int, merge_size: int,
+                 eos_token_ids: set[int]):
+        self.model, self.config = model, config
+        self.image_token_id, self.merge_size, self.eos_token_ids = image_token_id, merge_size, frozenset(eos_token_ids)
+        self.device = model.lm_head.weight.device
+        self.cache = model.new_cache(config.num_blocks, config.block_size)
+        self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.counts = {"finished": 0, "failed": 0, "steps": 0}  # written by the worker only
+        self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
+        self._queued = 0  # in the inbox or waiting; read on the event loop, approximate is fine
+        self._ids = itertools.count()
         threading.Thread(target=self._loop, name="llm-engine", daemon=True).start()
 
-    def _prepare(self, seq: SequenceInput) -> tuple[torch.Tensor, torch.Tensor, int]:
-        n_prompt, n_max = len(seq.prompt_token_ids), seq.sampling.max_tokens
+    def stats(self) -> dict[str, float]:
+        s = self.scheduler
+        return {"waiting": s.num_waiting + self._inbox.qsize(), "running": len(s.running),
+                "kv_usage": self.pool.usage, "prefix_hits": self.pool.hits, "prefix_queries": self.pool.queries,
+                "preemptions": s.num_preemptions, "cancelled": s.num_cancelled, **self.counts}
+
+    def _sequence(self, inp: SequenceInput, emit) -> Sequence:
+        n_prompt, n_max, limit = len(inp.prompt_token_ids), inp.sampling.max_tokens, self.config.max_model_len
         if n_prompt == 0:
             raise InvalidRequest("the prompt is empty")
-        if n_prompt + n_max > self.max_model_len:
-            raise InvalidRequest(
-                f"{n_prompt} prompt tokens + max_tokens {n_max} exceed the context length of {self.max_model_len}",
-                param="max_tokens", code="context_length_exceeded")
-        input_ids = torch.tensor(seq.prompt_token_ids, dtype=torch.long)  # (T,)
-        positions, rope_delta = mrope_positions(input_ids, self.image_token_id, seq.image_grid_thw, self.merge_size)
-        for i, (grid, embeds) in enumerate(zip(seq.image_grid_thw, seq.image_embeds, strict=True)):
+        if n_prompt + n_max > limit:
+            raise InvalidRequest(f"{n_prompt} prompt tokens + max_tokens {n_max} exceed the context length of {limit}",
+                                 param="max_tokens", code="context_length_exceeded")
+        ids = torch.tensor(inp.prompt_token_ids, dtype=torch.long)  # (P,)
+        positions, rope_delta = mrope_positions(ids, self.image_token_id, inp.image_grid_thw, self.merge_size)
+        is_mm = ids == self.image_token_id
+        for i, (grid, embeds) in enumerate(zip(inp.image_grid_thw, inp.image_embeds, strict=True)):
             expected = grid[0] * grid[1] * grid[2] // self.merge_size**2
             if embeds.shape[0] != expected:
                 raise ValueError(f"image {i}: {embeds.shape[0]} embedding rows for a grid of {expected} tokens")
-        return input_ids, positions, rope_delta
+        image_embeds = torch.cat(inp.image_embeds) if inp.image_embeds else None
+        n_mm = int(is_mm.sum())
+        if (image_embeds.shape[0] if image_embeds is not None else 0) != n_mm:  # counted on the CPU ids
+            raise ValueError(f"{0 if image_embeds is None else image_embeds.shape[0]} image embeddings for "
+                             f"{n_mm} placeholder tokens")
+        starts = is_mm.nonzero().flatten().tolist()
+        spans, k = [], 0
+        for i, (t, h, w) in enumerate(inp.image_grid_thw):
+            n = t * h * w // self.merge_size**2
+            # No key: a unique one, so that this prompt's image blocks never match another's.
+            key = inp.image_keys[i] if inp.image_keys else f"unshared-{inp.request_id}-{i}"
+            spans.append((starts[k], starts[k] + n, key))
+            k += n
+        return Sequence(next(self._ids), inp.request_id, list(inp.prompt_token_ids), n_prompt, positions, rope_delta,
+                        is_mm, image_embeds, spans, inp.sampling, emit, make_generator(inp.sampling, self.device))
 
-    async def generate(self, seq: SequenceInput) -> AsyncIterator[TokenChunk]:
-        input_ids, positions, rope_delta = self._prepare(seq)
-        job = _Job(seq, input_ids, positions, rope_delta, asyncio.get_running_loop(), asyncio.Queue())
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            raise Overloaded(f"the engine queue is full ({self._jobs.maxsize} requests waiting)") from None
+    async def generate(self, inp: SequenceInput) -> AsyncIterator[TokenChunk]:
+        loop, out = asyncio.get_running_loop(), asyncio.Queue()
+
+        def emit(item: TokenChunk | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(out.put_nowait, item)
+            except RuntimeError:  # the event loop is gone: nobody is listening
+                seq.cancelled.set()
+
+        seq = self._sequence(inp, emit)
+        if self._queued >= self.config.max_queued:
+            raise Overloaded(f"the engine queue is full ({self._queued} requests waiting)")
+        self._queued += 1
+        self._inbox.put(seq)
+        last_yield = 0.0
         try:
             while True:
-                items = [await job.out.get()]
-                while not job.out.empty():
-                    items.append(job.out.get_nowait())
+                items = [await out.get()]
+                wait = last_yield + self.config.stream_interval_s - time.monotonic()
+                if wait > 0 and not isinstance(items[0], BaseException) and items[0].finish_reason is None:
+                    await asyncio.sleep(wait)  # coalesce: at most one message per interval per stream
+                while not out.empty():
+                    items.append(out.get_nowait())
                 chunk, error = TokenChunk(), None
                 for item in items:
                     if isinstance(item, BaseException):
-                        error = item  # the worker stops at an error: nothing follows it
+                        error = item  # the worker sends nothing after an error
                         break
-                    chunk.token_ids.extend(item.token_ids)
+                    chunk.token_ids += item.token_ids
                     chunk.finish_reason = item.finish_reason
+                    if item.logprobs is not None:
+                        chunk.logprobs = (chunk.logprobs or []) + item.logprobs
                 if chunk.token_ids:  # tokens made before a fault still reach the client
+                    last_yield = time.monotonic()
                     yield chunk
                 if error is not None:
                     raise error
                 if chunk.finish_reason is not None:
                     return
         finally:
-            job.cancelled.set()  # a consumer that went away frees the sequence at the next step
-
-    def stats(self) -> dict[str, int]:
-        return {"waiting": self._jobs.qsize(), **self.counts}
+            seq.cancelled.set()  # a consumer that went away frees the sequence at the next step
+            self._inbox.put(None)  # wake the worker if it sleeps
 
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get()
-            outcome = "cancelled"
-            if not job.cancelled.is_set():
-                self.counts["running"] += 1
-                try:
-                    with torch.inference_mode():
-                        self._run(job)
-                    outcome = "cancelled" if job.cancelled.is_set() else "finished"
-                except Exception as e:  # reported to that request alone; the engine keeps serving
-                    logger.exception("request %s failed in the engine", job.seq.request_id)
-                    self._emit(job, e)
-                    outcome = "failed"
-                self.counts["running"] -= 1
-            self.counts[outcome] += 1
+            self._take_inbox(block=not self.scheduler.running and not self.scheduler.waiting)
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                continue
+            try:
+                with torch.inference_mode():
+                    self._step(chunks)
+            except Exception as e:  # a fault in a step fails the sequences in it; the engine keeps serving
+                logger.exception("engine step failed for %d sequences", len(chunks))
+                for c in chunks:
+                    c.seq.emit(e)
+                    self.scheduler.finish(c.seq)
+                    self.counts["failed"] += 1
 
-    def _emit(self, job: _Job, item: TokenChunk | BaseException) -> None:
+    def _take_inbox(self, block: bool) -> None:
         try:
-            job.loop.call_soon_threadsafe(job.out.put_nowait, item)
-        except RuntimeError:  # the event loop is gone: nobody is listening
-            job.cancelled.set()
+            item = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self.scheduler.waiting.append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        self._queued = self.scheduler.num_waiting
 
-    def _run(self, job: _Job) -> None:
-        model, seq, params = self.model, job.seq, job.seq.sampling
-        stop_ids = params.stop_token_ids | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        embeds = model.embed(job.input_ids)  # (T, D)
-        if seq.image_embeds:
-            embeds = merge_image_embeds(embeds, job.input_ids == self.image_token_id, torch.cat(seq.image_embeds))
-        n = job.input_ids.shape[0]
-        cache = model.new_cache(n + params.max_tokens)
-        logits = model.logits(model(embeds, job.positions, cache, start=0)[-1])  # (V,)
-        generator = make_generator(params, logits.device)
-        for step in range(params.max_tokens):
-            if job.cancelled.is_set():
-                return
-            token = int(sample(logits, params, generator))
-            finish = "stop" if token in stop_ids else "length" if step + 1 == params.max_tokens else None
-            self._emit(job, TokenChunk([token], finish))
+    def _step(self, chunks: list[Chunk]) -> None:
+        model, bs = self.model, self.config.block_size
+        embeds = torch.cat([c.seq.embed_chunk(model.embed, c.start, c.start + c.n, merge_image_embeds)
+                            for c in chunks])  # (T, D)
+        positions = torch.cat([c.seq.positions(c.start, c.start + c.n) for c in chunks], dim=1)  # (3, T)
+        meta = BatchMeta.build([ChunkSpec(c.seq.block_ids, c.start, c.n) for c in chunks], bs, self.device)
+        hidden = model(embeds, positions, self.cache, meta)  # (T, D)
+        ends = list(itertools.accumulate(c.n for c in chunks))
+        sampling = [(c, end - 1) for c, end in zip(chunks, ends, strict=True) if c.completes]
+        self.counts["steps"] += 1
+        for c in chunks:
+            self.scheduler.advance(c)
+        if not sampling:
+            return
+        logits = model.logits(hidden[[row for _, row in sampling]])  # (B, V)
+        seqs = [c.seq for c, _ in sampling]
+        for s in seqs:
+            if s.params.has_penalties and s.output_counts is None:
+                s.output_counts = torch.zeros(logits.shape[-1], device=logits.device)
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                  [s.output_counts for s in seqs])
+        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+            seq.token_ids.append(token)
+            if seq.output_counts is not None:
+                seq.output_counts[token] += 1
+            p = seq.params
+            stop_ids = p.stop_token_ids if p.ignore_eos else p.stop_token_ids | self.eos_token_ids
+            finish = "stop" if token in stop_ids else "length" if seq.num_generated >= p.max_tokens else None
+            seq.emit(TokenChunk([token], finish, [lp] if lp is not None else None))
             if finish is not None:
-                return
-            position = torch.full((3, 1), n + job.rope_delta, dtype=torch.long)  # decode: cache length + delta
-            hidden = model(model.embed(torch.tensor([token])), position, cache, start=n)  # (1, D)
-            logits = model.logits(hidden[-1])
-            n += 1
+                self.scheduler.finish(seq)
+                self.counts["finished"] += 1
 
 
-__all__ = ["Engine", "SequenceInput"]
+__all__ = ["Engine", "EngineConfig", "SequenceInput"]

@@ -1,4 +1,4 @@
-"""Per-sequence key/value cache, allocated once at its final size so memory is known before a sequence starts."""
+"""The paged KV cache tensors: one pool of fixed-size blocks per layer, allocated once at start-up."""
 
 from __future__ import annotations
 
@@ -9,22 +9,48 @@ import torch
 
 @dataclass(slots=True)
 class KVCache:
-    k: torch.Tensor  # (L, S_max, nkv, hd)
-    v: torch.Tensor  # (L, S_max, nkv, hd)
+    k: torch.Tensor  # (L, num_blocks, block_size, nkv, hd)
+    v: torch.Tensor  # (L, num_blocks, block_size, nkv, hd)
 
     @classmethod
-    def allocate(cls, num_layers: int, max_tokens: int, num_kv_heads: int, head_dim: int,
+    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype) -> KVCache:
-        shape = (num_layers, max_tokens, num_kv_heads, head_dim)
-        return cls(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     @property
-    def capacity(self) -> int:
+    def num_blocks(self) -> int:
         return self.k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
 
-__all__ = ["KVCache"]
+
+def num_kv_blocks(bytes_per_token: int, *, block_size: int, max_model_len: int, device: torch.device,
+                  kv_cache_tokens: int | None, gpu_memory_utilization: float, cpu_kv_cache_gib: float) -> int:
+    """Blocks for the configured budget; it must hold at least one sequence of max_model_len."""
+    if kv_cache_tokens is not None:
+        tokens = kv_cache_tokens
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * gpu_memory_utilization - (total - free)  # what this process and others already hold
+        tokens = int(budget // bytes_per_token)
+    else:
+        tokens = int(cpu_kv_cache_gib * (1 << 30) // bytes_per_token)
+    if tokens < max_model_len:
+        raise ValueError(f"the KV cache holds {tokens} tokens, fewer than max_model_len={max_model_len}: "
+                         "raise the cache budget or lower max_model_len")
+    return tokens // block_size
+
+
+__all__ = ["KVCache", "num_kv_blocks"]

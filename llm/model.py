@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 
+from llm.attention import BatchMeta, paged_attention
 from llm.kv_cache import KVCache
 from schemas import load_components
 
@@ -99,23 +100,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=True)
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.nh, self.hd)  # (T, nh, hd)
         k = self.k_proj(x).view(T, self.nkv, self.hd)  # (T, nkv, hd)
         v = self.v_proj(x).view(T, self.nkv, self.hd)  # (T, nkv, hd)
         cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)  # (T, 1, hd)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        end = start + T
-        k_cache[start:end], v_cache[start:end] = k, v
-        qh = q.transpose(0, 1).unsqueeze(0)  # (1, nh, T, hd)
-        kh = k_cache[:end].transpose(0, 1).unsqueeze(0)  # (1, nkv, S, hd)
-        vh = v_cache[:end].transpose(0, 1).unsqueeze(0)  # (1, nkv, S, hd)
-        mask = None
-        if T > 1 and start > 0:  # a chunk after cached tokens: query i sees keys up to start + i
-            mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=T > 1 and start == 0, enable_gqa=True)
-        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(T, self.nh * self.hd))  # (T, D)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta)  # (T, nh, hd)
+        return self.o_proj(out.reshape(T, self.nh * self.hd))  # (T, D)
 
 
 class MLP(nn.Module):
@@ -137,8 +130,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start)
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: BatchMeta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -169,24 +162,27 @@ class Qwen2LM(nn.Module):
         model.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim))
         return model.to(device=device, dtype=dtype).eval()
 
-    def new_cache(self, max_tokens: int) -> KVCache:
-        p = self.lm_head.weight
-        return KVCache.allocate(self.config.num_layers, max_tokens, self.config.num_kv_heads, self.config.head_dim,
-                                device=p.device, dtype=p.dtype)
+    def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        c, p = self.config, self.lm_head.weight
+        return KVCache.allocate(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, p.device, p.dtype)
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.lm_head.weight.dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids.to(self.embed_tokens.weight.device))  # (T, D)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        """inputs_embeds (T, D) at cache rows [start, start+T), positions (3, T) -> final hidden states (T, D)."""
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: BatchMeta) -> torch.Tensor:
+        """A flat batch of chunks: inputs_embeds (T, D), positions (3, T) -> final hidden states (T, D)."""
         cos, sin = rope_cos_sin(positions.to(self.inv_freq.device), self.inv_freq, self.config.mrope_section)
         x = inputs_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], start)
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], meta)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (T, V)
+        return self.lm_head(hidden).float()  # (B, V)
 
 
 __all__ = ["Qwen2LM", "RMSNorm", "TextConfig", "rope_cos_sin"]

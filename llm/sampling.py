@@ -1,14 +1,15 @@
-"""Next-token choice per request: greedy at temperature 0, otherwise temperature + top-p with a per-request seed."""
+"""Next tokens for a whole batch, each row with its own settings: greedy, temperature, top-k, top-p, penalties,
+a per-request seed (the same tokens whatever the batch neighbours), and logprobs of the raw distribution."""
 
 from __future__ import annotations
 
 import torch
 
-from schemas import SamplingParams
+from schemas import SamplingParams, TokenLogprob
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """A seeded generator makes a request reproducible whatever else the replica is doing."""
+    """A seeded generator per request makes it reproducible whatever else the replica is doing."""
     if params.temperature == 0.0:
         return None
     gen = torch.Generator(device=device)
@@ -19,20 +20,53 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return gen
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """logits (V,) float32 -> token id, a 0-d tensor still on the logits' device."""
-    if params.temperature == 0.0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits / params.temperature, dim=-1)  # (V,)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    # Gumbel-max in its exponential form: argmax(p / E), E ~ Exp(1), samples from p without a host sync
-    # (the trick nano-vllm uses).
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / noise).argmax(-1)
+def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """x (B, V) scaled logits -> probabilities with everything outside each row's top-k and top-p zeroed."""
+    sorted_x, order = x.sort(dim=-1, descending=True)  # (B, V)
+    ranks = torch.arange(x.shape[-1], device=x.device)
+    sorted_x = sorted_x.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    sorted_p = torch.softmax(sorted_x, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the best token always stays).
+    sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= top_p[:, None], 0.0)
+    return torch.zeros_like(sorted_p).scatter_(-1, order, sorted_p)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           output_counts: list[torch.Tensor | None]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits (B, V) float32 -> one token id per row (one host sync for the batch), and logprobs where asked."""
+    B, V = logits.shape
+    device = logits.device
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs for p in params) else None
+    for i, (p, counts) in enumerate(zip(params, output_counts, strict=True)):
+        if p.has_penalties and counts is not None:  # OpenAI's: over the tokens generated so far
+            logits[i] -= p.presence_penalty * (counts > 0) + p.frequency_penalty * counts
+    tokens = torch.empty(B, dtype=torch.long, device=device)
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    if greedy:
+        tokens[greedy] = logits[greedy].argmax(-1)
+    rand = [i for i, p in enumerate(params) if p.temperature > 0.0]
+    if rand:
+        temps = torch.tensor([params[i].temperature for i in rand], device=device)
+        x = logits[rand] / temps[:, None]  # (R, V)
+        if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rand):
+            top_k = torch.tensor([params[i].top_k or V for i in rand], device=device)
+            top_p = torch.tensor([params[i].top_p for i in rand], device=device)
+            probs = _filter_top_k_top_p(x, top_k, top_p)
+        else:
+            probs = torch.softmax(x, dim=-1)
+        # Gumbel-max in its exponential form, argmax(p / E) with E ~ Exp(1), as nano-vllm samples; each row
+        # draws from its own generator so a request's tokens do not depend on its neighbours.
+        noise = torch.stack([torch.empty(V, device=device).exponential_(1.0, generator=generators[i]) for i in rand])
+        tokens[rand] = (probs / noise).argmax(-1)
+    token_ids = tokens.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * B
+    if raw_logprobs is not None:
+        for i, p in enumerate(params):
+            if p.logprobs:
+                top = raw_logprobs[i].topk(p.top_logprobs) if p.top_logprobs else None
+                pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else []
+                logprobs[i] = TokenLogprob(float(raw_logprobs[i, token_ids[i]]), pairs)
+    return token_ids, logprobs
 
 
 __all__ = ["make_generator", "sample"]

@@ -2,7 +2,7 @@
 
 from schemas.checkpoint import Component, load_components, split_key
 from schemas.config import AppArgs, LLMArgs, Limits, resolve_device, resolve_dtype, resolve_max_model_len
-from schemas.engine import FinishReason, GenerateRequest, SamplingParams, TokenChunk
+from schemas.engine import FinishReason, GenerateRequest, SamplingParams, TokenChunk, TokenLogprob
 from schemas.errors import InvalidRequest, Overloaded
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "Overloaded",
     "SamplingParams",
     "TokenChunk",
+    "TokenLogprob",
     "load_components",
     "resolve_device",
     "resolve_dtype",

@@ -28,6 +28,7 @@ class Limits(_Strict):
     default_max_tokens: int = Field(
         512, ge=1, description="Completion length when the request sets none (capped by the context left)."
     )
+    max_n: int = Field(8, ge=1, description="Most choices (n) in one request.")
     max_stop: int = Field(4, ge=0, description="Most stop strings in one request.")
     max_stop_chars: int = Field(64, ge=1, description="Longest stop string, in characters.")
 
@@ -39,6 +40,25 @@ class LLMArgs(_Strict):
     max_queued_requests: int = Field(
         64, ge=1, description="Requests waiting for the engine; past this a request gets 503 + Retry-After."
     )
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences in the running batch.")
+    max_num_batched_tokens: int = Field(
+        1024, ge=16, description="Tokens per engine step (decodes + prefill chunks); long prompts go in chunks."
+    )
+    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV-cache block (the unit of prefix reuse).")
+    kv_cache_tokens: int | None = Field(
+        None, ge=16, description="KV-cache size in tokens; default: from gpu_memory_utilization or cpu_kv_cache_gib."
+    )
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0.0, le=0.98, description="On cuda: the share of GPU memory that weights + KV cache may use."
+    )
+    cpu_kv_cache_gib: float = Field(1.0, gt=0.0, description="On cpu: KV-cache size in GiB.")
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV of a repeated prefix (same tokens, same images) across requests."
+    )
+    stream_interval_ms: float = Field(
+        20.0, ge=0.0, description="Tokens of a stream arriving within this interval go out as one message."
+    )
+    cpu_threads: int | None = Field(None, ge=1, description="torch threads on cpu; default: Ray's num_cpus.")
 
 
 class AppArgs(_Strict):

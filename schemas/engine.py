@@ -13,13 +13,23 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 1, self.max_tokens
         assert 0.0 <= self.temperature and 0.0 < self.top_p <= 1.0, (self.temperature, self.top_p)
+        assert self.top_k >= 0 and 0 <= self.top_logprobs <= 20, (self.top_k, self.top_logprobs)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(slots=True)
@@ -31,9 +41,18 @@ class GenerateRequest:
     # One ObjectRef per image (never the tensors themselves: the ingress must not hold embeddings).
     image_embed_refs: list[Any]
     sampling: SamplingParams
+    # One content key per image (hash of its bytes and size): prefix-cache keys for its placeholder tokens.
+    image_keys: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         assert len(self.image_grid_thw) == len(self.image_embed_refs), "one grid per image"
+        assert not self.image_keys or len(self.image_keys) == len(self.image_grid_thw), "one key per image"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    logprob: float  # of the chosen token, from the model's raw distribution
+    top: list[tuple[int, float]]  # the most likely (token id, logprob) pairs, best first
 
 
 @dataclass(slots=True)
@@ -42,6 +61,7 @@ class TokenChunk:
 
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
-__all__ = ["FinishReason", "GenerateRequest", "SamplingParams", "TokenChunk"]
+__all__ = ["FinishReason", "GenerateRequest", "SamplingParams", "TokenChunk", "TokenLogprob"]

@@ -63,10 +63,15 @@ class ChatCompletionRequest(_Tolerant):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: list[str] = Field(default_factory=list, description="Up to max_stop strings; a string means one.")
-    n: int = Field(1, ge=1)
-    logprobs: bool | None = None
-    # Extensions, as in vLLM: return the prompt and completion token ids (for parity checks and debugging);
-    # keep generating past EOS (benchmarks that need exact output lengths).
+    n: int = Field(1, ge=1, description="Choices to generate; at most the server's max_n.")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # Extensions, as in vLLM: top_k (0 or -1: off); stop_token_ids; return the prompt and completion token ids
+    # (for parity checks and debugging); keep generating past EOS (benchmarks that need exact output lengths).
+    top_k: int = Field(0, ge=-1)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     return_token_ids: bool = False
     ignore_eos: bool = False
 
@@ -82,19 +87,11 @@ class ChatCompletionRequest(_Tolerant):
             raise ValueError("stop strings must not be empty")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _n_one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"n={v} is not supported yet; only n=1")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported yet")
-        return v
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -111,6 +108,20 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobOut]
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -120,6 +131,7 @@ class Choice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: Literal["stop", "length"]
+    logprobs: ChoiceLogprobs | None = None
     token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
 
 
@@ -142,6 +154,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: Literal["stop", "length"] | None = None
+    logprobs: ChoiceLogprobs | None = Field(None, exclude_if=lambda v: v is None)
     token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
 
 
@@ -184,6 +197,7 @@ __all__ = [
     "ChatCompletionChunk",
     "ChatCompletionRequest",
     "Choice",
+    "ChoiceLogprobs",
     "ChunkChoice",
     "Delta",
     "ErrorBody",
@@ -194,5 +208,7 @@ __all__ = [
     "ModelList",
     "ResponseMessage",
     "TextPart",
+    "TokenLogprobOut",
+    "TopLogprob",
     "Usage",
 ]

@@ -64,7 +64,8 @@ class FaultyLM(Qwen2LM):
         model.__class__ = cls
         return model
 
-    def forward(self, inputs_embeds, positions, cache, start):
-        if start == self.fail_at or (start == 0 and inputs_embeds.shape[0] >= self.fail_prefill_from):
+    def forward(self, inputs_embeds, positions, cache, meta):
+        decode_at = positions.shape[1] == 1 and int(positions[0, 0]) == self.fail_at
+        if decode_at or positions.shape[1] >= self.fail_prefill_from:
             raise RuntimeError("injected fault")
-        return super().forward(inputs_embeds, positions, cache, start)
+        return super().forward(inputs_embeds, positions, cache, meta)

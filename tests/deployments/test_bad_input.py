@@ -42,6 +42,7 @@ BAD = {
     "context_too_long": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, 400, "messages",
                          "context length of 1024"),
     "unknown_model": ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model", "not served"),
+    "n_over_limit": ({"messages": [{"role": "user", "content": "hi"}], "n": 9}, 400, "n", "over the limit of 8"),
     "too_many_stops": ({"messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")}, 400, "stop", ""),
 }
 

@@ -116,3 +116,25 @@ def test_seeded_sampling_is_reproducible(client):
     other = client.post("/v1/chat/completions", json={**body, "seed": 99}).json()
     greedy = client.post("/v1/chat/completions", json={**body, "temperature": 0}).json()
     assert len({tuple(x["choices"][0]["token_ids"]) for x in (first, other, greedy)}) > 1
+
+
+def test_second_turn_reuses_the_cached_prefix(client):
+    llm = serve.get_deployment_handle("LLM", app_name="vlm")
+    image = {"type": "image_url", "image_url": {"url": data_url(make_image(120, 90, seed=42))}}
+    turn1 = [{"role": "user", "content": [image, {"type": "text", "text": "Describe the picture in detail."}]}]
+    first = client.post("/v1/chat/completions", json={"messages": turn1, "max_tokens": 8, "temperature": 0}).json()
+    turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "And the colours?"}]
+    before = llm.stats.remote().result()["prefix_hits"]
+    second = client.post("/v1/chat/completions", json={"messages": turn2, "max_tokens": 8, "temperature": 0,
+                                                       "return_token_ids": True}).json()
+    hits = llm.stats.remote().result()["prefix_hits"] - before
+    assert hits >= first["usage"]["prompt_tokens"] // 16  # at least the whole first prompt, image included
+    # A different image in the same place: only the text blocks before it match (exactness of reused blocks is
+    # checked against transformers in tests/llm/test_prefix_cache.py).
+    other = {"type": "image_url", "image_url": {"url": data_url(make_image(120, 90, seed=43))}}
+    swapped = [{**turn2[0], "content": [other, turn2[0]["content"][1]]}, *turn2[1:]]
+    before = llm.stats.remote().result()["prefix_hits"]
+    client.post("/v1/chat/completions", json={"messages": swapped, "max_tokens": 2, "temperature": 0})
+    assert llm.stats.remote().result()["prefix_hits"] - before <= first["usage"]["prompt_tokens"] // 16 // 2
+    assert second["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"]

@@ -54,3 +54,28 @@ def test_errors_are_raised_by_the_client(oai):
     with pytest.raises(openai.BadRequestError):
         list(oai.chat.completions.create(model="qwen2-vl-tiny", stream=True, max_tokens=5000,
                                          messages=[{"role": "user", "content": "hi"}]))
+
+
+def test_n_choices_and_logprobs(oai):
+    out = oai.chat.completions.create(model="qwen2-vl-tiny", messages=_image_message(), max_tokens=6, n=3,
+                                      temperature=1.0, seed=11, logprobs=True, top_logprobs=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.message.content for c in out.choices}) > 1  # seeds differ per choice
+    assert out.usage.completion_tokens == sum(len(c.logprobs.content) for c in out.choices)
+    for c in out.choices:
+        for tok in c.logprobs.content:
+            assert tok.logprob <= 0 and len(tok.top_logprobs) == 3
+            assert tok.top_logprobs[0].logprob >= tok.top_logprobs[-1].logprob
+    again = oai.chat.completions.create(model="qwen2-vl-tiny", messages=_image_message(), max_tokens=6, n=3,
+                                        temperature=1.0, seed=11)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in out.choices]
+    stream = oai.chat.completions.create(model="qwen2-vl-tiny", messages=_image_message(), max_tokens=6, n=3,
+                                         temperature=1.0, seed=11, stream=True)
+    texts = ["", "", ""]
+    finished = set()
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert texts == [c.message.content for c in out.choices] and finished == {0, 1, 2}

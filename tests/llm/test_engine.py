@@ -1,19 +1,19 @@
-"""The engine alone (no Ray): greedy parity with transformers' generate, seeds, stops, cancellation, queue bound."""
+"""The engine alone (no Ray): greedy parity with transformers, alone and in mixed batches, seeds, stops,
+cancellation, the queue bound, faults."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import pytest
 import torch
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from encoders import Qwen2VLVisionEncoder
-from llm import Engine, Qwen2LM, SequenceInput
+from llm import Engine, EngineConfig, Qwen2LM, SequenceInput
 from schemas import InvalidRequest, Overloaded, SamplingParams
-from tests.helpers import make_image
+from tests.llm.reference import collect, reference_generate, request_for
+
+CASES = {"text": [], "one_image": [(64, 48)], "two_images": [(30, 200), (120, 60)], "small_image": [(28, 28)]}
 
 
 @pytest.fixture(scope="module")
@@ -21,132 +21,140 @@ def model(checkpoint):
     return Qwen2LM.from_pretrained(checkpoint)
 
 
-def _engine(model, reference, **kw) -> Engine:
-    kw = {"max_model_len": 512, "max_queued": 4, **kw}
+@pytest.fixture(scope="module")
+def vision(checkpoint):
+    return Qwen2VLVisionEncoder(checkpoint)
+
+
+def make_engine(model, reference, **kw) -> Engine:
+    config = EngineConfig(**{"max_model_len": 512, "num_blocks": 128, "block_size": 16, "max_queued": 16, **kw})
     eos = set(reference.generation_config.eos_token_id)
-    return Engine(model, image_token_id=reference.config.image_token_id, merge_size=2, eos_token_ids=eos, **kw)
+    return Engine(model, config, image_token_id=reference.config.image_token_id, merge_size=2, eos_token_ids=eos)
 
 
-async def _collect(engine: Engine, seq: SequenceInput) -> tuple[list[int], str | None]:
-    ids, finish = [], None
-    async for chunk in engine.generate(seq):
-        ids += chunk.token_ids
-        finish = chunk.finish_reason
-    return ids, finish
-
-
-def _seq(ids, grids=(), embeds=(), **sampling) -> SequenceInput:
+def _seq(ids, **sampling) -> SequenceInput:
     params = SamplingParams(**{"max_tokens": 12, "temperature": 0.0, **sampling})
-    return SequenceInput("r", list(ids), list(grids), list(embeds), params)
+    return SequenceInput("r", list(ids), [], [], params)
 
 
-@pytest.mark.parametrize("sizes", [[], [(64, 48)], [(30, 200), (120, 60)]])
-def test_greedy_matches_transformers_generate(checkpoint, reference, model, sizes):
-    cfg = reference.config
-    images = [make_image(w, h, seed=i + 5) for i, (w, h) in enumerate(sizes)]
-    ids, grids = [11, 12, 13], []
-    if images:
-        processed = Qwen2VLImageProcessorPil.from_pretrained(checkpoint)(images=images, return_tensors="pt")
-        for grid in processed["image_grid_thw"].tolist():
-            grids.append(tuple(grid))
-            ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * (grid[1] * grid[2] // 4) + [cfg.vision_end_token_id, 14]
-    input_ids = torch.tensor(ids)[None]
-    kwargs = {"pixel_values": processed["pixel_values"], "image_grid_thw": processed["image_grid_thw"]} if images else {}
-    with torch.no_grad():
-        ref = reference.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 mm_token_type_ids=(input_ids == cfg.image_token_id).int(), do_sample=False,
-                                 max_new_tokens=12, **kwargs)[0, len(ids):].tolist()
-    embeds = Qwen2VLVisionEncoder(checkpoint).encode(images) if images else []
-    ours, finish = asyncio.run(_collect(_engine(model, reference), _seq(ids, grids, embeds)))
-    assert ours == ref
-    assert finish == ("stop" if ref[-1] in reference.generation_config.eos_token_id else "length")
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_matches_transformers_generate(checkpoint, reference, model, vision, case):
+    inp, ref = request_for(checkpoint, reference, vision, CASES[case], seed=5, prefix=[11, 12, 13])
+    ours, finish = asyncio.run(collect(make_engine(model, reference), inp))
+    assert ours == reference_generate(reference, ref, max_new_tokens=12)
+    assert finish == ("stop" if ours[-1] in reference.generation_config.eos_token_id else "length")
 
 
-def test_seed_reproducible_and_temperature_varies(model, reference):
-    engine = _engine(model, reference)
-    run = lambda **s: asyncio.run(_collect(engine, _seq([5, 6, 7], max_tokens=16, **s)))[0]  # noqa: E731
-    assert run(temperature=1.0, seed=7) == run(temperature=1.0, seed=7)
+@pytest.mark.parametrize(("budget", "block_size"), [(1024, 16), (7, 4)])
+def test_mixed_batch_matches_transformers_one_by_one(checkpoint, reference, model, vision, budget, block_size):
+    """Text-only, one-image and two-image prompts of different lengths, generated together in one batch; with a
+    7-token budget every prefill goes in chunks that cut through images."""
+    requests = [request_for(checkpoint, reference, vision, sizes, seed=i, prefix=list(range(3, 3 + 2 * i + 1)))
+                for i, sizes in enumerate([[], [(64, 48)], [(30, 200), (120, 60)], [], [(28, 28)]])]
+    engine = make_engine(model, reference, max_num_batched_tokens=budget, block_size=block_size, num_blocks=512)
+
+    async def together():
+        return await asyncio.gather(*(collect(engine, inp) for inp, _ in requests))
+
+    results = asyncio.run(together())
+    for (inp, ref), (ours, _) in zip(requests, results, strict=True):
+        assert ours == reference_generate(reference, ref, max_new_tokens=inp.sampling.max_tokens)
+    assert engine.stats()["steps"] < sum(len(ours) for ours, _ in results)  # sequences really shared steps
+
+
+def test_seed_reproducible_whatever_the_neighbours(model, reference):
+    engine = make_engine(model, reference)
+    run = lambda **s: asyncio.run(collect(engine, _seq([5, 6, 7], max_tokens=16, **s)))[0]  # noqa: E731
+    alone = run(temperature=1.0, seed=7)
+    assert alone == run(temperature=1.0, seed=7)
     assert len({tuple(run(temperature=1.5, seed=s)) for s in range(6)}) > 1
-    assert run(temperature=1.0, top_p=1e-6, seed=3) == run(temperature=0.0)  # top_p -> only the top token
+
+    async def crowded():
+        others = [collect(engine, _seq(range(3, 3 + k), max_tokens=16, temperature=1.0)) for k in range(1, 6)]
+        mine, *_ = await asyncio.gather(collect(engine, _seq([5, 6, 7], max_tokens=16, temperature=1.0, seed=7)),
+                                        *others)
+        return mine[0]
+
+    assert asyncio.run(crowded()) == alone
 
 
-def test_stop_token_ids_and_max_tokens(model, reference):
-    engine = _engine(model, reference)
-    greedy, _ = asyncio.run(_collect(engine, _seq([5, 6, 7], max_tokens=8)))
-    ids, finish = asyncio.run(_collect(engine, _seq([5, 6, 7], max_tokens=8, stop_token_ids=frozenset({greedy[2]}))))
-    assert ids == greedy[: greedy.index(greedy[2]) + 1] and finish == "stop"
-    ids, finish = asyncio.run(_collect(engine, _seq([5, 6, 7], max_tokens=3)))
-    assert len(ids) == 3 and finish == "length"
+def test_top_k_top_p_extremes_are_greedy(model, reference):
+    engine = make_engine(model, reference)
+    greedy, _ = asyncio.run(collect(engine, _seq([5, 6, 7])))
+    assert asyncio.run(collect(engine, _seq([5, 6, 7], temperature=1.0, top_p=1e-6, seed=3)))[0] == greedy
+    assert asyncio.run(collect(engine, _seq([5, 6, 7], temperature=1.3, top_k=1, seed=4)))[0] == greedy
+
+
+def test_stop_token_ids_max_tokens_and_ignore_eos(model, reference):
+    engine = make_engine(model, reference)
+    greedy, _ = asyncio.run(collect(engine, _seq([5, 6, 7], max_tokens=8)))
+    stop = greedy[2]
+    ids, finish = asyncio.run(collect(engine, _seq([5, 6, 7], max_tokens=8, stop_token_ids=frozenset({stop}))))
+    assert ids == greedy[: greedy.index(stop) + 1] and finish == "stop"
+    ids, finish = asyncio.run(collect(engine, _seq([5, 6, 7], max_tokens=3)))
+    assert ids == greedy[:3] and finish == "length"
+    engine.eos_token_ids = frozenset({greedy[1]})  # pretend the second token is EOS
+    ids, finish = asyncio.run(collect(engine, _seq([5, 6, 7], max_tokens=8)))
+    assert ids == greedy[: greedy.index(greedy[1]) + 1] and finish == "stop"
+    ids, finish = asyncio.run(collect(engine, _seq([5, 6, 7], max_tokens=8, ignore_eos=True)))
+    assert ids == greedy and finish == "length"
 
 
 def test_context_limit_is_a_client_error(model, reference):
-    engine = _engine(model, reference, max_model_len=20)
+    engine = make_engine(model, reference, max_model_len=20, num_blocks=4, block_size=8)
     with pytest.raises(InvalidRequest, match="15 prompt tokens \\+ max_tokens 6 exceed the context length of 20"):
-        asyncio.run(_collect(engine, _seq(range(3, 18), max_tokens=6)))
+        asyncio.run(collect(engine, _seq(range(3, 18), max_tokens=6)))
 
 
-def test_closing_the_stream_cancels_within_a_step(model, reference):
-    engine = _engine(model, reference, max_model_len=4096)
-    steps = []
+def test_closing_the_stream_frees_the_sequence(model, reference):
+    engine = make_engine(model, reference, max_model_len=4096, num_blocks=300)
 
     async def take_two_then_leave():
         gen = engine.generate(_seq([5, 6, 7], max_tokens=4000))
-        async for chunk in gen:
-            steps.append(chunk)
-            if len(steps) == 2:
+        n = 0
+        async for _ in gen:
+            n += 1
+            if n == 2:
                 break
         await gen.aclose()
+        for _ in range(100):  # the worker notices at its next step
+            if engine.stats()["running"] == 0:
+                break
+            await asyncio.sleep(0.01)
 
     asyncio.run(take_two_then_leave())
-    # The worker is free again at once: a new request completes quickly instead of waiting for 4000 tokens.
-    started = time.monotonic()
-    ids, _ = asyncio.run(_collect(engine, _seq([5, 6, 7], max_tokens=2)))
-    assert len(ids) == 2 and time.monotonic() - started < 5
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["cancelled"] == 1 and stats["finished"] == 0
+    assert engine.pool.num_free == engine.pool.num_blocks  # every block back in the pool
 
 
 def test_queue_bound_gives_overloaded(model, reference):
-    engine = _engine(model, reference, max_queued=1, max_model_len=4096)
-    release = threading.Event()
-    real_run = engine._run
-    engine._run = lambda job: (release.wait(10), real_run(job))  # hold the worker on the first job
+    engine = make_engine(model, reference, max_queued=1, max_num_seqs=1, max_model_len=4096, num_blocks=300)
 
     async def scenario():
-        first = engine.generate(_seq([5], max_tokens=1))
-        task = asyncio.create_task(anext(first))
-        await asyncio.sleep(0.2)  # the worker took the first job; the queue is empty again
-        second = engine.generate(_seq([5], max_tokens=1))
-        task2 = asyncio.create_task(anext(second))
-        await asyncio.sleep(0.2)  # the second waits in the queue (bound 1)
+        first = asyncio.create_task(collect(engine, _seq([5], max_tokens=3000)))
+        await asyncio.sleep(0.3)  # running (the batch holds one sequence)
+        second = asyncio.create_task(collect(engine, _seq([5], max_tokens=1)))
+        await asyncio.sleep(0.3)  # waiting: the queue (bound 1) is full
         with pytest.raises(Overloaded, match="queue is full"):
             await anext(engine.generate(_seq([5], max_tokens=1)))
-        release.set()
-        assert (await task).finish_reason == "length"
-        assert (await task2).finish_reason == "length"
+        first.cancel()
+        assert (await second)[1] == "length"
 
     asyncio.run(scenario())
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_float32_matches_cpu_and_bfloat16_runs(checkpoint, reference, model):
-    ids = [5, 6, 7, 8]
-    cpu, _ = asyncio.run(_collect(_engine(model, reference), _seq(ids)))
-    cuda = Qwen2LM.from_pretrained(checkpoint, device="cuda", dtype=torch.float32)
-    ours, _ = asyncio.run(_collect(_engine(cuda, reference), _seq(ids)))
-    assert ours == cpu
-    bf16 = Qwen2LM.from_pretrained(checkpoint, device="cuda", dtype=torch.bfloat16)
-    tokens, finish = asyncio.run(_collect(_engine(bf16, reference), _seq(ids)))
-    assert len(tokens) >= 1 and finish in ("stop", "length")
-
-
 def test_tokens_before_a_fault_are_delivered_then_the_error(model, reference):
-    engine = _engine(model, reference, max_model_len=4096)
-    real_forward = model.forward
+    engine = make_engine(model, reference, max_model_len=4096, num_blocks=300)
+    real_step, steps = engine._step, []
 
-    def failing(inputs_embeds, positions, cache, start):
-        if start == 8:
+    def failing(chunks):
+        steps.append(len(steps))
+        if len(steps) == 7:
             raise RuntimeError("injected fault")
-        return real_forward(inputs_embeds, positions, cache, start)
+        real_step(chunks)
+
+    engine._step = failing
 
     async def scenario():
         received = []
@@ -156,20 +164,17 @@ def test_tokens_before_a_fault_are_delivered_then_the_error(model, reference):
                 await asyncio.sleep(0.3)  # a slow consumer: the rest and the error arrive together
         return received
 
-    model.forward = failing
-    try:
-        received = asyncio.run(scenario())
-    finally:
-        del model.forward
-    assert len(received) == 6  # positions 3..7 decoded from 5 tokens, plus the first from prefill
-    assert engine.stats()["failed"] == 1
+    assert len(asyncio.run(scenario())) == 6  # six steps made six tokens before the seventh failed
+    assert engine.stats()["failed"] == 1 and engine.pool.num_free == engine.pool.num_blocks
 
 
-def test_ignore_eos_runs_to_max_tokens(model, reference):
-    greedy, _ = asyncio.run(_collect(_engine(model, reference), _seq([5, 6, 7], max_tokens=8)))
-    eos_engine = _engine(model, reference)
-    eos_engine.eos_token_ids = frozenset({greedy[1]})  # pretend the second token is EOS
-    ids, finish = asyncio.run(_collect(eos_engine, _seq([5, 6, 7], max_tokens=8)))
-    assert ids == greedy[: greedy.index(greedy[1]) + 1] and finish == "stop"
-    ids, finish = asyncio.run(_collect(eos_engine, _seq([5, 6, 7], max_tokens=8, ignore_eos=True)))
-    assert ids == greedy and finish == "length"
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_float32_matches_cpu_and_bfloat16_runs(checkpoint, reference, model):
+    cpu, _ = asyncio.run(collect(make_engine(model, reference), _seq([5, 6, 7, 8])))
+    cuda = Qwen2LM.from_pretrained(checkpoint, device="cuda", dtype=torch.float32)
+    assert asyncio.run(collect(make_engine(cuda, reference), _seq([5, 6, 7, 8])))[0] == cpu
+    bf16 = Qwen2LM.from_pretrained(checkpoint, device="cuda", dtype=torch.bfloat16)
+    tokens, finish = asyncio.run(collect(make_engine(bf16, reference), _seq([5, 6, 7, 8])))
+    assert len(tokens) >= 1 and finish in ("stop", "length")
+

@@ -6,8 +6,20 @@ import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from encoders import Qwen2VLVisionEncoder
-from llm import Qwen2LM, merge_image_embeds, mrope_positions
+from llm import BatchMeta, ChunkSpec, Qwen2LM, merge_image_embeds, mrope_positions
 from tests.helpers import make_image
+
+
+def run_chunks(model: Qwen2LM, embeds, positions, cuts: list[int], block_size: int = 4):
+    """Prefill one sequence in chunks [0, c1), [c1, c2), ... through the paged cache; hidden states (T, D)."""
+    T = embeds.shape[0]
+    cache = model.new_cache(-(-T // block_size) + 1, block_size)
+    blocks = list(range(cache.num_blocks))[::-1]  # deliberately not in order
+    out, bounds = [], [0, *cuts, T]
+    for a, b in zip(bounds, bounds[1:]):
+        meta = BatchMeta.build([ChunkSpec(blocks, a, b - a)], block_size, embeds.device)
+        out.append(model(embeds[a:b], positions[:, a:b], cache, meta))
+    return torch.cat(out)
 
 
 def _prompt_with_images(reference, checkpoint, sizes):
@@ -35,7 +47,7 @@ def test_prefill_logits_match_transformers(checkpoint, reference):
     positions, _ = mrope_positions(ids, image_token_id, grids, merge_size=2)
     with torch.no_grad():
         x = merge_image_embeds(model.embed(ids), ids == image_token_id, torch.cat(embeds))
-        ours = model.logits(model(x, positions, model.new_cache(len(ids)), start=0))
+        ours = model.logits(run_chunks(model, x, positions, []))
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
@@ -45,10 +57,9 @@ def test_chunked_prefill_equals_one_prefill(checkpoint):
     ids = torch.arange(3, 40)
     positions = torch.arange(len(ids)).expand(3, -1)
     with torch.no_grad():
-        whole = model(model.embed(ids), positions, model.new_cache(len(ids)), start=0)
-        cache = model.new_cache(len(ids))
-        parts = [model(model.embed(ids[a:b]), positions[:, a:b], cache, start=a) for a, b in [(0, 10), (10, 11), (11, 37)]]
-    torch.testing.assert_close(torch.cat(parts), whole, atol=1e-4, rtol=1e-4)
+        whole = run_chunks(model, model.embed(ids), positions, [])
+        parts = run_chunks(model, model.embed(ids), positions, [10, 11, 13, 30])  # decode-sized chunks too
+    torch.testing.assert_close(parts, whole, atol=1e-4, rtol=1e-4)
 
 
 def test_both_layouts_load_the_same_language_model(checkpoint, legacy_checkpoint, reference):

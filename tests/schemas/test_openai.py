@@ -39,7 +39,12 @@ def test_image_parts():
         ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, "presence_penalty"),
+        ({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_k": -2}, "top_k"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop_token_ids": ["a"]}, "stop_token_ids[0]"),
         ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
         ({"messages": [{"role": "assistant", "content": [
             {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages[0]"),
@@ -50,6 +55,11 @@ def test_bad_fields_name_the_param(body, param):
         parse(ChatCompletionRequest, body)
     assert e.value.param == param and e.value.status == 400
     assert e.value.message.startswith(param)
+
+
+def test_top_logprobs_needs_logprobs():
+    with pytest.raises(InvalidRequest, match="top_logprobs needs logprobs"):
+        parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3})
 
 
 def test_body_must_be_an_object():

@@ -1,0 +1,120 @@
+"""OpenAI response bodies from text deltas: the whole completion, or its SSE stream (n choices interleaved)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from deployments.http import error_body, sse
+from llm import TextDelta
+from schemas import FinishReason, TokenLogprob
+from schemas.openai import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChoiceLogprobs,
+                            ChunkChoice, Delta, ResponseMessage, TokenLogprobOut, TopLogprob, Usage)
+
+
+def to_logprobs(tokenizer: PreTrainedTokenizerBase, ids: list[int], lps: list[TokenLogprob] | None):
+    if lps is None:
+        return None
+
+    def piece(token_id: int, logprob: float) -> TopLogprob:
+        text = tokenizer.decode([token_id])
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    return ChoiceLogprobs(content=[
+        TokenLogprobOut(**piece(t, lp.logprob).model_dump(), top_logprobs=[piece(i, v) for i, v in lp.top])
+        for t, lp in zip(ids, lps, strict=True)])
+
+
+async def interleave(firsts: list[TextDelta], streams: list[AsyncIterator[TextDelta]]):
+    """(choice index, delta) as each choice produces them, starting with the deltas already received."""
+    for i, first in enumerate(firsts):
+        yield i, first
+    if len(streams) == 1:  # the common case, without a task per delta
+        if firsts[0].finish_reason is None:
+            async for delta in streams[0]:
+                yield 0, delta
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams) if firsts[i].finish_reason is None}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                try:
+                    delta = fut.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, delta
+                if delta.finish_reason is None:
+                    pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for fut in pending:
+            fut.cancel()
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+
+    def add(self, delta: TextDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+def _usage(n_prompt: int, choices: list[ChoiceState]) -> Usage:
+    n_completion = sum(len(c.token_ids) for c in choices)
+    return Usage(prompt_tokens=n_prompt, completion_tokens=n_completion, total_tokens=n_prompt + n_completion)
+
+
+async def completion(req: ChatCompletionRequest, head: dict, prompt: list[int], events,
+                     tokenizer: PreTrainedTokenizerBase) -> tuple[ChatCompletion, list[ChoiceState]]:
+    choices = [ChoiceState() for _ in range(req.n)]
+    async for i, delta in events:
+        choices[i].add(delta)
+    body = ChatCompletion(**head, usage=_usage(len(prompt), choices),
+                          prompt_token_ids=prompt if req.return_token_ids else None, choices=[
+        Choice(index=i, message=ResponseMessage(content=c.text), finish_reason=c.finish_reason or "stop",
+               logprobs=to_logprobs(tokenizer, c.token_ids, c.logprobs),
+               token_ids=c.token_ids if req.return_token_ids else None)
+        for i, c in enumerate(choices)])
+    return body, choices
+
+
+async def sse_stream(req: ChatCompletionRequest, head: dict, prompt: list[int], events,
+                     tokenizer: PreTrainedTokenizerBase, request_id: str,
+                     on_done: Callable[[list[ChoiceState]], None]) -> AsyncIterator[str]:
+    """role chunk per choice, content chunks, a finish chunk per choice, the usage chunk, then [DONE]."""
+    choices = [ChoiceState() for _ in range(req.n)]
+    ids_out = req.return_token_ids
+    try:
+        for i in range(req.n):
+            yield sse(ChatCompletionChunk(**head, choices=[ChunkChoice(index=i, delta=Delta(role="assistant", content=""))],
+                                          prompt_token_ids=prompt if ids_out and i == 0 else None))
+        async for i, delta in events:
+            choices[i].add(delta)
+            if delta.text or (delta.token_ids and (ids_out or delta.logprobs is not None)):
+                yield sse(ChatCompletionChunk(**head, choices=[ChunkChoice(
+                    index=i, delta=Delta(content=delta.text), token_ids=delta.token_ids if ids_out else None,
+                    logprobs=to_logprobs(tokenizer, delta.token_ids, delta.logprobs))]))
+            if delta.finish_reason is not None:
+                yield sse(ChatCompletionChunk(**head, choices=[ChunkChoice(index=i, delta=Delta(),
+                                                                           finish_reason=delta.finish_reason)]))
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield sse(ChatCompletionChunk(**head, choices=[], usage=_usage(len(prompt), choices)))
+    except Exception as e:  # after the 200: the error goes out as an event, which OpenAI clients raise
+        yield sse(error_body(e, request_id)[2])
+    finally:
+        on_done(choices)
+    yield "data: [DONE]\n\n"
+
+
+__all__ = ["ChoiceState", "completion", "interleave", "sse_stream", "to_logprobs"]

@@ -1,0 +1,50 @@
+"""Engine requests and the transformers reference for the same prompt (shared by the engine tests)."""
+
+from __future__ import annotations
+
+import torch
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from llm import Engine, SequenceInput
+from schemas import SamplingParams
+from tests.helpers import make_image
+
+
+def request_for(checkpoint, reference, vision, sizes, *, seed: int, prefix: list[int], max_tokens: int = 12,
+                **sampling) -> tuple[SequenceInput, dict]:
+    """A prompt `prefix` + one placeholder run per image (framed like the chat template frames them)."""
+    cfg = reference.config
+    images = [make_image(w, h, seed=seed * 10 + i) for i, (w, h) in enumerate(sizes)]
+    ids, grids, ref = list(prefix), [], {}
+    if images:
+        processed = Qwen2VLImageProcessorPil.from_pretrained(checkpoint)(images=images, return_tensors="pt")
+        ref = {"pixel_values": processed["pixel_values"], "image_grid_thw": processed["image_grid_thw"]}
+        for grid in processed["image_grid_thw"].tolist():
+            grids.append(tuple(grid))
+            ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * (grid[1] * grid[2] // 4)
+            ids += [cfg.vision_end_token_id, 14]
+    embeds = vision.encode(images) if images else []
+    params = SamplingParams(**{"max_tokens": max_tokens, "temperature": 0.0, **sampling})
+    keys = [f"image-{seed}-{i}" for i in range(len(images))]
+    ref["input_ids"] = torch.tensor([ids])
+    return SequenceInput(f"r{seed}", ids, grids, embeds, params, keys), ref
+
+
+def reference_generate(reference, ref: dict, max_new_tokens: int, **kw):
+    input_ids = ref["input_ids"]
+    extra = {k: v for k, v in ref.items() if k != "input_ids"}
+    with torch.no_grad():
+        out = reference.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                 mm_token_type_ids=(input_ids == reference.config.image_token_id).int(),
+                                 do_sample=False, max_new_tokens=max_new_tokens, **extra, **kw)
+    if kw.get("return_dict_in_generate"):
+        return out
+    return out[0, input_ids.shape[1]:].tolist()
+
+
+async def collect(engine: Engine, inp: SequenceInput) -> tuple[list[int], str | None]:
+    ids, finish = [], None
+    async for chunk in engine.generate(inp):
+        ids += chunk.token_ids
+        finish = chunk.finish_reason
+    return ids, finish

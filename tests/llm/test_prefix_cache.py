@@ -1,0 +1,89 @@
+"""Prefix reuse and preemption: shared blocks give the same tokens as computing everything; images tell blocks apart."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from encoders import Qwen2VLVisionEncoder
+from llm import BlockPool, Qwen2LM, SequenceInput
+from tests.llm.reference import collect, reference_generate, request_for
+from tests.llm.test_engine import make_engine
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return Qwen2LM.from_pretrained(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def vision(checkpoint):
+    return Qwen2VLVisionEncoder(checkpoint)
+
+
+def test_second_turn_reuses_the_first_turns_blocks(checkpoint, reference, model, vision):
+    engine = make_engine(model, reference, block_size=4, num_blocks=256)
+    first, ref1 = request_for(checkpoint, reference, vision, [(64, 48), (30, 100)], seed=1, prefix=list(range(3, 20)))
+    out1, _ = asyncio.run(collect(engine, first))
+    # The next turn re-sends the whole history (same text, same images) and adds to it.
+    ids2 = first.prompt_token_ids + out1 + [21, 22, 23]
+    second = SequenceInput("r2", ids2, first.image_grid_thw, first.image_embeds, first.sampling, first.image_keys)
+    before = engine.stats()
+    out2, _ = asyncio.run(collect(engine, second))
+    hits = engine.stats()["prefix_hits"] - before["prefix_hits"]
+    assert hits == (len(first.prompt_token_ids) + len(out1) - 1) // 4  # every full block of the history
+    ref2 = dict(ref1, input_ids=ref1["input_ids"].new_tensor([ids2]))
+    assert out2 == reference_generate(reference, ref2, max_new_tokens=12)
+
+
+def test_same_tokens_different_image_is_not_a_hit(checkpoint, reference, model, vision):
+    engine = make_engine(model, reference, block_size=4, num_blocks=256)
+    a, ref_a = request_for(checkpoint, reference, vision, [(64, 48)], seed=2, prefix=[3, 4, 5, 6])
+    b, ref_b = request_for(checkpoint, reference, vision, [(64, 48)], seed=3, prefix=[3, 4, 5, 6])
+    assert a.prompt_token_ids == b.prompt_token_ids and a.image_keys != b.image_keys  # only the pixels differ
+    out_a, _ = asyncio.run(collect(engine, a))
+    before = engine.stats()["prefix_hits"]
+    out_b, _ = asyncio.run(collect(engine, b))
+    assert engine.stats()["prefix_hits"] - before == 1  # the text block before the image, nothing after it
+    assert out_a == reference_generate(reference, ref_a, 12) and out_b == reference_generate(reference, ref_b, 12)
+
+
+def test_prefix_caching_off_computes_everything(checkpoint, reference, model, vision):
+    engine = make_engine(model, reference, block_size=4, num_blocks=256, enable_prefix_caching=False)
+    a, ref = request_for(checkpoint, reference, vision, [(64, 48)], seed=4, prefix=list(range(3, 12)))
+    assert asyncio.run(collect(engine, a))[0] == asyncio.run(collect(engine, a))[0] == reference_generate(reference, ref, 12)
+    assert engine.stats()["prefix_hits"] == 0
+
+
+def test_preemption_under_a_small_cache_keeps_outputs_exact(checkpoint, reference, model, vision):
+    """Eight requests that cannot all fit: some get preempted and recomputed, every answer is still exact."""
+    requests = [request_for(checkpoint, reference, vision, [(40 + 20 * (i % 3), 40)] if i % 2 else [], seed=10 + i,
+                            prefix=list(range(3, 9 + i)), max_tokens=20) for i in range(8)]
+    engine = make_engine(model, reference, block_size=4, num_blocks=40, max_model_len=120, enable_prefix_caching=False)
+
+    async def together():
+        return await asyncio.gather(*(collect(engine, inp) for inp, _ in requests))
+
+    results = asyncio.run(together())
+    assert engine.stats()["preemptions"] > 0
+    for (inp, ref), (ours, _) in zip(requests, results, strict=True):
+        assert ours == reference_generate(reference, ref, max_new_tokens=20)
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_block_pool_reference_counts_and_lru_eviction():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    a = pool.allocate(2)
+    pool.register(a[0], b"h0")
+    pool.register(a[1], b"h1")
+    assert pool.match_prefix([b"h0", b"h1", b"h2"]) == a
+    pool.take(a)  # a second sequence shares them
+    pool.release(a)
+    assert pool.num_free == 2  # still held by the first
+    pool.release(a)
+    assert pool.num_free == 4 and pool.match_prefix([b"h0", b"h1"]) == a  # free, but still cached
+    pool.allocate(3)  # the two never-used blocks go first, then the least recently freed: a[1] (the tail)
+    assert pool.match_prefix([b"h0", b"h1"]) == [a[0]]
+    with pytest.raises(MemoryError, match="2 KV blocks wanted, 1 free"):
+        pool.allocate(2)
