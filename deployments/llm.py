@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -36,8 +37,8 @@ class LLM:
         dtype = getattr(torch, resolve_dtype(self.args.dtype, device))
         config = AutoConfig.from_pretrained(self.args.model)
         llm_args = self.args.llm
-        if device == "cpu" and llm_args.cpu_threads is not None:
-            torch.set_num_threads(llm_args.cpu_threads)
+        if device == "cpu":  # NOTE: Ray pins torch to num_cpus threads; the engine is the hot loop, give it the cores
+            torch.set_num_threads(llm_args.cpu_threads or os.cpu_count() or 1)
         model = (model_factory or Qwen2LM.from_pretrained)(self.args.model, device=device, dtype=dtype)
         max_model_len = resolve_max_model_len(llm_args.max_model_len, model.config.max_position_embeddings)
         num_blocks = num_kv_blocks(

@@ -179,11 +179,23 @@ class Engine:
             pass
         self._queued = self.scheduler.num_waiting
 
+    def _inputs(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings and positions of the batch; decode tokens (generated text) in one lookup."""
+        n_dec = next((i for i, c in enumerate(chunks) if c.n != 1 or c.start < c.seq.prompt_len), len(chunks))
+        embeds, positions = [], []
+        if n_dec:
+            dec = chunks[:n_dec]
+            embeds.append(self.model.embed(torch.tensor([c.seq.token_ids[c.start] for c in dec])))
+            positions.append(torch.tensor([c.start + c.seq.rope_delta for c in dec]).expand(3, -1))
+        for c in chunks[n_dec:]:
+            embeds.append(c.seq.embed_chunk(self.model.embed, c.start, c.start + c.n, merge_image_embeds))
+            positions.append(c.seq.positions(c.start, c.start + c.n))
+        return torch.cat(embeds), torch.cat(positions, dim=1)
+
     def _step(self, chunks: list[Chunk]) -> None:
         model, bs = self.model, self.config.block_size
-        embeds = torch.cat([c.seq.embed_chunk(model.embed, c.start, c.start + c.n, merge_image_embeds)
-                            for c in chunks])  # (T, D)
-        positions = torch.cat([c.seq.positions(c.start, c.start + c.n) for c in chunks], dim=1)  # (3, T)
+        chunks = sorted(chunks, key=lambda c: c.n != 1)  # one-token chunks first, as BatchMeta wants
+        embeds, positions = self._inputs(chunks)  # (T, D), (3, T)
         meta = BatchMeta.build([ChunkSpec(c.seq.block_ids, c.start, c.n) for c in chunks], bs, self.device)
         hidden = model(embeds, positions, self.cache, meta)  # (T, D)
         ends = list(itertools.accumulate(c.n for c in chunks))

@@ -58,7 +58,7 @@ class LLMArgs(_Strict):
     stream_interval_ms: float = Field(
         20.0, ge=0.0, description="Tokens of a stream arriving within this interval go out as one message."
     )
-    cpu_threads: int | None = Field(None, ge=1, description="torch threads on cpu; default: Ray's num_cpus.")
+    cpu_threads: int | None = Field(None, ge=1, description="torch threads of the LLM on cpu; default: all cores.")
 
 
 class AppArgs(_Strict):
