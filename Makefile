@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install checkpoint serve test clean
+.PHONY: install checkpoint serve test bench clean
 
 install: $(STAMP)
 
@@ -24,6 +24,11 @@ serve: checkpoint
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The serving benchmark (tests/bench/README.md): `make bench BENCH_ARGS=--quick` for a one-minute smoke run.
+bench: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-bench.txt
+	$(PY) -m tests.bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CHECKPOINT)

@@ -1,0 +1,1 @@
+"""Serving benchmark (`make bench`): our Ray Serve app against transformers baselines; see README.md here."""

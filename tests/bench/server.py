@@ -1,0 +1,105 @@
+"""The bench checkpoint (built once, cached by its parameters) and our app on an in-process Ray Serve."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+# A bench-size random Qwen2-VL: ~26M parameters, big enough that compute dominates per-request overheads.
+# init_std is small so activations stay sane over 8 layers; output quality is irrelevant (lengths are forced).
+CHECKPOINT_PARAMS: dict = dict(
+    seed=0, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408,
+    vision_embed_dim=128, vision_depth=4, vision_heads=4, init_std=0.02, max_pixels=224 * 224,
+)  # fmt: skip
+
+
+def bench_checkpoint(root: Path, params: dict = CHECKPOINT_PARAMS) -> Path:
+    """root/ckpt-<hash of params>; built next to it and renamed, so a half-written one never looks complete."""
+    from demo.build_tiny import build_checkpoint
+    from transformers.utils import logging as hf_logging
+
+    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+    out = root / f"ckpt-{key}"
+    if all((out / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")):
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".ckpt-{key}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    hf_logging.disable_progress_bar()
+    try:
+        build_checkpoint(staging, **params)
+        (staging / "bench_params.json").write_text(json.dumps(params, indent=1, sort_keys=True))
+        shutil.rmtree(out, ignore_errors=True)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(base_url: str, deadline_s: float) -> None:
+    """serve.run returns once replicas are up; the proxy's route table can lag behind it by a moment."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > end:
+            raise RuntimeError(f"{base_url}/health did not answer 200 within {deadline_s:.0f}s")
+        time.sleep(0.5)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    return {**base, **{k: _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+                       for k, v in extra.items()}}
+
+
+@contextmanager
+def serve_app(checkpoint: Path, *, max_images: int, max_model_len: int = 4096,
+              overrides: dict | None = None) -> Iterator[str]:
+    """Ray + Serve in this process, our app at route /; always shut down, even when the run fails."""
+    import ray
+    from ray import serve
+
+    from deployments import build_app
+
+    # NOTE: as tests/deployments/conftest.py: Serve's default proxy readiness checks (5 s / 10 s) kill the
+    # proxy on a loaded 2-core machine; the controller reads these from the driver's environment at ray.init.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="warning")
+    try:
+        port = _free_port()
+        quiet = {"log_level": "WARNING", "enable_access_log": False}  # per-request INFO lines would drown the report
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
+        args = _merge({"model": str(checkpoint), "llm": {"max_model_len": max_model_len},
+                       "limits": {"max_images_per_request": max(8, max_images)}}, overrides or {})
+        serve.run(build_app(args), name="bench", route_prefix="/", logging_config=quiet)
+        base_url = f"http://127.0.0.1:{port}"
+        _wait_healthy(base_url, 120)
+        yield base_url
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def served_model_name(base_url: str) -> str:
+    return httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
