@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install checkpoint serve test bench clean
+.PHONY: install checkpoint serve test bench bench-prefix clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-bench.txt
 	$(PY) -m tests.bench.run $(BENCH_ARGS)
+
+# Second-turn time to first token with and without prefix reuse.
+bench-prefix: $(STAMP)
+	$(PY) -m tests.bench.prefix $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CHECKPOINT)

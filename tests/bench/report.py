@@ -8,7 +8,8 @@ import os
 import platform
 from pathlib import Path
 
-SYSTEMS = ("ours", "hf-one-at-a-time", "hf-static-batch")
+SYSTEMS = ("ours", "ours-in-process", "hf-one-at-a-time", "hf-static-batch")
+OURS, BASELINES = SYSTEMS[:2], SYSTEMS[2:]
 COLUMNS = [("req/s", "req_per_s", None), ("out tok/s", "out_tok_per_s", None),
            ("TTFT p50", "ttft_ms", "p50"), ("TTFT p99", "ttft_ms", "p99"),
            ("TPOT p50", "tpot_ms", "p50"), ("TPOT p99", "tpot_ms", "p99"),
@@ -72,13 +73,15 @@ def format_tables(runs: dict[str, dict[int, dict]], concurrencies: list[int], mo
                 lines += [f"  {system} warning: {msg}" for msg in agg["warnings"]]
     lines += ["", "output tok/s ratios (ours / baseline):"]
     for c in concurrencies:
-        ours = runs.get("ours", {}).get(c)
-        parts = []
-        for base in SYSTEMS[1:]:
-            other = runs.get(base, {}).get(c)
-            if ours and other and other["out_tok_per_s"] > 0:
-                parts.append(f"/ {base} = {ours['out_tok_per_s'] / other['out_tok_per_s']:.2f}x")
-        lines.append(f"  c={c}: " + ("  ".join(parts) or "-"))
+        for mine in OURS:
+            ours = runs.get(mine, {}).get(c)
+            parts = []
+            for base in BASELINES:
+                other = runs.get(base, {}).get(c)
+                if ours and other and other["out_tok_per_s"] > 0:
+                    parts.append(f"/ {base} = {ours['out_tok_per_s'] / other['out_tok_per_s']:.2f}x")
+            if parts:
+                lines.append(f"  c={c} {mine:<15} " + "  ".join(parts))
     lines += ["", f"TPOT check: p99 TPOT at c={max(concurrencies)} / p50 TPOT at c={min(concurrencies)} "
                   "(1.0 = no slowdown under load):"]
     for system, check in tpot_check(runs, concurrencies).items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -41,8 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baseline-threads", type=int, default=2, help="torch threads for the baselines")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
     p.add_argument("--warmup", type=int, default=8, help="warm-up requests (not measured) before the runs")
-    p.add_argument("--skip-server", action="store_true", help="only the transformers baselines")
-    p.add_argument("--skip-baselines", action="store_true", help="only our server")
+    p.add_argument("--skip-server", action="store_true", help="no run of the app over HTTP")
+    p.add_argument("--skip-baselines", action="store_true", help="no transformers baselines")
+    p.add_argument("--skip-in-process", action="store_true", help="no in-process run of our engine")
     p.add_argument("--out-dir", default="bench_results", help="JSON, PNG and the cached checkpoint go here")
     p.add_argument("--app-args", type=json.loads, default={},
                    help='JSON merged into the app\'s args, e.g. \'{"llm": {"stream_interval_ms": 50}}\'')
@@ -99,6 +101,19 @@ def run_server(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest], s
             runs["ours"][c], records["ours"][c] = agg, [r.to_json() for r in results]
             _say(f"ours c={c}: {n} requests in {wall:.1f}s, {agg['out_tok_per_s']:.1f} out tok/s, "
                  f"{agg['failed']} failed")
+
+
+def run_in_process(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest],
+                   sets: dict[int, list[BenchRequest]], runs: dict, records: dict) -> None:
+    from tests.bench.inprocess import InProcess
+
+    runner = InProcess(ckpt, args.baseline_threads)
+    runner.run([dataclasses.replace(r, output_len=min(8, r.output_len)) for r in warm], min(4, len(warm)))
+    for c, requests in sets.items():
+        results, wall = runner.run(requests, c)
+        agg = aggregate(results, wall, *_slos(args))
+        runs["ours-in-process"][c], records["ours-in-process"][c] = agg, [r.to_json() for r in results]
+        _say(f"ours-in-process c={c}: {agg['out_tok_per_s']:.1f} out tok/s")
 
 
 def run_baselines(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest], sets: dict[int, list[BenchRequest]],
@@ -194,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             checks["server_error"] = f"{type(e).__name__}: {e}"
             status = 1
+    if not args.skip_in_process:
+        run_in_process(args, ckpt, warm, sets, runs, records)
     if not args.skip_baselines:
         run_baselines(args, ckpt, warm, sets, runs, records, checks)
 

@@ -5,9 +5,15 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from llm import Engine, SequenceInput
+from llm import Engine, EngineConfig, SequenceInput
 from schemas import SamplingParams
 from tests.helpers import make_image
+
+
+def make_engine(model, reference, **kw) -> Engine:
+    config = EngineConfig(**{"max_model_len": 512, "num_blocks": 128, "block_size": 16, "max_queued": 16, **kw})
+    eos = set(reference.generation_config.eos_token_id)
+    return Engine(model, config, image_token_id=reference.config.image_token_id, merge_size=2, eos_token_ids=eos)
 
 
 def request_for(checkpoint, reference, vision, sizes, *, seed: int, prefix: list[int], max_tokens: int = 12,

@@ -8,28 +8,11 @@ import asyncio
 import pytest
 import torch
 
-from encoders import Qwen2VLVisionEncoder
-from llm import Engine, EngineConfig, Qwen2LM, SequenceInput
+from llm import Qwen2LM, SequenceInput
 from schemas import InvalidRequest, Overloaded, SamplingParams
-from tests.llm.reference import collect, reference_generate, request_for
+from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
 CASES = {"text": [], "one_image": [(64, 48)], "two_images": [(30, 200), (120, 60)], "small_image": [(28, 28)]}
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return Qwen2LM.from_pretrained(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def vision(checkpoint):
-    return Qwen2VLVisionEncoder(checkpoint)
-
-
-def make_engine(model, reference, **kw) -> Engine:
-    config = EngineConfig(**{"max_model_len": 512, "num_blocks": 128, "block_size": 16, "max_queued": 16, **kw})
-    eos = set(reference.generation_config.eos_token_id)
-    return Engine(model, config, image_token_id=reference.config.image_token_id, merge_size=2, eos_token_ids=eos)
 
 
 def _seq(ids, **sampling) -> SequenceInput:

@@ -6,20 +6,8 @@ import asyncio
 
 import pytest
 
-from encoders import Qwen2VLVisionEncoder
-from llm import BlockPool, Qwen2LM, SequenceInput
-from tests.llm.reference import collect, reference_generate, request_for
-from tests.llm.test_engine import make_engine
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return Qwen2LM.from_pretrained(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def vision(checkpoint):
-    return Qwen2VLVisionEncoder(checkpoint)
+from llm import BlockPool, SequenceInput
+from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
 
 def test_second_turn_reuses_the_first_turns_blocks(checkpoint, reference, model, vision):

@@ -7,20 +7,12 @@ import asyncio
 import pytest
 import torch
 
-from encoders import Qwen2VLVisionEncoder
-from llm import Qwen2LM, SequenceInput, sample
+from llm import SequenceInput, sample
 from schemas import SamplingParams
-from tests.llm.reference import collect, reference_generate, request_for
-from tests.llm.test_engine import make_engine
+from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
 
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return Qwen2LM.from_pretrained(checkpoint)
-
-
-def test_per_step_logprobs_match_transformers_in_a_mixed_batch(checkpoint, reference, model):
-    vision = Qwen2VLVisionEncoder(checkpoint)
+def test_per_step_logprobs_match_transformers_in_a_mixed_batch(checkpoint, reference, model, vision):
     requests = [request_for(checkpoint, reference, vision, sizes, seed=i, prefix=list(range(3, 6 + i)),
                             logprobs=True, top_logprobs=5) for i, sizes in enumerate([[], [(64, 48)], [(28, 90)]])]
     engine = make_engine(model, reference, max_num_batched_tokens=9, block_size=4, num_blocks=256)

@@ -1,0 +1,86 @@
+"""Second-turn time to first token with and without prefix reuse (`make bench-prefix`).
+
+Each conversation: turn 1 = images + a long question, answered; turn 2 re-sends that whole history (same text,
+same images) plus a short question, streamed, and its TTFT is measured. The app runs twice on the bench
+checkpoint, `enable_prefix_caching` on and off, with the same conversations one at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+from tests.bench.client import _one
+from tests.bench.server import bench_checkpoint, serve_app
+from tests.bench.workload import data_url, noise_png
+
+
+def conversations(n: int, images: int, words: int, seed: int) -> list[list[dict]]:
+    out = []
+    for i in range(n):
+        rng = np.random.default_rng(seed * 1000 + i)
+        parts = [{"type": "image_url", "image_url": {"url": data_url(noise_png(224, 160, rng))}} for _ in range(images)]
+        text = " ".join(f"word{(i * 7919 + k) % 997}" for k in range(words))
+        out.append([{"role": "user", "content": [*parts, {"type": "text", "text": f"Question {i}: {text}"}]}])
+    return out
+
+
+async def second_turn_ttfts(url: str, convs: list[list[dict]], timeout: float) -> list[float]:
+    ttfts = []
+    async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+        for conv in convs:
+            first = await client.post("/v1/chat/completions", json={"messages": conv, "max_tokens": 32,
+                                                                    "temperature": 0, "ignore_eos": True})
+            first.raise_for_status()
+            history = conv + [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                              {"role": "user", "content": "And briefly?"}]
+            body = {"messages": history, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}, "return_token_ids": True}
+            result = await _one(client, 0, body, time.perf_counter(), timeout)
+            if not result.ok:
+                raise RuntimeError(f"second turn failed: {result.error}")
+            ttfts.append(result.ttft)
+    return ttfts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--conversations", type=int, default=12)
+    p.add_argument("--images", type=int, default=2, help="224x160 noise images in turn 1")
+    p.add_argument("--words", type=int, default=300, help="words of text in turn 1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="bench_results")
+    args = p.parse_args(argv)
+    ckpt = bench_checkpoint(Path(args.out_dir))
+    convs = conversations(args.conversations, args.images, args.words, args.seed)
+    results = {}
+    for caching in (True, False):
+        with serve_app(ckpt, max_images=args.images, overrides={"llm": {"enable_prefix_caching": caching}}) as url:
+            asyncio.run(second_turn_ttfts(url, conversations(2, args.images, args.words, args.seed + 1), 300))  # warm
+            results[caching] = asyncio.run(second_turn_ttfts(url, convs, 300))
+    on, off = (sorted(results[c]) for c in (True, False))
+    summary = {f"{name} p50_ms": round(statistics.median(v) * 1000, 1) for name, v in (("on", on), ("off", off))}
+    summary |= {f"{name} mean_ms": round(statistics.mean(v) * 1000, 1) for name, v in (("on", on), ("off", off))}
+    summary["speedup_p50"] = round(statistics.median(off) / statistics.median(on), 2)
+    print(f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}  {platform.processor() or platform.machine()}  "
+          f"torch {torch.__version__}; {args.conversations} conversations, {args.images} images + {args.words} words")
+    print(f"second-turn TTFT p50: prefix reuse on {summary['on p50_ms']} ms, off {summary['off p50_ms']} ms "
+          f"-> {summary['speedup_p50']}x")
+    out = Path(args.out_dir) / f"prefix-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"args": vars(args), "summary": summary, "ttft_s": {"on": on, "off": off}}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
