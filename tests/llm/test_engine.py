@@ -161,3 +161,21 @@ def test_cuda_float32_matches_cpu_and_bfloat16_runs(checkpoint, reference, model
     tokens, finish = asyncio.run(collect(make_engine(bf16, reference), _seq([5, 6, 7, 8])))
     assert len(tokens) >= 1 and finish in ("stop", "length")
 
+
+
+def test_embedding_rows_must_match_the_image_grid(model, reference):
+    engine = make_engine(model, reference)
+    pad = reference.config.image_token_id
+    bad = SequenceInput("r", [5, pad, pad, pad, pad, 6], [(1, 4, 4)], [torch.zeros(3, 64)], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="image 0: 3 embedding rows for a grid of 4 tokens"):
+        asyncio.run(collect(engine, bad))
+
+
+def test_kv_cache_must_hold_one_full_sequence():
+    from llm import num_kv_blocks
+
+    kw = {"block_size": 16, "device": torch.device("cpu"), "gpu_memory_utilization": 0.9, "cpu_kv_cache_gib": 1.0}
+    assert num_kv_blocks(1024, max_model_len=4096, kv_cache_tokens=8192, **kw) == 512
+    assert num_kv_blocks(1 << 20, max_model_len=512, kv_cache_tokens=None, **kw) == 1024 // 16  # 1 GiB of 1 MiB tokens
+    with pytest.raises(ValueError, match="holds 2048 tokens, fewer than max_model_len=4096"):
+        num_kv_blocks(1024, max_model_len=4096, kv_cache_tokens=2048, **kw)
