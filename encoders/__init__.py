@@ -1,20 +1,27 @@
 """Images: loading and limits, per-family preprocessing, and the ViT + projector encoders."""
 
-from encoders.images import FORMATS, ImageInfo, decode_data_url, load_rgb, probe_image
+from encoders.batching import ImageBatcher, Preprocessed
+from encoders.cache import EmbeddingLRU, embedding_key
+from encoders.images import FORMATS, ImageInfo, decode_data_url, image_size, load_rgb, probe_image
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, smart_resize
 from encoders.registry import FAMILIES, Family, ImageProcessing, VisionEncoder, family_of
 
 __all__ = [
     "FAMILIES",
+    "EmbeddingLRU",
     "FORMATS",
     "Family",
+    "ImageBatcher",
     "ImageInfo",
     "ImageProcessing",
+    "Preprocessed",
     "Qwen2VLImageProcessing",
     "Qwen2VLVisionEncoder",
     "VisionEncoder",
     "decode_data_url",
+    "embedding_key",
     "family_of",
+    "image_size",
     "load_rgb",
     "probe_image",
     "smart_resize",

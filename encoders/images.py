@@ -20,6 +20,7 @@ class ImageInfo:
     format: str
     width: int
     height: int
+    mode: str
 
 
 def decode_data_url(url: str, max_bytes: int) -> bytes:
@@ -58,7 +59,7 @@ def _open(data: bytes) -> Image.Image:
 def probe_image(data: bytes, limits: Limits) -> ImageInfo:
     """Format and size from the header alone (no pixel decoding), checked against the limits."""
     image = _open(data)  # PIL reads only the header here; pixels are decoded lazily.
-    info = ImageInfo(format=str(image.format), width=image.width, height=image.height)
+    info = ImageInfo(format=str(image.format), width=image.width, height=image.height, mode=image.mode)
     image.close()
     if info.format not in FORMATS:
         raise InvalidRequest(f"image format {info.format} is not accepted; use one of {sorted(FORMATS)}")
@@ -75,10 +76,21 @@ def probe_image(data: bytes, limits: Limits) -> ImageInfo:
     return info
 
 
-def load_rgb(data: bytes) -> Image.Image:
-    """Decode fully to RGB; transparency is composited onto white, as transformers' image processors do."""
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from the header."""
+    with _open(data) as image:
+        return image.width, image.height
+
+
+def load_rgb(data: bytes, draft_size: tuple[int, int] | None = None) -> Image.Image:
+    """Decode fully to RGB; transparency is composited onto white, as transformers' image processors do.
+
+    With `draft_size`, a JPEG may be decoded at a reduced scale no smaller than it (much faster for big photos;
+    the pixels differ slightly from a full decode followed by the same resize)."""
     image = _open(data)
     try:
+        if draft_size is not None and image.format == "JPEG":
+            image.draft("RGB", draft_size)
         image.load()
         if "A" in image.getbands() or image.info.get("transparency") is not None:
             rgba = image.convert("RGBA")
@@ -89,4 +101,4 @@ def load_rgb(data: bytes) -> Image.Image:
         raise InvalidRequest(f"image could not be decoded: {e}") from e
 
 
-__all__ = ["FORMATS", "ImageInfo", "decode_data_url", "load_rgb", "probe_image"]
+__all__ = ["FORMATS", "ImageInfo", "decode_data_url", "image_size", "load_rgb", "probe_image"]

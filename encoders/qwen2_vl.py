@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -72,6 +73,10 @@ class Qwen2VLImageProcessing:
         h, w = smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
         return w, h
 
+    def fingerprint(self) -> str:
+        """Everything about preprocessing that changes an embedding, for cache keys."""
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+
     def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
         w, h = self.resized_size(width, height)
         return 1, h // self.patch_size, w // self.patch_size
@@ -80,10 +85,12 @@ class Qwen2VLImageProcessing:
         t, h, w = self.grid_thw(width, height)
         return t * h * w // self.merge_size**2
 
-    def preprocess(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """RGB image -> (pixel_values (h*w, 3*T*p*p) in merge order, grid (1, h, w))."""
+    def preprocess(self, image: Image.Image, size: tuple[int, int] | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """RGB image -> (pixel_values (h*w, 3*T*p*p) in merge order, grid (1, h, w)).
+
+        `size`: the (width, height) the target is computed from, when the image was decoded at a reduced scale."""
         p, m, T = self.patch_size, self.merge_size, self.temporal_patch_size
-        w, h = self.resized_size(image.width, image.height)
+        w, h = self.resized_size(*(size or (image.width, image.height)))
         resized = image.resize((w, h), resample=Image.Resampling.BICUBIC)
         x = torch.from_numpy(np.asarray(resized, dtype=np.float32)).permute(2, 0, 1)  # (3, H, W)
         mean = torch.tensor(self.image_mean, dtype=torch.float32).view(3, 1, 1)
@@ -111,15 +118,21 @@ class Qwen2VLVisionEncoder:
         self.vit = vit.to(device=self.device, dtype=dtype).eval()
         self.hidden_size = int(config.hidden_size)
 
+    def preprocess(self, image: Image.Image, size: tuple[int, int] | None = None):
+        return self.processing.preprocess(image, size)
+
     @torch.inference_mode()
-    def encode(self, images: list[Image.Image]) -> list[torch.Tensor]:
-        """One (num_image_tokens, llm_hidden) tensor per image, as transformers' get_image_features splits them."""
-        processed = [self.processing.preprocess(im) for im in images]
-        pixel_values = torch.cat([pv for pv, _ in processed]).to(self.device, self.dtype)  # (sum h*w, C*T*p*p)
-        grid_thw = torch.tensor([g for _, g in processed], dtype=torch.long, device=self.device)  # (n, 3)
+    def forward(self, batch: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
+        """Preprocessed images packed into one ViT forward (attention stays within each image, by cu_seqlens);
+        one (num_image_tokens, llm_hidden) tensor per image, as transformers' get_image_features splits them."""
+        pixel_values = torch.cat([pv for pv, _ in batch]).to(self.device, self.dtype)  # (sum h*w, C*T*p*p)
+        grid_thw = torch.tensor([g for _, g in batch], dtype=torch.long, device=self.device)  # (n, 3)
         embeds = self.vit(pixel_values, grid_thw=grid_thw).pooler_output  # (sum tokens, llm_hidden)
         sizes = (grid_thw.prod(-1) // self.processing.merge_size**2).tolist()
         return list(embeds.split(sizes))
+
+    def encode(self, images: list[Image.Image]) -> list[torch.Tensor]:
+        return self.forward([self.preprocess(im) for im in images])
 
 
 __all__ = ["Qwen2VLImageProcessing", "Qwen2VLVisionEncoder", "smart_resize"]

@@ -61,12 +61,29 @@ class LLMArgs(_Strict):
     cpu_threads: int | None = Field(None, ge=1, description="torch threads of the LLM on cpu; default: all cores.")
 
 
+class EncoderArgs(_Strict):
+    max_batch_patches: int = Field(
+        16384, ge=1, description="Patches (14x14 pixels each) packed into one encoder forward across requests."
+    )
+    max_batch_wait_ms: float = Field(2.0, ge=0.0, description="How long an idle encoder waits to fill a batch.")
+    cache_gib: float = Field(
+        0.5, ge=0.0, description="Embedding cache shared by the encoder replicas, in GiB (LRU); 0 turns it off."
+    )
+    timeout_s: float = Field(
+        60.0, gt=0.0, description="Longest wait for an image's embedding; then it is retried once, then 503."
+    )
+    jpeg_draft: bool = Field(
+        False, description="Decode large JPEGs at reduced size (faster; pixels differ slightly from a full decode)."
+    )
+
+
 class AppArgs(_Strict):
     model: str = Field(description="Path to a Hugging Face-format checkpoint directory (config.json, safetensors).")
     served_model_name: str | None = Field(None, description="Name in /v1/models and responses; default: the folder name.")
     device: Device = Field("auto", description="cuda when the Ray cluster has GPUs, else cpu; or set one.")
     dtype: DType = Field("auto", description="Weights and activations: bfloat16 on cuda, float32 on cpu when auto.")
     limits: Limits = Field(default_factory=Limits, description="Input limits; every one gets a 4xx past it.")
+    encoder: EncoderArgs = Field(default_factory=EncoderArgs, description="Encoder replica settings.")
     llm: LLMArgs = Field(default_factory=LLMArgs, description="Language-model replica settings.")
 
     @field_validator("model")
@@ -96,4 +113,4 @@ def resolve_max_model_len(configured: int | None, max_position_embeddings: int) 
     return configured if configured is not None else min(max_position_embeddings, 32768)
 
 
-__all__ = ["AppArgs", "Device", "DType", "LLMArgs", "Limits", "resolve_device", "resolve_dtype", "resolve_max_model_len"]
+__all__ = ["AppArgs", "Device", "DType", "EncoderArgs", "LLMArgs", "Limits", "resolve_device", "resolve_dtype", "resolve_max_model_len"]

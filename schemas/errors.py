@@ -25,4 +25,15 @@ class Overloaded(RuntimeError):
         return (type(self), (self.message, self.retry_after_s))
 
 
-__all__ = ["InvalidRequest", "Overloaded"]
+class EncoderUnavailable(RuntimeError):
+    """Embeddings of these images could not be had (their replica died, or timed out): the ingress retries them."""
+
+    def __init__(self, message: str, image_indices: list[int]):
+        super().__init__(message)
+        self.message, self.image_indices = message, image_indices
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.image_indices))
+
+
+__all__ = ["EncoderUnavailable", "InvalidRequest", "Overloaded"]

@@ -9,7 +9,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from schemas import AppArgs, resolve_device, resolve_dtype, resolve_max_model_len
-from schemas.config import LLMArgs, Limits
+from schemas.config import EncoderArgs, LLMArgs, Limits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +34,7 @@ def test_unknown_keys_and_bad_model_are_refused(checkpoint, tmp_path):
         AppArgs.model_validate({"model": str(tmp_path)})
 
 
-@pytest.mark.parametrize("model", [AppArgs, Limits, LLMArgs])
+@pytest.mark.parametrize("model", [AppArgs, Limits, LLMArgs, EncoderArgs])
 def test_every_field_has_a_description(model: type[BaseModel]):
     assert all(f.description for f in model.model_fields.values()), model
 
