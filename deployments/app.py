@@ -1,4 +1,4 @@
-"""`build_app(args)`: the application graph, Ingress -> (Encoder, LLM), from serve_config.yaml's `args:`."""
+"""`build_app(args)`: the application graph, Ingress -> (Encoder -> EmbeddingCache, LLM), from `args:`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from deployments.cache import EmbeddingCache
 from deployments.encoder import Encoder
 from deployments.ingress import Ingress
 from deployments.llm import LLM
@@ -16,4 +17,5 @@ def build_app(args: dict[str, Any]) -> Application:
     """Validated here, once, so a bad config fails at deploy time with the field named, not in a replica."""
     app_args = AppArgs.model_validate(args)
     plain = app_args.model_dump()
-    return Ingress.bind(Encoder.bind(plain), LLM.bind(plain), plain)
+    cache = EmbeddingCache.bind(plain) if app_args.encoder.cache_gib > 0 else None
+    return Ingress.bind(Encoder.bind(plain, cache), LLM.bind(plain), plain)

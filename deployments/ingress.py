@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -17,11 +18,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from transformers import AutoConfig
 
-from deployments.http import error_response, parse, read_json
+from deployments.http import error_response, parse, read_json, root_cause
 from deployments.responses import ChoiceState, completion, interleave, sse_stream
-from encoders import decode_data_url, family_of, probe_image
+from encoders import decode_data_url, embedding_key, family_of, probe_image
 from llm import OutputProcessor, TextDelta, build_prompt, load_tokenizer
-from schemas import AppArgs, GenerateRequest, InvalidRequest, SamplingParams, resolve_max_model_len
+from schemas import (AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, Overloaded, SamplingParams,
+                     resolve_max_model_len)
 from schemas.openai import ChatCompletionRequest, ImagePart, ModelCard, ModelList
 
 logger = logging.getLogger("ray.serve")
@@ -44,6 +46,9 @@ class Ingress:
         config = AutoConfig.from_pretrained(self.args.model)
         self.image_token_id = config.image_token_id
         self.processing = family_of(self.args.model).processing.from_pretrained(self.args.model)
+        self.preprocessing_id = self.processing.fingerprint()
+        config_bytes = (Path(self.args.model) / "config.json").read_bytes()
+        self.model_id = hashlib.sha256(self.args.model.encode() + config_bytes).hexdigest()[:16]
         self.tokenizer = load_tokenizer(self.args.model)
         self.max_model_len = resolve_max_model_len(
             self.args.llm.max_model_len, config.text_config.max_position_embeddings)
@@ -96,8 +101,9 @@ class Ingress:
                 except InvalidRequest as e:
                     raise InvalidRequest(f"{param}: {e.message}", param=param, code=e.code, status=e.status) from e
                 out.images.append(data)
-                # The prefix-cache key of the image's tokens: its bytes and its size, never pixels alone.
-                out.image_keys.append(f"{hashlib.sha256(data).hexdigest()}:{info.width}x{info.height}")
+                # One key for the embedding cache and for the prefix cache of the image's tokens.
+                out.image_keys.append(embedding_key(hashlib.sha256(data).hexdigest(), info.width, info.height,
+                                                    info.mode, self.preprocessing_id, self.model_id))
                 out.grids.append(self.processing.grid_thw(info.width, info.height))
                 counts.append(self.processing.num_image_tokens(info.width, info.height))
         out.prompt = build_prompt(self.tokenizer, req.messages, self.image_token_id, counts)
@@ -120,17 +126,8 @@ class Ingress:
         started = time.monotonic()
         req = parse(ChatCompletionRequest, await read_json(request, self.args.limits.max_request_bytes))
         p = await asyncio.to_thread(self._prepare, req)
-        # Fan out one encoder call per image; keep only ObjectRefs (the ingress never holds embeddings).
-        refs = list(await asyncio.gather(*(self.encoder.encode.remote(im)._to_object_ref() for im in p.images)))
-        streams = [self._events(self.llm.options(stream=True).generate.remote(GenerateRequest(
-            f"{request_id}-{i}", p.prompt, p.grids, refs, self._sampling(req, p.max_tokens, i), p.image_keys)),
-            req.stop) for i in range(req.n)]
         log = {"id": request_id, "prompt": len(p.prompt), "images": len(p.images), "started": started}
-        try:  # an error before the first token still gets its own status
-            firsts = list(await asyncio.gather(*(anext(s) for s in streams)))
-        except BaseException:
-            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
-            raise
+        streams, firsts = await self._start(req, p, request_id)
         log["ttft"] = time.monotonic() - started
         head = {"id": request_id, "created": int(time.time()), "model": self.args.model_name}
         events = interleave(firsts, streams)
@@ -141,6 +138,44 @@ class Ingress:
         body, choices = await completion(req, head, p.prompt, events, self.tokenizer)
         self._log(log, choices)
         return JSONResponse(body.model_dump())
+
+    async def _encode(self, p: Prepared, indices: list[int]) -> list[Any]:
+        """One encoder call per image, concurrently; only ObjectRefs come back (the ingress never holds
+        embeddings)."""
+        calls = [self.encoder.encode.remote(p.images[i], p.image_keys[i])._to_object_ref() for i in indices]
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*calls), self.args.encoder.timeout_s))
+        except TimeoutError:
+            raise Overloaded("no encoder replica took the images in time", retry_after_s=2) from None
+
+    async def _start(self, req: ChatCompletionRequest, p: Prepared, request_id: str):
+        """Encode the images and start the n generations, up to their first tokens (so an early error still gets
+        its own status). Images whose encoder replica went away are encoded once more; a second loss is a 503."""
+        refs = await self._encode(p, list(range(len(p.images))))
+        for attempt in (1, 2):
+            try:
+                return await self._generate(req, p, refs, request_id)
+            except Exception as e:
+                cause = root_cause(e)
+                if not isinstance(cause, EncoderUnavailable):
+                    raise
+                if attempt == 2:
+                    raise Overloaded("image encoding failed twice; the encoder tier is recovering",
+                                     retry_after_s=2) from e
+                logger.warning("%s: %s; retrying them once", request_id, cause.message)
+                for i, ref in zip(cause.image_indices, await self._encode(p, cause.image_indices), strict=True):
+                    refs[i] = ref
+        raise AssertionError("unreachable")
+
+    async def _generate(self, req: ChatCompletionRequest, p: Prepared, refs: list[Any], request_id: str):
+        streams = [self._events(self.llm.options(stream=True).generate.remote(GenerateRequest(
+            f"{request_id}-{i}", p.prompt, p.grids, refs, self._sampling(req, p.max_tokens, i), p.image_keys)),
+            req.stop) for i in range(req.n)]
+        try:
+            return streams, list(await asyncio.gather(*(anext(s) for s in streams)))
+        except BaseException:
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            raise
 
     async def _events(self, gen: DeploymentResponseGenerator, stops: list[str]) -> AsyncIterator[TextDelta]:
         """One choice's token chunks -> text deltas; a stop string ends it (and cancels its generation)."""

@@ -11,14 +11,19 @@ from typing import Any
 import ray
 import torch
 from ray import serve
+from ray.exceptions import (ActorUnavailableError, NodeDiedError, ObjectLostError, RayActorError,
+                            TaskCancelledError, WorkerCrashedError)
 from transformers import AutoConfig, GenerationConfig
 
 from deployments.http import root_cause
 from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, num_kv_blocks
-from schemas import AppArgs, GenerateRequest, InvalidRequest, TokenChunk, resolve_device, resolve_dtype
+from schemas import AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, TokenChunk, resolve_device, resolve_dtype
 from schemas import resolve_max_model_len
 
 logger = logging.getLogger("ray.serve")
+# Errors that mean "the encoder replica (or its node) went away", not "this image is bad".
+_REPLICA_GONE = (RayActorError, ActorUnavailableError, WorkerCrashedError, ObjectLostError, NodeDiedError,
+                 TaskCancelledError)
 
 
 def eos_token_ids(model_dir: str, config: Any) -> set[int]:
@@ -61,14 +66,22 @@ class LLM:
         for ref in refs:  # invariant: the ingress passes references, never embeddings
             if not isinstance(ref, ray.ObjectRef):
                 raise TypeError(f"image embeddings must arrive as ObjectRefs, got {type(ref).__name__}")
-        results = await asyncio.gather(*refs, return_exceptions=True)
-        for i, r in enumerate(results):
-            if isinstance(r, BaseException):
-                cause = root_cause(r)
+        tasks = [asyncio.ensure_future(ref) for ref in refs]
+        done, pending = await asyncio.wait(tasks, timeout=self.args.encoder.timeout_s) if tasks else (set(), set())
+        for task in pending:
+            task.cancel()
+        lost = [i for i, t in enumerate(tasks) if t in pending]
+        for i, task in enumerate(tasks):
+            if task in done and task.exception() is not None:
+                cause = root_cause(task.exception())
                 if isinstance(cause, InvalidRequest):
                     raise InvalidRequest(f"image {i}: {cause.message}", param="messages") from None
-                raise r
-        return list(results)
+                if not isinstance(cause, _REPLICA_GONE):
+                    raise task.exception()
+                lost.append(i)
+        if lost:  # the ingress retries these images once on another encoder replica
+            raise EncoderUnavailable(f"no embeddings for images {sorted(lost)}", sorted(lost))
+        return [t.result() for t in tasks]
 
     async def stats(self) -> dict[str, float]:
         return self.engine.stats()

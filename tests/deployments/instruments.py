@@ -45,8 +45,14 @@ class TracingEncoder:
         self.inner, self.record_dir = Qwen2VLVisionEncoder(model_dir, device, dtype), record_dir
         self.hidden_size = self.inner.hidden_size
 
+    def preprocess(self, image, size=None):
+        return self.inner.preprocess(image, size)
+
+    def forward(self, batch):
+        return [Traced(t, self.record_dir) for t in self.inner.forward(batch)]
+
     def encode(self, images):
-        return [Traced(t, self.record_dir) for t in self.inner.encode(images)]
+        return self.forward([self.preprocess(im) for im in images])
 
 
 def deserializations(record_dir: str | Path) -> list[str]:
