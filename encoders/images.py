@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import base64
 import binascii
 import io
 import warnings
 from dataclasses import dataclass
 
+import pybase64
 from PIL import Image, UnidentifiedImageError
 
 from schemas import InvalidRequest, Limits
@@ -35,9 +35,14 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
     if len(payload) // 4 * 3 > max_bytes + 3:
         raise InvalidRequest(f"image is about {len(payload) // 4 * 3} bytes, over the limit of {max_bytes}", status=413)
     try:
-        data = base64.b64decode(payload, validate=True)
+        # NOTE: pybase64 (SIMD), not the stdlib: ~55x faster at 1 MB (make bench-encoder), same accepted input
+        # except that it refuses padding after complete groups ("YWJj="), which the stdlib ignores.
+        data = pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise InvalidRequest(f"image data URL is not valid base64: {e}") from e
+        # pybase64 says "Non-base64 digit found" for every failure, a wrong length included: say which.
+        why = (f"{len(payload)} characters, not a multiple of 4" if len(payload) % 4
+               else "only A-Z, a-z, 0-9, + and / are allowed, with = padding at the end")
+        raise InvalidRequest(f"image data URL is not valid base64: {why}") from e
     if not data:
         raise InvalidRequest("image data URL is empty")
     if len(data) > max_bytes:

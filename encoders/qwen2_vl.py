@@ -91,16 +91,24 @@ class Qwen2VLImageProcessing:
         `size`: the (width, height) the target is computed from, when the image was decoded at a reduced scale."""
         p, m, T = self.patch_size, self.merge_size, self.temporal_patch_size
         w, h = self.resized_size(*(size or (image.width, image.height)))
-        resized = image.resize((w, h), resample=Image.Resampling.BICUBIC)
-        x = torch.from_numpy(np.asarray(resized, dtype=np.float32)).permute(2, 0, 1)  # (3, H, W)
-        mean = torch.tensor(self.image_mean, dtype=torch.float32).view(3, 1, 1)
-        std = torch.tensor(self.image_std, dtype=torch.float32).view(3, 1, 1)
-        x = (x / 255.0 - mean) / std
+        # NOTE: PIL's resize to the image's own size is a plain copy; skip it.
+        resized = image if image.size == (w, h) else image.resize((w, h), resample=Image.Resampling.BICUBIC)
         gh, gw = h // p, w // p
-        x = x.view(3, gh // m, m, p, gw // m, m, p)  # (C, gh/m, m, p, gw/m, m, p)
-        x = x.permute(1, 4, 2, 5, 0, 3, 6)  # (gh/m, gw/m, m, m, C, p, p): rows in merge order
-        x = x.unsqueeze(5).expand(*x.shape[:5], T, p, p)  # (gh/m, gw/m, m, m, C, T, p, p): a still image, T frames
-        return x.reshape(gh * gw, 3 * T * p * p), (1, gh, gw)  # (gh*gw, C*T*p*p)
+        # NOTE: patchify the uint8 pixels, then convert and normalize: a quarter of the bytes to move, and the
+        # same float32 ops on the same values as normalizing first, so the same bits (tests/encoders check them
+        # against transformers). 2-4x faster than permuting float32 (make bench-encoder).
+        x = np.asarray(resized, dtype=np.uint8).reshape(gh // m, m, p, gw // m, m, p, 3)  # (gh/m, m, p, gw/m, m, p, C)
+        x = np.ascontiguousarray(x.transpose(0, 3, 1, 4, 6, 2, 5))  # (gh/m, gw/m, m, m, C, p, p): rows in merge order
+        # NOTE: the float buffers come from numpy, not torch: numpy asks for transparent huge pages on big arrays,
+        # torch's allocator takes fresh 4 KiB pages for every block above glibc's mmap threshold (32 MiB), and
+        # faulting those in cost as much as the arithmetic (1932x1092: 38 -> 18 ms).
+        x = torch.from_numpy(x.astype(np.float32)).view(gh * gw, 3, p * p)  # (gh*gw, C, p*p)
+        mean = torch.tensor(self.image_mean, dtype=torch.float32).view(1, 3, 1)
+        std = torch.tensor(self.image_std, dtype=torch.float32).view(1, 3, 1, 1)
+        x.div_(255.0).sub_(mean)
+        out = torch.from_numpy(np.empty((gh * gw, 3, T, p * p), dtype=np.float32))  # (gh*gw, C, T, p*p): T frames
+        torch.div(x.unsqueeze(2).expand(-1, -1, T, -1), std, out=out)  # the last op writes each frame
+        return out.view(gh * gw, 3 * T * p * p), (1, gh, gw)  # (gh*gw, C*T*p*p)
 
 
 class Qwen2VLVisionEncoder:
