@@ -17,5 +17,7 @@ def build_app(args: dict[str, Any]) -> Application:
     """Validated here, once, so a bad config fails at deploy time with the field named, not in a replica."""
     app_args = AppArgs.model_validate(args)
     plain = app_args.model_dump()
-    cache = EmbeddingCache.bind(plain) if app_args.encoder.cache_gib > 0 else None
-    return Ingress.bind(Encoder.bind(plain, cache), LLM.bind(plain), plain)
+    if app_args.encoder.colocated:  # no encoder tier: the LLM replica encodes the images itself
+        return Ingress.bind(None, LLM.bind(plain), plain)
+    # NOTE: bound even with cache_gib 0 (then unused), so that serve_config.yaml's entry for it always applies.
+    return Ingress.bind(Encoder.bind(plain, EmbeddingCache.bind(plain)), LLM.bind(plain), plain)

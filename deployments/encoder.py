@@ -1,4 +1,8 @@
-"""Encoder deployment: image bytes in, one (num_image_tokens, llm_hidden) embedding tensor out, via the object store."""
+"""Encoder deployment: image bytes in, projected embeddings (num_image_tokens, llm_hidden) out.
+
+Serve autoscales this deployment on its own; the ingress fans each image out to it. Images of concurrent requests
+are packed into one ViT forward (`encoders.ImageBatcher`); embeddings seen before come from the shared
+`EmbeddingCache`."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from encoders import ImageBatcher, VisionEncoder, family_of, image_size, load_rgb
+from encoders import EncoderRunner, VisionEncoder
 from schemas import AppArgs, resolve_device, resolve_dtype
 
 logger = logging.getLogger("ray.serve")
@@ -21,7 +25,9 @@ logger = logging.getLogger("ray.serve")
     name="Encoder",
     ray_actor_options={"num_cpus": 0.4},
     max_ongoing_requests=16,
-    autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4},
+    # Tuned for reaction time, as serve_config.yaml (Ray's defaults: 30 s up, 600 s down, metrics every 10 s).
+    autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4, "upscale_delay_s": 1,
+                        "downscale_delay_s": 30, "metrics_interval_s": 1, "look_back_period_s": 5},
 )
 class Encoder:
     def __init__(self, args: dict[str, Any], cache: DeploymentHandle | None = None,
@@ -29,21 +35,12 @@ class Encoder:
         self.args = AppArgs.model_validate(args)
         device = resolve_device(self.args.device, torch.cuda.is_available())
         dtype = getattr(torch, resolve_dtype(self.args.dtype, device))
-        family = family_of(self.args.model)
-        self.processing = family.processing.from_pretrained(self.args.model)
-        self.encoder = (model_factory or family.encoder)(self.args.model, device=device, dtype=dtype)
-        opts = self.args.encoder
-        self.batcher = ImageBatcher(self.encoder.forward, max_patches=opts.max_batch_patches,
-                                    max_wait_s=opts.max_batch_wait_ms / 1000)
-        self.cache, self._puts = cache, set()
+        self.runner = EncoderRunner(self.args.model, self.args.encoder, device=device, dtype=dtype,
+                                    model_factory=model_factory)
+        self.cache = cache if self.args.encoder.cache_gib > 0 else None
+        self._puts: set[asyncio.Task] = set()
         logger.info("encoder ready: %s on %s (%s), cache %s", self.args.model, device, dtype,
-                    "on" if cache is not None else "off")
-
-    def _preprocess(self, data: bytes):
-        if self.args.encoder.jpeg_draft:
-            size = image_size(data)
-            return self.encoder.preprocess(load_rgb(data, draft_size=self.processing.resized_size(*size)), size)
-        return self.encoder.preprocess(load_rgb(data))
+                    "on" if self.cache is not None else "off")
 
     async def _cached(self, key: str) -> torch.Tensor | None:
         try:
@@ -62,13 +59,12 @@ class Encoder:
         # NOTE: returned, not ray.put: the caller owns the result, so it outlives this replica.
         if key is not None and self.cache is not None and (hit := await self._cached(key)) is not None:
             return hit
-        preprocessed = await asyncio.to_thread(self._preprocess, image)  # decode + resize, off the event loop
-        embeds = (await self.batcher.encode(preprocessed)).cpu()
-        if key is not None and self.cache is not None:
+        embeds = await self.runner.encode(image)
+        if key is not None and self.cache is not None:  # in the background: the caller does not wait for it
             task = asyncio.create_task(self._put(key, embeds))
             self._puts.add(task)
             task.add_done_callback(self._puts.discard)
         return embeds
 
     async def stats(self) -> dict[str, int]:
-        return {"batches": self.batcher.num_batches, "images": self.batcher.num_images}
+        return self.runner.stats()

@@ -40,7 +40,7 @@ class Prepared:
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
 class Ingress:
-    def __init__(self, encoder: DeploymentHandle, llm: DeploymentHandle, args: dict[str, Any]):
+    def __init__(self, encoder: DeploymentHandle | None, llm: DeploymentHandle, args: dict[str, Any]):
         self.encoder, self.llm = encoder, llm
         self.args = AppArgs.model_validate(args)
         config = AutoConfig.from_pretrained(self.args.model)
@@ -52,6 +52,7 @@ class Ingress:
         self.tokenizer = load_tokenizer(self.args.model)
         self.max_model_len = resolve_max_model_len(
             self.args.llm.max_model_len, config.text_config.max_position_embeddings)
+        self.counts = {"encoder_retries": 0, "encoder_failures": 0, "encoder_timeouts": 0}
         self.routes = {"/v1/chat/completions": ("POST", self.chat), "/v1/models": ("GET", self.models),
                        "/health": ("GET", self.health)}
 
@@ -67,6 +68,10 @@ class Ingress:
             return await handler(request, request_id)
         except Exception as e:
             return error_response(e, request_id)
+
+    async def stats(self) -> dict[str, int]:
+        """Images re-encoded after their encoder replica went away, and requests that gave up (503)."""
+        return dict(self.counts)
 
     async def health(self, request: Request, request_id: str) -> Response:
         return JSONResponse({"status": "ok"})
@@ -146,11 +151,14 @@ class Ingress:
         try:
             return list(await asyncio.wait_for(asyncio.gather(*calls), self.args.encoder.timeout_s))
         except TimeoutError:
+            self.counts["encoder_timeouts"] += 1
             raise Overloaded("no encoder replica took the images in time", retry_after_s=2) from None
 
     async def _start(self, req: ChatCompletionRequest, p: Prepared, request_id: str):
         """Encode the images and start the n generations, up to their first tokens (so an early error still gets
         its own status). Images whose encoder replica went away are encoded once more; a second loss is a 503."""
+        if self.encoder is None:  # colocated mode: the LLM replica gets the bytes and encodes them itself
+            return await self._generate(req, p, [], request_id)
         refs = await self._encode(p, list(range(len(p.images))))
         for attempt in (1, 2):
             try:
@@ -160,16 +168,19 @@ class Ingress:
                 if not isinstance(cause, EncoderUnavailable):
                     raise
                 if attempt == 2:
+                    self.counts["encoder_failures"] += 1
                     raise Overloaded("image encoding failed twice; the encoder tier is recovering",
                                      retry_after_s=2) from e
                 logger.warning("%s: %s; retrying them once", request_id, cause.message)
+                self.counts["encoder_retries"] += len(cause.image_indices)
                 for i, ref in zip(cause.image_indices, await self._encode(p, cause.image_indices), strict=True):
                     refs[i] = ref
         raise AssertionError("unreachable")
 
     async def _generate(self, req: ChatCompletionRequest, p: Prepared, refs: list[Any], request_id: str):
         streams = [self._events(self.llm.options(stream=True).generate.remote(GenerateRequest(
-            f"{request_id}-{i}", p.prompt, p.grids, refs, self._sampling(req, p.max_tokens, i), p.image_keys)),
+            f"{request_id}-{i}", p.prompt, p.grids, refs, self._sampling(req, p.max_tokens, i), p.image_keys,
+            p.images if self.encoder is None else [])),
             req.stop) for i in range(req.n)]
         try:
             return streams, list(await asyncio.gather(*(anext(s) for s in streams)))
@@ -179,16 +190,21 @@ class Ingress:
 
     async def _events(self, gen: DeploymentResponseGenerator, stops: list[str]) -> AsyncIterator[TextDelta]:
         """One choice's token chunks -> text deltas; a stop string ends it (and cancels its generation)."""
-        out = OutputProcessor(self.tokenizer, stops)
+        out, engine_done = OutputProcessor(self.tokenizer, stops), False
         try:
             async for chunk in gen:
+                engine_done = chunk.finish_reason is not None
                 delta = out.feed(chunk)
                 yield delta
                 if delta.finish_reason is not None:
                     return
             raise RuntimeError("the generation stream ended without a finish reason")
         finally:
-            gen.cancel()  # no-op when finished; frees the LLM's sequence when the client left or a stop hit
+            # Frees the LLM's sequence when the client left or a stop string hit. NOT after the engine's own last
+            # chunk: cancelling a task that is returning races Ray's bookkeeping of its result (seen crashing
+            # the ingress's core worker when results go through plasma).
+            if not engine_done:
+                gen.cancel()
 
     def _log(self, log: dict, choices: list[ChoiceState]) -> None:
         finish = ",".join(str(c.finish_reason) for c in choices)

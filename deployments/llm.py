@@ -16,6 +16,7 @@ from ray.exceptions import (ActorUnavailableError, NodeDiedError, ObjectLostErro
 from transformers import AutoConfig, GenerationConfig
 
 from deployments.http import root_cause
+from encoders import EmbeddingLRU, EncoderRunner
 from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, num_kv_blocks
 from schemas import AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, TokenChunk, resolve_device, resolve_dtype
 from schemas import resolve_max_model_len
@@ -58,9 +59,14 @@ class LLM:
         self.engine = Engine(model, engine_config, image_token_id=config.image_token_id,
                              merge_size=config.vision_config.spatial_merge_size,
                              eos_token_ids=eos_token_ids(self.args.model, config))
-        logger.info("llm ready: %s on %s (%s, %d threads), context %d, KV cache %d tokens (%.2f GiB)",
+        self.vision = self.vision_cache = None
+        if self.args.encoder.colocated:  # the encoder lives here, sharing this replica's device with the engine
+            self.vision = EncoderRunner(self.args.model, self.args.encoder, device=device, dtype=dtype)
+            self.vision_cache = EmbeddingLRU(int(self.args.encoder.cache_gib * (1 << 30)))
+        logger.info("llm ready: %s on %s (%s, %d threads), context %d, KV cache %d tokens (%.2f GiB)%s",
                     self.args.model, device, dtype, torch.get_num_threads(), max_model_len,
-                    num_blocks * llm_args.block_size, self.engine.cache.nbytes / (1 << 30))
+                    num_blocks * llm_args.block_size, self.engine.cache.nbytes / (1 << 30),
+                    ", encoder colocated" if self.vision else "")
 
     async def _fetch_embeds(self, refs: list[Any]) -> list[torch.Tensor]:
         for ref in refs:  # invariant: the ingress passes references, never embeddings
@@ -83,11 +89,32 @@ class LLM:
             raise EncoderUnavailable(f"no embeddings for images {sorted(lost)}", sorted(lost))
         return [t.result() for t in tasks]
 
+    async def _encode_here(self, images: list[bytes], keys: list[str]) -> list[torch.Tensor]:
+        """Colocated mode: encode the request's images in this replica (a local cache stands in for the shared one)."""
+        assert self.vision is not None and self.vision_cache is not None, "images as bytes need encoder.colocated"
+
+        async def one(i: int, data: bytes) -> torch.Tensor:
+            key = keys[i] if keys else None
+            if key is not None and (hit := self.vision_cache.get(key)) is not None:
+                return hit
+            try:
+                embeds = await self.vision.encode(data)
+            except InvalidRequest as e:
+                raise InvalidRequest(f"image {i}: {e.message}", param="messages") from None
+            if key is not None:
+                self.vision_cache.put(key, embeds)
+            return embeds
+
+        return list(await asyncio.gather(*(one(i, data) for i, data in enumerate(images))))
+
     async def stats(self) -> dict[str, float]:
         return self.engine.stats()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        embeds = await self._fetch_embeds(request.image_embed_refs)
+        if request.images:
+            embeds = await self._encode_here(request.images, request.image_keys)
+        else:
+            embeds = await self._fetch_embeds(request.image_embed_refs)
         seq = SequenceInput(request.request_id, request.prompt_token_ids, request.image_grid_thw, embeds,
                             request.sampling, request.image_keys or None)
         async for chunk in self.engine.generate(seq):

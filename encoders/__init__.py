@@ -5,10 +5,12 @@ from encoders.cache import EmbeddingLRU, embedding_key
 from encoders.images import FORMATS, ImageInfo, decode_data_url, image_size, load_rgb, probe_image
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, smart_resize
 from encoders.registry import FAMILIES, Family, ImageProcessing, VisionEncoder, family_of
+from encoders.runner import EncoderRunner
 
 __all__ = [
     "FAMILIES",
     "EmbeddingLRU",
+    "EncoderRunner",
     "FORMATS",
     "Family",
     "ImageBatcher",

@@ -70,10 +70,13 @@ class EncoderArgs(_Strict):
         0.5, ge=0.0, description="Embedding cache shared by the encoder replicas, in GiB (LRU); 0 turns it off."
     )
     timeout_s: float = Field(
-        60.0, gt=0.0, description="Longest wait for an image's embedding; then it is retried once, then 503."
+        30.0, gt=0.0, description="Longest wait for an image's embedding; then it is retried once, then 503."
     )
     jpeg_draft: bool = Field(
         False, description="Decode large JPEGs at reduced size (faster; pixels differ slightly from a full decode)."
+    )
+    colocated: bool = Field(
+        False, description="Encode images inside the LLM replica (one GPU; the baseline that disaggregation beats)."
     )
 
 

@@ -43,9 +43,12 @@ class GenerateRequest:
     sampling: SamplingParams
     # One content key per image (hash of its bytes and size): prefix-cache keys for its placeholder tokens.
     image_keys: list[str] = field(default_factory=list)
+    # Colocated mode only (`encoder.colocated`): the images' bytes, encoded by the LLM replica itself.
+    images: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        assert len(self.image_grid_thw) == len(self.image_embed_refs), "one grid per image"
+        assert len(self.image_grid_thw) == len(self.image_embed_refs) + len(self.images), "one grid per image"
+        assert not (self.image_embed_refs and self.images), "embeddings or bytes, not both"
         assert not self.image_keys or len(self.image_keys) == len(self.image_grid_thw), "one key per image"
 
 

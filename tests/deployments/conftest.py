@@ -30,7 +30,8 @@ def ray_serve():
     # controller inherits these from the driver's environment at ray.init.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="warning")
+    # address="local": always a fresh cluster of our own, never one a `ray start` left running on this machine
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()

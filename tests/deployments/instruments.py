@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -53,6 +54,33 @@ class TracingEncoder:
 
     def encode(self, images):
         return self.forward([self.preprocess(im) for im in images])
+
+
+class SlowEncoder:
+    """Each batched forward takes at least `delay_s` and leaves (pid, time, images) in `record_dir`: which replica
+    served, and when."""
+
+    def __init__(self, model_dir, device="cpu", dtype=torch.float32, *, delay_s: float, record_dir: str):
+        self.inner, self.delay_s, self.record_dir = Qwen2VLVisionEncoder(model_dir, device, dtype), delay_s, record_dir
+        self.hidden_size = self.inner.hidden_size
+
+    def preprocess(self, image, size=None):
+        return self.inner.preprocess(image, size)
+
+    def forward(self, batch):
+        time.sleep(self.delay_s)
+        with open(Path(self.record_dir) / f"{os.getpid()}.log", "a") as f:
+            f.write(f"{os.getpid()} {time.time():.3f} {len(batch)}\n")
+        return self.inner.forward(batch)
+
+    def encode(self, images):
+        return self.forward([self.preprocess(im) for im in images])
+
+
+def forwards(record_dir: str | Path) -> list[tuple[int, float, int]]:
+    """(pid, unix time, images) of every forward a SlowEncoder ran, in time order."""
+    rows = [line.split() for f in Path(record_dir).glob("*.log") for line in f.read_text().splitlines()]
+    return sorted(((int(p), float(t), int(n)) for p, t, n in rows), key=lambda r: r[1])
 
 
 def deserializations(record_dir: str | Path) -> list[str]:
