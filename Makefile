@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install checkpoint serve test bench bench-prefix clean
+.PHONY: install checkpoint serve test bench bench-prefix bench-encoder bench-colocated clean
 
 install: $(STAMP)
 
@@ -30,9 +30,18 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-bench.txt
 	$(PY) -m tests.bench.run $(BENCH_ARGS)
 
-# Second-turn time to first token with and without prefix reuse.
+# Second-turn time to first token with and without prefix reuse (BENCH_ARGS="--compare embedding-cache": with and
+# without the encoders' embedding cache).
 bench-prefix: $(STAMP)
 	$(PY) -m tests.bench.prefix $(BENCH_ARGS)
+
+# The encoder tier alone: ViT images/s, preprocessing against transformers, embedding transfer, base64.
+bench-encoder: $(STAMP)
+	$(PY) -m tests.bench.encoder $(BENCH_ARGS)
+
+# Encoders on their own replicas against an encoder colocated in the LLM replica, same resources and requests.
+bench-colocated: $(STAMP)
+	$(PY) -m tests.bench.colocated $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CHECKPOINT)

@@ -1,8 +1,10 @@
-"""Second-turn time to first token with and without prefix reuse (`make bench-prefix`).
+"""Second-turn time to first token with and without prefix reuse, or the embedding cache (`make bench-prefix`).
 
 Each conversation: turn 1 = images + a long question, answered; turn 2 re-sends that whole history (same text,
-same images) plus a short question, streamed, and its TTFT is measured. The app runs twice on the bench
-checkpoint, `enable_prefix_caching` on and off, with the same conversations one at a time.
+same images) plus a short question, streamed, and its TTFT is measured. The app runs twice with the same
+conversations one at a time: `--compare prefix` turns `enable_prefix_caching` on and off (bench checkpoint);
+`--compare embedding-cache` turns the encoders' shared embedding cache on and off, prefix reuse on in both, on an
+encoder-heavy checkpoint (a bigger ViT, 448x336 images) where re-encoding is most of a second turn's work.
 """
 
 from __future__ import annotations
@@ -21,15 +23,25 @@ import numpy as np
 import torch
 
 from tests.bench.client import _one
-from tests.bench.server import bench_checkpoint, serve_app
+from tests.bench.server import CHECKPOINT_PARAMS, bench_checkpoint, serve_app
 from tests.bench.workload import data_url, noise_png
 
 
-def conversations(n: int, images: int, words: int, seed: int) -> list[list[dict]]:
+# Encoder-heavy: a ViT with about 6x the bench checkpoint's compute per patch, and images of 768 patches each.
+ENCODER_HEAVY = {**CHECKPOINT_PARAMS, "vision_embed_dim": 256, "vision_depth": 8, "max_pixels": 448 * 448}
+MODES = {  # name: (checkpoint, image size, the two settings compared: (label, overrides))
+    "prefix": (CHECKPOINT_PARAMS, (224, 160), [("on", {"llm": {"enable_prefix_caching": True}}),
+                                               ("off", {"llm": {"enable_prefix_caching": False}})]),
+    "embedding-cache": (ENCODER_HEAVY, (448, 336), [("on", {"encoder": {"cache_gib": 0.5}}),
+                                                    ("off", {"encoder": {"cache_gib": 0}})]),
+}
+
+
+def conversations(n: int, images: int, words: int, seed: int, size=(224, 160)) -> list[list[dict]]:
     out = []
     for i in range(n):
         rng = np.random.default_rng(seed * 1000 + i)
-        parts = [{"type": "image_url", "image_url": {"url": data_url(noise_png(224, 160, rng))}} for _ in range(images)]
+        parts = [{"type": "image_url", "image_url": {"url": data_url(noise_png(*size, rng))}} for _ in range(images)]
         text = " ".join(f"word{(i * 7919 + k) % 997}" for k in range(words))
         out.append([{"role": "user", "content": [*parts, {"type": "text", "text": f"Question {i}: {text}"}]}])
     return out
@@ -56,27 +68,31 @@ async def second_turn_ttfts(url: str, convs: list[list[dict]], timeout: float) -
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--conversations", type=int, default=12)
-    p.add_argument("--images", type=int, default=2, help="224x160 noise images in turn 1")
+    p.add_argument("--compare", choices=sorted(MODES), default="prefix")
+    p.add_argument("--images", type=int, default=2, help="noise images in turn 1")
     p.add_argument("--words", type=int, default=300, help="words of text in turn 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="bench_results")
     args = p.parse_args(argv)
-    ckpt = bench_checkpoint(Path(args.out_dir))
-    convs = conversations(args.conversations, args.images, args.words, args.seed)
+    params, size, settings = MODES[args.compare]
+    ckpt = bench_checkpoint(Path(args.out_dir), params)
+    convs = conversations(args.conversations, args.images, args.words, args.seed, size)
     results = {}
-    for caching in (True, False):
-        with serve_app(ckpt, max_images=args.images, overrides={"llm": {"enable_prefix_caching": caching}}) as url:
-            asyncio.run(second_turn_ttfts(url, conversations(2, args.images, args.words, args.seed + 1), 300))  # warm
-            results[caching] = asyncio.run(second_turn_ttfts(url, convs, 300))
-    on, off = (sorted(results[c]) for c in (True, False))
+    for label, overrides in settings:
+        with serve_app(ckpt, max_images=args.images, overrides=overrides) as url:
+            warm = conversations(2, args.images, args.words, args.seed + 1, size)
+            asyncio.run(second_turn_ttfts(url, warm, 300))
+            results[label] = asyncio.run(second_turn_ttfts(url, convs, 300))
+    on, off = (sorted(results[c]) for c in ("on", "off"))
     summary = {f"{name} p50_ms": round(statistics.median(v) * 1000, 1) for name, v in (("on", on), ("off", off))}
     summary |= {f"{name} mean_ms": round(statistics.mean(v) * 1000, 1) for name, v in (("on", on), ("off", off))}
     summary["speedup_p50"] = round(statistics.median(off) / statistics.median(on), 2)
     print(f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}  {platform.processor() or platform.machine()}  "
-          f"torch {torch.__version__}; {args.conversations} conversations, {args.images} images + {args.words} words")
-    print(f"second-turn TTFT p50: prefix reuse on {summary['on p50_ms']} ms, off {summary['off p50_ms']} ms "
+          f"torch {torch.__version__}; {args.conversations} conversations, {args.images} images {size[0]}x{size[1]} "
+          f"+ {args.words} words")
+    print(f"second-turn TTFT p50: {args.compare} on {summary['on p50_ms']} ms, off {summary['off p50_ms']} ms "
           f"-> {summary['speedup_p50']}x")
-    out = Path(args.out_dir) / f"prefix-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out_dir) / f"{args.compare}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"args": vars(args), "summary": summary, "ttft_s": {"on": on, "off": off}}, indent=1))
     print(f"wrote {out}")
     return 0

@@ -83,7 +83,7 @@ def serve_app(checkpoint: Path, *, max_images: int, max_model_len: int = 4096,
     # proxy on a loaded 2-core machine; the controller reads these from the driver's environment at ray.init.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="warning")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
     try:
         port = _free_port()
         quiet = {"log_level": "WARNING", "enable_access_log": False}  # per-request INFO lines would drown the report

@@ -1,0 +1,112 @@
+"""Disaggregated encoders against an encoder colocated in the LLM replica (`make bench-colocated`).
+
+The same app, checkpoint and requests, twice: `encoder.colocated` off (encoder replicas of their own) and on (the
+LLM replica encodes). Text-only probe streams run throughout (long outputs, closed loop) while image-heavy requests
+arrive as a Poisson stream; measured: TTFT of the image requests, and TPOT of the probes, whose decode steps an
+encoder in the same replica holds up. On a CPU machine both modes share the same cores (the Ray cluster is the same
+size); on a GPU machine the colocated encoder shares the LLM's GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+from tests.bench.client import _one
+from tests.bench.metrics import RequestResult, aggregate
+from tests.bench.prefix import ENCODER_HEAVY
+from tests.bench.server import bench_checkpoint, serve_app
+from tests.bench.workload import data_url, noise_png
+
+
+def _body(content, max_tokens: int) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+
+
+def image_requests(n: int, images: int, size: tuple[int, int], seed: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        rng = np.random.default_rng(seed * 1000 + i)  # new pixels every request: no cache hits
+        parts = [{"type": "image_url", "image_url": {"url": data_url(noise_png(*size, rng))}} for _ in range(images)]
+        out.append(_body([*parts, {"type": "text", "text": f"Describe picture set {i}."}], 8))
+    return out
+
+
+async def run(url: str, args: argparse.Namespace) -> tuple[list[RequestResult], list[RequestResult], float]:
+    bodies = image_requests(args.image_requests, args.images, tuple(args.size), args.seed)
+    gaps = np.random.default_rng(args.seed).exponential(1.0 / args.rate, len(bodies))
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout) as client:
+        t0, done = time.perf_counter(), asyncio.Event()
+
+        async def probe(k: int) -> list[RequestResult]:
+            results = []
+            while not done.is_set():
+                body = _body(f"Probe {k}: count slowly from one upwards.", args.probe_tokens)
+                results.append(await _one(client, k, body, t0, args.timeout))
+            return results
+
+        async def images() -> list[RequestResult]:
+            tasks = []
+            for i, (body, gap) in enumerate(zip(bodies, gaps, strict=True)):
+                await asyncio.sleep(gap)
+                tasks.append(asyncio.create_task(_one(client, i, body, t0, args.timeout)))
+            out = list(await asyncio.gather(*tasks))
+            done.set()
+            return out
+
+        probes = [asyncio.create_task(probe(k)) for k in range(args.probes)]
+        image_results = await images()
+        probe_results = [r for t in probes for r in await t]
+        return image_results, probe_results, time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--image-requests", type=int, default=24)
+    p.add_argument("--images", type=int, default=4, help="images per image request")
+    p.add_argument("--size", type=int, nargs=2, default=(448, 336), help="image width height")
+    p.add_argument("--rate", type=float, default=1.0, help="image requests per second (Poisson)")
+    p.add_argument("--probes", type=int, default=4, help="text-only streams running throughout")
+    p.add_argument("--probe-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--out-dir", default="bench_results")
+    args = p.parse_args(argv)
+    ckpt = bench_checkpoint(Path(args.out_dir), ENCODER_HEAVY)
+    report = {}
+    for mode, colocated in (("disaggregated", False), ("colocated", True)):
+        with serve_app(ckpt, max_images=args.images, overrides={"encoder": {"colocated": colocated}}) as url:
+            warm = argparse.Namespace(**{**vars(args), "image_requests": 2, "seed": args.seed + 1})
+            asyncio.run(run(url, warm))
+            images, probes, wall = asyncio.run(run(url, args))
+        report[mode] = {"images": aggregate(images, wall, 1e9, 1e9), "probes": aggregate(probes, wall, 1e9, 1e9)}
+    rows = [("image TTFT p50", "images", "ttft_ms", "p50"), ("image TTFT p99", "images", "ttft_ms", "p99"),
+            ("probe TPOT p50", "probes", "tpot_ms", "p50"), ("probe TPOT p99", "probes", "tpot_ms", "p99")]
+    print(f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}  {platform.processor() or platform.machine()}"
+          f"  torch {torch.__version__}  {torch.get_num_threads()} threads; {args.image_requests} image requests x "
+          f"{args.images} images {args.size[0]}x{args.size[1]} at {args.rate}/s, {args.probes} text probes")
+    print(f"{'':16} {'disaggregated':>14} {'colocated':>10} {'colocated/disagg':>17}")
+    for name, part, metric, pct in rows:
+        d, c = (report[m][part][metric][pct] for m in ("disaggregated", "colocated"))
+        print(f"{name:16} {d:12.0f}ms {c:8.0f}ms {c / d:16.2f}x")
+    for mode in report:
+        failed = report[mode]["images"]["failed"] + report[mode]["probes"]["failed"]
+        print(f"{mode}: {report[mode]['probes']['completed']} probe streams, {failed} failed requests")
+    out = Path(args.out_dir) / f"colocated-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"args": vars(args), "report": report}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
