@@ -15,6 +15,7 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.transfer import send_tensors_out_of_band
 from encoders import EncoderRunner, VisionEncoder
 from schemas import AppArgs, resolve_device, resolve_dtype
 
@@ -33,6 +34,7 @@ class Encoder:
     def __init__(self, args: dict[str, Any], cache: DeploymentHandle | None = None,
                  model_factory: Callable[..., VisionEncoder] | None = None):
         self.args = AppArgs.model_validate(args)
+        send_tensors_out_of_band()
         device = resolve_device(self.args.device, torch.cuda.is_available())
         dtype = getattr(torch, resolve_dtype(self.args.dtype, device))
         self.runner = EncoderRunner(self.args.model, self.args.encoder, device=device, dtype=dtype,

@@ -165,14 +165,16 @@ def main(argv: list[str] | None = None) -> int:
         hiddens = sorted({QWEN2_VL_2B_HIDDEN, llm_hidden, DEMO_HIDDEN}, reverse=True)
         rows = transfer(_ints(args.tokens), hiddens, ["float32", "bfloat16"], args.repeats, zero_copy=False)
         fast = transfer(_ints(args.tokens), hiddens, ["float32", "bfloat16"], args.repeats, zero_copy=True)
-        for row, z in zip(rows, fast, strict=True):
-            row |= {"zero-copy ms": z["ms"], "zero-copy MB/s": z["MB/s"]}
+        ours = transfer(_ints(args.tokens), hiddens, ["float32", "bfloat16"], args.repeats, zero_copy=False, ours=True)
+        for row, z, o in zip(rows, fast, ours, strict=True):
+            row |= {"zero-copy ms": z["ms"], "zero-copy MB/s": z["MB/s"], "ours ms": o["ms"], "ours MB/s": o["MB/s"]}
         results["transfer"] = rows
         print(table("3. Embedding (tokens, hidden) from an actor's return to another actor holding it (the "
                     "ObjectRef passed in a list and awaited), one node: consumer's time.time() after the await minus "
                     "the producer's just before its return, median; 'ms over floor' subtracts the empty tensor's "
                     "time; MB/s = MB / ms (whole trip). 'zero-copy': the same with "
-                    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1 in the workers.", rows))
+                    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1 in the workers; 'ours': the producer registers "
+                    "deployments/transfer.py's serializer, as Encoder replicas do.", rows))
     if "base64" not in args.skip:
         rows = base64_decode(_ints(args.base64_sizes), max(args.repeats, 15))
         results["base64"] = rows

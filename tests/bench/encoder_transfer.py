@@ -34,8 +34,12 @@ def _actors():
     class Producer:
         """Stands in for an Encoder replica: its method returns the embedding, and the caller owns it."""
 
-        def __init__(self):
+        def __init__(self, ours: bool):
             self.stamps: dict[int, float] = {}
+            if ours:
+                from deployments.transfer import send_tensors_out_of_band
+
+                send_tensors_out_of_band()
 
         def make(self, call: int, tokens: int, hidden: int, dtype: str) -> torch.Tensor:
             x = torch.randn(tokens, hidden).to(getattr(torch, dtype))  # (num_image_tokens, llm_hidden)
@@ -57,7 +61,8 @@ def _actors():
     return Producer, Consumer
 
 
-def transfer(tokens: list[int], hiddens: list[int], dtypes: list[str], repeats: int, zero_copy: bool) -> list[dict]:
+def transfer(tokens: list[int], hiddens: list[int], dtypes: list[str], repeats: int, zero_copy: bool,
+             ours: bool = False) -> list[dict]:
     """Producer's `return` -> consumer holding the tensor, per (tokens, hidden, dtype), both actors on this node.
 
     The producer stamps time.time() just before returning; the consumer stamps it when `await ref` gives the
@@ -66,7 +71,8 @@ def transfer(tokens: list[int], hiddens: list[int], dtypes: list[str], repeats: 
     deserialization. Same machine, same clock. The zero-token row is the floor that any object pays.
 
     `zero_copy`: Ray's RAY_ENABLE_ZERO_COPY_TORCH_TENSORS in the workers (a tensor goes out of band, as numpy
-    arrays do; the receiver gets a read-only view of shared memory). Off by default in Ray 2.60."""
+    arrays do; the receiver gets a read-only view of shared memory). Off by default in Ray 2.60.
+    `ours`: the producer registers deployments/transfer.py's serializer, as the Encoder replicas do."""
     import ray
 
     env = {"PYTHONWARNINGS": "ignore"}  # with zero-copy, torch warns on each receiver that its tensor is read-only
@@ -76,7 +82,7 @@ def transfer(tokens: list[int], hiddens: list[int], dtypes: list[str], repeats: 
              object_store_memory=512 * MIB, runtime_env={"env_vars": env})
     try:
         Producer, Consumer = _actors()
-        producer, consumer = Producer.remote(), Consumer.remote()
+        producer, consumer = Producer.remote(ours), Consumer.remote()
         call = 0
 
         def once(n: int, hidden: int, dtype: str) -> tuple[float, int]:

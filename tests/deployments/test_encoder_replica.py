@@ -1,12 +1,16 @@
-"""The Encoder replica's class without Serve: the shared cache is an optimisation, never a point of failure."""
+"""The Encoder replica's class without Serve: the shared cache is an optimisation, never a point of failure; and
+the out-of-band form embeddings travel in."""
 
 from __future__ import annotations
 
 import asyncio
+import pickle
 
+import pytest
 import torch
 
 from deployments import Encoder
+from deployments.transfer import _from_numpy, _to_numpy
 from encoders import EmbeddingLRU
 from tests.helpers import image_bytes, make_image
 
@@ -67,3 +71,12 @@ def test_cache_off_is_never_called(checkpoint):
     cache = FakeCache(down=True)
     encoder = Encoder.func_or_class({"model": str(checkpoint), "encoder": {"cache_gib": 0}}, cache)
     assert encoder.cache is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_out_of_band_tensor_round_trip(dtype):
+    """What deployments/transfer.py sends for an embedding comes back equal, dtype and shape included."""
+    embeds = torch.randn(37, 24).to(dtype)[:, 4:20]  # not contiguous
+    payload = _to_numpy(embeds)
+    back = _from_numpy(pickle.loads(pickle.dumps(payload, protocol=5)))
+    assert back.dtype == dtype and back.shape == embeds.shape and back.equal(embeds)
