@@ -80,12 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--disaggregated-args", type=json.loads, default={},
+                   help='JSON merged into the disaggregated run\'s app args, e.g. \'{"llm": {"cpu_threads": 1}}\'')
     p.add_argument("--out-dir", default="bench_results")
     args = p.parse_args(argv)
     ckpt = bench_checkpoint(Path(args.out_dir), ENCODER_HEAVY)
     report = {}
     for mode, colocated in (("disaggregated", False), ("colocated", True)):
-        with serve_app(ckpt, max_images=args.images, overrides={"encoder": {"colocated": colocated}}) as url:
+        overrides = {"encoder": {"colocated": True}} if colocated else args.disaggregated_args
+        with serve_app(ckpt, max_images=args.images, overrides=overrides) as url:
             warm = argparse.Namespace(**{**vars(args), "image_requests": 2, "seed": args.seed + 1})
             asyncio.run(run(url, warm))
             images, probes, wall = asyncio.run(run(url, args))
