@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from transformers import AutoConfig
 
+from deployments.auth import Gate
 from deployments.http import error_response, parse, read_json, root_cause
 from deployments.responses import ChoiceState, completion, interleave, sse_stream
 from encoders import decode_data_url, embedding_key, family_of, probe_image
@@ -52,22 +53,33 @@ class Ingress:
         self.tokenizer = load_tokenizer(self.args.model)
         self.max_model_len = resolve_max_model_len(
             self.args.llm.max_model_len, config.text_config.max_position_embeddings)
+        self.gate = Gate(self.args.auth)
+        logger.info("ingress ready: %s, API keys %s, CORS origins %s", self.args.model_name,
+                    self.gate.num_keys or "off", self.args.auth.cors_allow_origins or "off")
         self.counts = {"encoder_retries": 0, "encoder_failures": 0, "encoder_timeouts": 0}
         self.routes = {"/v1/chat/completions": ("POST", self.chat), "/v1/models": ("GET", self.models),
                        "/health": ("GET", self.health)}
 
     async def __call__(self, request: Request) -> Response:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if request.method == "OPTIONS":  # CORS preflight: browsers send no credentials with it
+            return self.gate.preflight(request)
         try:
             path = request.url.path.removeprefix(request.scope.get("root_path", "")).rstrip("/")
             method, handler = self.routes.get(path, (None, None))
             if handler is None:
                 raise InvalidRequest(f"no route {request.url.path}", status=404, code="not_found")
+            if path != "/health":  # health checks (load balancers, Kubernetes) carry no key
+                self.gate.check(request)
             if request.method != method:
                 raise InvalidRequest(f"{request.url.path} takes {method}, not {request.method}", status=405)
-            return await handler(request, request_id)
+            response = await handler(request, request_id)
         except Exception as e:
-            return error_response(e, request_id)
+            response = error_response(e, request_id)
+            if response.status_code == 401:
+                response.headers["WWW-Authenticate"] = "Bearer"
+        response.headers.update(self.gate.cors_headers(request))
+        return response
 
     async def stats(self) -> dict[str, int]:
         """Images re-encoded after their encoder replica went away, and requests that gave up (503)."""

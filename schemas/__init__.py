@@ -1,12 +1,13 @@
 """Pydantic models at the edges (HTTP, config) and the small dataclasses components exchange."""
 
 from schemas.checkpoint import Component, load_components, split_key
-from schemas.config import AppArgs, EncoderArgs, LLMArgs, Limits, resolve_device, resolve_dtype, resolve_max_model_len
+from schemas.config import AppArgs, AuthArgs, EncoderArgs, LLMArgs, Limits, resolve_device, resolve_dtype, resolve_max_model_len
 from schemas.engine import FinishReason, GenerateRequest, SamplingParams, TokenChunk, TokenLogprob
 from schemas.errors import EncoderUnavailable, InvalidRequest, Overloaded
 
 __all__ = [
     "AppArgs",
+    "AuthArgs",
     "Component",
     "EncoderArgs",
     "EncoderUnavailable",

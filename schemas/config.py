@@ -80,6 +80,18 @@ class EncoderArgs(_Strict):
     )
 
 
+class AuthArgs(_Strict):
+    api_keys: list[str] = Field(
+        default_factory=list, description="Accepted API keys (Authorization: Bearer <key>); none at all: no auth."
+    )
+    api_keys_env: str = Field(
+        "VLM_API_KEYS", description="Environment variable of the ingress replica with more keys, comma-separated."
+    )
+    cors_allow_origins: list[str] = Field(
+        default_factory=list, description='Origins browsers may call the API from ("*": any); empty: no CORS.'
+    )
+
+
 class AppArgs(_Strict):
     model: str = Field(description="Path to a Hugging Face-format checkpoint directory (config.json, safetensors).")
     served_model_name: str | None = Field(None, description="Name in /v1/models and responses; default: the folder name.")
@@ -88,6 +100,7 @@ class AppArgs(_Strict):
     limits: Limits = Field(default_factory=Limits, description="Input limits; every one gets a 4xx past it.")
     encoder: EncoderArgs = Field(default_factory=EncoderArgs, description="Encoder replica settings.")
     llm: LLMArgs = Field(default_factory=LLMArgs, description="Language-model replica settings.")
+    auth: AuthArgs = Field(default_factory=AuthArgs, description="API keys and CORS at the ingress.")
 
     @field_validator("model")
     @classmethod
@@ -116,4 +129,4 @@ def resolve_max_model_len(configured: int | None, max_position_embeddings: int) 
     return configured if configured is not None else min(max_position_embeddings, 32768)
 
 
-__all__ = ["AppArgs", "Device", "DType", "EncoderArgs", "LLMArgs", "Limits", "resolve_device", "resolve_dtype", "resolve_max_model_len"]
+__all__ = ["AppArgs", "AuthArgs", "Device", "DType", "EncoderArgs", "LLMArgs", "Limits", "resolve_device", "resolve_dtype", "resolve_max_model_len"]

@@ -1,0 +1,60 @@
+"""API keys and CORS at the ingress: who may call, and from which browser origins."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Mapping
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from schemas import AuthArgs, InvalidRequest
+
+_PREFLIGHT = {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+              "Access-Control-Allow-Headers": "Authorization, Content-Type", "Access-Control-Max-Age": "600"}
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class Gate:
+    def __init__(self, args: AuthArgs, environ: Mapping[str, str] = os.environ):
+        keys = [*args.api_keys, *(k.strip() for k in environ.get(args.api_keys_env, "").split(","))]
+        # NOTE: compared as sha256 digests, so every comparison is 32 bytes whatever the key's length.
+        self._digests = [_digest(k) for k in keys if k]
+        self._origins = frozenset(args.cors_allow_origins)
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._digests)
+
+    def check(self, request: Request) -> None:
+        """401 unless auth is off or the request carries one of the keys (compared in constant time)."""
+        if not self._digests:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise InvalidRequest("no API key: send the header Authorization: Bearer <key>", status=401,
+                                 code="invalid_api_key")
+        digest, ok = _digest(token.strip()), False
+        for known in self._digests:  # no early exit: the time does not say which key came close
+            ok |= hmac.compare_digest(digest, known)
+        if not ok:
+            raise InvalidRequest("invalid API key", status=401, code="invalid_api_key")
+
+    def cors_headers(self, request: Request) -> dict[str, str]:
+        origin = request.headers.get("origin")
+        if origin is None or not (origin in self._origins or "*" in self._origins):
+            return {}
+        return {"Access-Control-Allow-Origin": "*" if "*" in self._origins else origin, "Vary": "Origin"}
+
+    def preflight(self, request: Request) -> Response:
+        """A browser's OPTIONS before a cross-origin call: allowed origins get the methods and headers, others 403."""
+        cors = self.cors_headers(request)
+        return Response(status_code=204 if cors else 403, headers={**cors, **_PREFLIGHT} if cors else None)
+
+
+__all__ = ["Gate"]
