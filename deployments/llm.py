@@ -27,6 +27,11 @@ _REPLICA_GONE = (RayActorError, ActorUnavailableError, WorkerCrashedError, Objec
                  TaskCancelledError)
 
 
+def _bad_image(index: int, e: InvalidRequest) -> InvalidRequest:
+    """An image the encoder could not read is the client's error; say which one."""
+    return InvalidRequest(f"image {index}: {e.message}", param="messages")
+
+
 def eos_token_ids(model_dir: str, config: Any) -> set[int]:
     try:
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
@@ -81,7 +86,7 @@ class LLM:
             if task in done and task.exception() is not None:
                 cause = root_cause(task.exception())
                 if isinstance(cause, InvalidRequest):
-                    raise InvalidRequest(f"image {i}: {cause.message}", param="messages") from None
+                    raise _bad_image(i, cause) from None
                 if not isinstance(cause, _REPLICA_GONE):
                     raise task.exception()
                 lost.append(i)
@@ -100,7 +105,7 @@ class LLM:
             try:
                 embeds = await self.vision.encode(data)
             except InvalidRequest as e:
-                raise InvalidRequest(f"image {i}: {e.message}", param="messages") from None
+                raise _bad_image(i, e) from None
             if key is not None:
                 self.vision_cache.put(key, embeds)
             return embeds

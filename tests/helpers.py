@@ -1,9 +1,10 @@
-"""Test helpers: deterministic images and data URLs."""
+"""Test helpers: deterministic images, data URLs, a free port."""
 
 from __future__ import annotations
 
 import base64
 import io
+import socket
 
 import numpy as np
 from PIL import Image
@@ -28,3 +29,9 @@ def image_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
 def data_url(image: Image.Image | bytes, fmt: str = "PNG") -> str:
     data = image if isinstance(image, bytes) else image_bytes(image, fmt)
     return f"data:image/{fmt.lower()};base64,{base64.b64encode(data).decode()}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

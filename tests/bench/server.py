@@ -6,13 +6,14 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from tests.helpers import free_port
 
 # A bench-size random Qwen2-VL: ~26M parameters, big enough that compute dominates per-request overheads.
 # init_std is small so activations stay sane over 8 layers; output quality is irrelevant (lengths are forced).
@@ -43,12 +44,6 @@ def bench_checkpoint(root: Path, params: dict = CHECKPOINT_PARAMS) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_healthy(base_url: str, deadline_s: float) -> None:
@@ -85,7 +80,7 @@ def serve_app(checkpoint: Path, *, max_images: int, max_model_len: int = 4096,
     os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
     try:
-        port = _free_port()
+        port = free_port()
         quiet = {"log_level": "WARNING", "enable_access_log": False}  # per-request INFO lines would drown the report
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
         args = _merge({"model": str(checkpoint), "llm": {"max_model_len": max_model_len},

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import httpx
 import pytest
@@ -11,21 +10,16 @@ import ray
 from ray import serve
 
 from deployments import build_app
+from tests.helpers import free_port
 
 # Small limits so that every limit can be hit cheaply.
 LIMITS = {"max_request_bytes": 2 << 20, "max_image_pixels": 640 * 640, "max_images_per_request": 4,
           "default_max_tokens": 16}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def ray_serve():
-    port = _free_port()
+    port = free_port()
     # NOTE: Serve's proxy readiness checks (5 s / 10 s) kill the proxy on a loaded 2-core CI machine; the
     # controller inherits these from the driver's environment at ray.init.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")

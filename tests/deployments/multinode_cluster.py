@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ from ray.cluster_utils import Cluster
 from deployments import LLM, EmbeddingCache, Encoder, Ingress
 from encoders import Qwen2VLVisionEncoder, family_of
 from schemas import AppArgs
-from tests.helpers import data_url, make_image
+from tests.helpers import data_url, free_port, make_image
 
 # Placement: each node advertises a custom resource; each deployment asks for a sliver of its node's.
 HEAD = {"num_cpus": 0.1, "resources": {"head": 0.01}}
@@ -44,12 +43,6 @@ SLOW_SIZE, SLOW_S = 588, 3.0  # images of this size take this much longer to enc
 REQUEST_TIMEOUT_S = 60.0
 RECOVERY_DEADLINE_S = 120.0
 IN_FLIGHT = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SlowOnCue(Qwen2VLVisionEncoder):
@@ -134,7 +127,7 @@ def main(checkpoint: str) -> dict:
         llm_node = cluster.add_node(num_cpus=1, resources={"llm_node": 1}, wait=False)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="warning")  # connects to the head node's raylet
-        port = _free_port()
+        port = free_port()
         # NOTE: HeadOnly: every node of this cluster shares 127.0.0.1, so one proxy per node would clash on the port.
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         # Cache off: every request encodes, so every answer needs embeddings from the encoder's node.
