@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import ipaddress
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -31,6 +33,34 @@ class Limits(_Strict):
     max_n: int = Field(8, ge=1, description="Most choices (n) in one request.")
     max_stop: int = Field(4, ge=0, description="Most stop strings in one request.")
     max_stop_chars: int = Field(64, ge=1, description="Longest stop string, in characters.")
+    context_overflow: Literal["error", "drop_oldest_turns"] = Field(
+        "error", description="A prompt over the context: a 400, or drop the oldest whole turns (and their images).")
+    request_timeout_s: float = Field(
+        600.0, gt=0.0, description="Deadline of a request; past it a 408, or an error event on a stream.")
+
+
+class ImageURLArgs(_Strict):
+    allow_http: bool = Field(False, description="Fetch http(s) image URLs (off: only data: URLs).")
+    allowed_domains: list[str] = Field(
+        default_factory=list, description='Hosts images may come from: "example.com", "*.example.com", or "*".')
+    allowed_networks: list[str] = Field(
+        default_factory=list, description="CIDRs exempt from the block on private addresses (an internal image store).")
+    max_redirects: int = Field(3, ge=0, le=10, description="Redirects followed, each one checked again; 0: none.")
+    timeout_s: float = Field(10.0, gt=0.0, description="Whole fetch of one image: connect, redirects, body.")
+    file_root: str | None = Field(None, description="file:// URLs are served from under this directory; unset: off.")
+
+    @field_validator("allowed_networks")
+    @classmethod
+    def _cidrs(cls, v: list[str]) -> list[str]:
+        for cidr in v:
+            ipaddress.ip_network(cidr, strict=False)  # a ValueError names the bad one
+        return v
+
+    @model_validator(mode="after")
+    def _domains_when_on(self) -> ImageURLArgs:
+        if self.allow_http and not self.allowed_domains:
+            raise ValueError('image_urls.allow_http needs allowed_domains (hosts, "*.example.com", or "*": any public)')
+        return self
 
 
 class LLMArgs(_Strict):
@@ -101,6 +131,7 @@ class AppArgs(_Strict):
     encoder: EncoderArgs = Field(default_factory=EncoderArgs, description="Encoder replica settings.")
     llm: LLMArgs = Field(default_factory=LLMArgs, description="Language-model replica settings.")
     auth: AuthArgs = Field(default_factory=AuthArgs, description="API keys and CORS at the ingress.")
+    image_urls: ImageURLArgs = Field(default_factory=ImageURLArgs, description="http(s) and file:// image URLs.")
 
     @field_validator("model")
     @classmethod
@@ -129,4 +160,4 @@ def resolve_max_model_len(configured: int | None, max_position_embeddings: int) 
     return configured if configured is not None else min(max_position_embeddings, 32768)
 
 
-__all__ = ["AppArgs", "AuthArgs", "Device", "DType", "EncoderArgs", "LLMArgs", "Limits", "resolve_device", "resolve_dtype", "resolve_max_model_len"]
+__all__ = ["AppArgs", "AuthArgs", "Device", "DType", "EncoderArgs", "ImageURLArgs", "LLMArgs", "Limits", "resolve_device", "resolve_dtype", "resolve_max_model_len"]
