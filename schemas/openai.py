@@ -16,7 +16,7 @@ class _Tolerant(BaseModel):
 
 
 class ImageURL(_Tolerant):
-    url: str = Field(description="A data: URL (base64) of the image.")
+    url: str = Field(description="A data: URL (base64) of the image, or an http(s)/file URL where the server allows.")
     detail: Literal["auto", "low", "high"] = Field("auto", description="Accepted for compatibility; ignored.")
 
 
@@ -74,6 +74,8 @@ class ChatCompletionRequest(_Tolerant):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     return_token_ids: bool = False
     ignore_eos: bool = False
+    context_overflow: Literal["error", "drop_oldest_turns"] | None = Field(
+        None, description="Over the context: a 400, or drop the oldest whole turns; default: the server's setting.")
 
     @field_validator("stop", mode="before")
     @classmethod
