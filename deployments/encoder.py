@@ -15,6 +15,7 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.metrics import EncoderMetrics
 from deployments.transfer import send_tensors_out_of_band
 from encoders import EncoderRunner, VisionEncoder
 from schemas import AppArgs, resolve_device, resolve_dtype
@@ -37,8 +38,10 @@ class Encoder:
         send_tensors_out_of_band()
         device = resolve_device(self.args.device, torch.cuda.is_available())
         dtype = getattr(torch, resolve_dtype(self.args.dtype, device))
+        self.metrics = EncoderMetrics()
         self.runner = EncoderRunner(self.args.model, self.args.encoder, device=device, dtype=dtype,
-                                    model_factory=model_factory)
+                                    model_factory=model_factory, on_batch=self.metrics.on_batch)
+        self.num_cancelled = 0
         self.cache = cache if self.args.encoder.cache_gib > 0 else None
         self._puts: set[asyncio.Task] = set()
         logger.info("encoder ready: %s on %s (%s), cache %s", self.args.model, device, dtype,
@@ -59,9 +62,17 @@ class Encoder:
 
     async def encode(self, image: bytes, key: str | None = None) -> torch.Tensor:
         # NOTE: returned, not ray.put: the caller owns the result, so it outlives this replica.
-        if key is not None and self.cache is not None and (hit := await self._cached(key)) is not None:
-            return hit
-        embeds = await self.runner.encode(image)
+        try:
+            if key is not None and self.cache is not None:
+                self.metrics.cache_queries.inc()
+                if (hit := await self._cached(key)) is not None:
+                    self.metrics.cache_hits.inc()
+                    return hit
+            embeds = await self.runner.encode(image)
+        except asyncio.CancelledError:  # the client went away: the image leaves the batch queue unencoded
+            self.num_cancelled += 1
+            self.metrics.cancelled.inc()
+            raise
         if key is not None and self.cache is not None:  # in the background: the caller does not wait for it
             task = asyncio.create_task(self._put(key, embeds))
             self._puts.add(task)
@@ -69,4 +80,4 @@ class Encoder:
         return embeds
 
     async def stats(self) -> dict[str, int]:
-        return self.runner.stats()
+        return {**self.runner.stats(), "cancelled": self.num_cancelled}

@@ -16,6 +16,7 @@ from ray.exceptions import (ActorUnavailableError, NodeDiedError, ObjectLostErro
 from transformers import AutoConfig, GenerationConfig
 
 from deployments.http import root_cause
+from deployments.metrics import EncoderMetrics, LLMMetrics
 from encoders import EmbeddingLRU, EncoderRunner
 from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, num_kv_blocks
 from schemas import AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, TokenChunk, resolve_device, resolve_dtype
@@ -64,9 +65,12 @@ class LLM:
         self.engine = Engine(model, engine_config, image_token_id=config.image_token_id,
                              merge_size=config.vision_config.spatial_merge_size,
                              eos_token_ids=eos_token_ids(self.args.model, config))
+        self.metrics = LLMMetrics(self.engine.stats, self.engine.drain_timings)
+        self._metrics_task: asyncio.Task | None = None
         self.vision = self.vision_cache = None
         if self.args.encoder.colocated:  # the encoder lives here, sharing this replica's device with the engine
-            self.vision = EncoderRunner(self.args.model, self.args.encoder, device=device, dtype=dtype)
+            self.vision = EncoderRunner(self.args.model, self.args.encoder, device=device, dtype=dtype,
+                                        on_batch=EncoderMetrics().on_batch)
             self.vision_cache = EmbeddingLRU(int(self.args.encoder.cache_gib * (1 << 30)))
         logger.info("llm ready: %s on %s (%s, %d threads), context %d, KV cache %d tokens (%.2f GiB)%s",
                     self.args.model, device, dtype, torch.get_num_threads(), max_model_len,
@@ -116,6 +120,8 @@ class LLM:
         return self.engine.stats()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        if self._metrics_task is None:  # started on the replica's event loop, which __init__ may not run on
+            self._metrics_task = asyncio.create_task(self.metrics.run())
         if request.images:
             embeds = await self._encode_here(request.images, request.image_keys)
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,8 +28,9 @@ class ImageBatcher:
     than the budget runs alone. (Like Ray Serve's `@serve.batch`, but bounded by patches, not by count.)"""
 
     def __init__(self, forward: Callable[[list[Preprocessed]], list[torch.Tensor]], *, max_patches: int,
-                 max_wait_s: float):
+                 max_wait_s: float, on_batch: Callable[[int, float], None] | None = None):
         self.forward, self.max_patches, self.max_wait_s = forward, max_patches, max_wait_s
+        self.on_batch = on_batch  # (images, seconds) of each forward that ran, for metrics
         self._queue: asyncio.Queue[_Item] | None = None
         self._task: asyncio.Task | None = None
         self.num_batches = self.num_images = 0
@@ -68,6 +70,7 @@ class ImageBatcher:
             live = [item for item in batch if not item.future.done()]  # callers that gave up are skipped
             if not live:
                 continue
+            started = time.monotonic()
             try:
                 outputs = await asyncio.to_thread(self.forward, [item.image for item in live])
             except Exception as e:  # every caller of this batch gets the error; the loop goes on
@@ -77,6 +80,8 @@ class ImageBatcher:
                 continue
             self.num_batches += 1
             self.num_images += len(live)
+            if self.on_batch is not None:
+                self.on_batch(len(live), time.monotonic() - started)
             for item, out in zip(live, outputs, strict=True):
                 if not item.future.done():
                     item.future.set_result(out)

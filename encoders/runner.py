@@ -18,13 +18,14 @@ from schemas import EncoderArgs
 
 class EncoderRunner:
     def __init__(self, model_dir: str | Path, opts: EncoderArgs, *, device: str, dtype: torch.dtype,
-                 model_factory: Callable[..., VisionEncoder] | None = None):
+                 model_factory: Callable[..., VisionEncoder] | None = None,
+                 on_batch: Callable[[int, float], None] | None = None):
         family = family_of(model_dir)
         self.processing = family.processing.from_pretrained(model_dir)
         self.encoder = (model_factory or family.encoder)(model_dir, device=device, dtype=dtype)
         self.jpeg_draft = opts.jpeg_draft
         self.batcher = ImageBatcher(self.encoder.forward, max_patches=opts.max_batch_patches,
-                                    max_wait_s=opts.max_batch_wait_ms / 1000)
+                                    max_wait_s=opts.max_batch_wait_ms / 1000, on_batch=on_batch)
 
     def _preprocess(self, data: bytes) -> Preprocessed:
         if self.jpeg_draft:  # decode at a reduced scale where the target size allows (JPEG only)

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -68,6 +69,10 @@ class Engine:
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.counts = {"finished": 0, "failed": 0, "steps": 0}  # written by the worker only
+        # Seconds from arrival to first scheduled, and between two tokens of a sequence; the worker appends,
+        # `drain_timings` takes them (deque appends and pops are thread-safe; bounded if nobody drains).
+        self.queue_times: deque[float] = deque(maxlen=65536)
+        self.inter_token_times: deque[float] = deque(maxlen=65536)
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._queued = 0  # in the inbox or waiting; read on the event loop, approximate is fine
         self._ids = itertools.count()
@@ -78,6 +83,11 @@ class Engine:
         return {"waiting": s.num_waiting + self._inbox.qsize(), "running": len(s.running),
                 "kv_usage": self.pool.usage, "prefix_hits": self.pool.hits, "prefix_queries": self.pool.queries,
                 "preemptions": s.num_preemptions, "cancelled": s.num_cancelled, **self.counts}
+
+    def drain_timings(self) -> tuple[list[float], list[float]]:
+        """(queue times, inter-token times) recorded since the last call."""
+        return ([self.queue_times.popleft() for _ in range(len(self.queue_times))],
+                [self.inter_token_times.popleft() for _ in range(len(self.inter_token_times))])
 
     def _sequence(self, inp: SequenceInput, emit) -> Sequence:
         n_prompt, n_max, limit = len(inp.prompt_token_ids), inp.sampling.max_tokens, self.config.max_model_len
@@ -201,8 +211,12 @@ class Engine:
         ends = list(itertools.accumulate(c.n for c in chunks))
         sampling = [(c, end - 1) for c, end in zip(chunks, ends, strict=True) if c.completes]
         self.counts["steps"] += 1
+        now = time.monotonic()
         for c in chunks:
             self.scheduler.advance(c)
+            if c.seq.scheduled_at is None:
+                c.seq.scheduled_at = now
+                self.queue_times.append(now - c.seq.arrived_at)
         if not sampling:
             return
         logits = model.logits(hidden[[row for _, row in sampling]])  # (B, V)
@@ -214,6 +228,9 @@ class Engine:
                                   [s.output_counts for s in seqs])
         for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
             seq.token_ids.append(token)
+            if seq.last_token_at is not None:
+                self.inter_token_times.append(now - seq.last_token_at)
+            seq.last_token_at = now
             if seq.output_counts is not None:
                 seq.output_counts[token] += 1
             p = seq.params

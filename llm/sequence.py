@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +33,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
     num_computed: int = 0  # tokens whose KV is in the cache
     output_counts: torch.Tensor | None = None  # (V,) generated-token counts, for penalties
+    arrived_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # first step with this sequence in it
+    last_token_at: float | None = None
     _mm_rows: torch.Tensor = field(init=False)  # (P+1,) image rows before each prompt position
 
     def __post_init__(self) -> None:

@@ -1,0 +1,57 @@
+"""The Prometheus metrics an operator reads, scraped from Ray's metrics endpoint after real requests."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import data_url, make_image
+
+pytestmark = pytest.mark.e2e
+
+
+def _scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def _total(samples, name: str, **labels: str) -> float:
+    """Sum over the app's replicas of one series (exported by Ray as ray_<name>)."""
+    want = {"application": "vlm", **labels}
+    return sum(v for n, lab, v in samples if n == f"ray_{name}" and want.items() <= lab.items())
+
+
+COUNTS = ["vlm_time_to_first_token_seconds_count", "vlm_e2e_request_latency_seconds_count",
+          "vlm_inter_token_latency_seconds_count", "vlm_request_queue_time_seconds_count",
+          "vlm_encoder_latency_seconds_count", "vlm_encoder_batch_size_count", "vlm_images_encoded_total",
+          "vlm_embedding_cache_queries_total", "vlm_request_images_total", "vlm_prefix_cache_queries_total"]
+
+
+def test_requests_show_in_the_metrics(client, metrics_port):
+    before = _scrape(metrics_port)
+    image = {"type": "image_url", "image_url": {"url": data_url(make_image(84, 56, seed=int(time.time())))}}
+    body = {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert client.post("/v1/chat/completions", json={**body, "stream": True}).status_code == 200  # a cache hit
+    assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 400
+    deadline, grown = time.monotonic() + 30, {}
+    while time.monotonic() < deadline:
+        after = _scrape(metrics_port)
+        grown = {name: _total(after, name) - _total(before, name) for name in COUNTS}
+        ok_200 = _total(after, "vlm_requests_total", status="200") - _total(before, "vlm_requests_total", status="200")
+        bad = _total(after, "vlm_requests_total", status="400") - _total(before, "vlm_requests_total", status="400")
+        if all(v > 0 for v in grown.values()) and ok_200 >= 2 and bad >= 1:
+            break
+        time.sleep(0.5)
+    assert all(v > 0 for v in grown.values()), grown
+    assert grown["vlm_time_to_first_token_seconds_count"] >= 2 and grown["vlm_request_images_total"] >= 2
+    assert grown["vlm_inter_token_latency_seconds_count"] >= 2 * 5  # 6 tokens: 5 gaps, per request
+    assert _total(after, "vlm_embedding_cache_hits_total") - _total(before, "vlm_embedding_cache_hits_total") >= 1
+    names = {n for n, lab, _ in after if lab.get("application") == "vlm"}
+    for gauge in ("vlm_num_requests_running", "vlm_num_requests_waiting", "vlm_kv_cache_usage_perc"):
+        assert f"ray_{gauge}" in names
+    assert 0.0 <= _total(after, "vlm_kv_cache_usage_perc") <= 1.0
