@@ -3,40 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from transformers import AutoConfig
 
 from deployments.auth import Gate
+from deployments.fetch import ImageFetcher
 from deployments.http import error_response, parse, read_json, root_cause
-from deployments.responses import ChoiceState, completion, interleave, sse_stream
-from encoders import decode_data_url, embedding_key, family_of, probe_image
-from llm import OutputProcessor, TextDelta, build_prompt, load_tokenizer
-from schemas import (AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, Overloaded, SamplingParams,
-                     resolve_max_model_len)
-from schemas.openai import ChatCompletionRequest, ImagePart, ModelCard, ModelList
+from deployments.metrics import IngressMetrics
+from deployments.prepare import Prepared, Preparer, image_params
+from deployments.responses import ChoiceState, completion, deadline_error, interleave, sse_stream, with_deadline
+from llm import OutputProcessor, TextDelta
+from schemas import AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, Overloaded, SamplingParams
+from schemas.openai import ChatCompletionRequest, ModelCard, ModelList
 
 logger = logging.getLogger("ray.serve")
-
-
-@dataclass(slots=True)
-class Prepared:
-    prompt: list[int] = field(default_factory=list)
-    images: list[bytes] = field(default_factory=list)
-    image_keys: list[str] = field(default_factory=list)
-    grids: list[tuple[int, int, int]] = field(default_factory=list)
-    max_tokens: int = 0
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
@@ -44,18 +32,15 @@ class Ingress:
     def __init__(self, encoder: DeploymentHandle | None, llm: DeploymentHandle, args: dict[str, Any]):
         self.encoder, self.llm = encoder, llm
         self.args = AppArgs.model_validate(args)
-        config = AutoConfig.from_pretrained(self.args.model)
-        self.image_token_id = config.image_token_id
-        self.processing = family_of(self.args.model).processing.from_pretrained(self.args.model)
-        self.preprocessing_id = self.processing.fingerprint()
-        config_bytes = (Path(self.args.model) / "config.json").read_bytes()
-        self.model_id = hashlib.sha256(self.args.model.encode() + config_bytes).hexdigest()[:16]
-        self.tokenizer = load_tokenizer(self.args.model)
-        self.max_model_len = resolve_max_model_len(
-            self.args.llm.max_model_len, config.text_config.max_position_embeddings)
+        self.prep = Preparer(self.args)
+        self.tokenizer, self.max_model_len = self.prep.tokenizer, self.prep.max_model_len
+        self.fetcher = ImageFetcher(self.args.image_urls, self.args.limits.max_image_bytes)
         self.gate = Gate(self.args.auth)
-        logger.info("ingress ready: %s, API keys %s, CORS origins %s", self.args.model_name,
-                    self.gate.num_keys or "off", self.args.auth.cors_allow_origins or "off")
+        self.metrics = IngressMetrics()
+        urls = self.args.image_urls
+        logger.info("ingress ready: %s, API keys %s, CORS origins %s, image URLs %s, file:// %s",
+                    self.args.model_name, self.gate.num_keys or "off", self.args.auth.cors_allow_origins or "off",
+                    urls.allowed_domains if urls.allow_http else "off", urls.file_root or "off")
         self.counts = {"encoder_retries": 0, "encoder_failures": 0, "encoder_timeouts": 0}
         self.routes = {"/v1/chat/completions": ("POST", self.chat), "/v1/models": ("GET", self.models),
                        "/health": ("GET", self.health)}
@@ -79,6 +64,7 @@ class Ingress:
             if response.status_code == 401:
                 response.headers["WWW-Authenticate"] = "Bearer"
         response.headers.update(self.gate.cors_headers(request))
+        self.metrics.responses.inc(tags={"status": str(response.status_code)})
         return response
 
     async def stats(self) -> dict[str, int]:
@@ -92,46 +78,6 @@ class Ingress:
         card = ModelCard(id=self.args.model_name, max_model_len=self.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    def _prepare(self, req: ChatCompletionRequest) -> Prepared:
-        """Checks, image headers, prompt ids. CPU work, no pixels."""
-        limits = self.args.limits
-        if req.model is not None and req.model != self.args.model_name:
-            raise InvalidRequest(f"model {req.model!r} is not served here; this server serves {self.args.model_name!r}",
-                                 param="model", code="model_not_found", status=404)
-        if len(req.stop) > limits.max_stop or any(len(s) > limits.max_stop_chars for s in req.stop):
-            raise InvalidRequest(f"at most {limits.max_stop} stop strings of at most {limits.max_stop_chars} characters",
-                                 param="stop")
-        if req.n > limits.max_n:
-            raise InvalidRequest(f"n={req.n} is over the limit of {limits.max_n}", param="n")
-        out = Prepared()
-        counts = []
-        for i, message in enumerate(req.messages):
-            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
-                if not isinstance(part, ImagePart):
-                    continue
-                param = f"messages[{i}].content[{j}].image_url"
-                if len(out.images) == limits.max_images_per_request:
-                    raise InvalidRequest(f"more than {limits.max_images_per_request} images in one request", param=param)
-                try:
-                    data = decode_data_url(part.image_url.url, limits.max_image_bytes)
-                    info = probe_image(data, limits)
-                except InvalidRequest as e:
-                    raise InvalidRequest(f"{param}: {e.message}", param=param, code=e.code, status=e.status) from e
-                out.images.append(data)
-                # One key for the embedding cache and for the prefix cache of the image's tokens.
-                out.image_keys.append(embedding_key(hashlib.sha256(data).hexdigest(), info.width, info.height,
-                                                    info.mode, self.preprocessing_id, self.model_id))
-                out.grids.append(self.processing.grid_thw(info.width, info.height))
-                counts.append(self.processing.num_image_tokens(info.width, info.height))
-        out.prompt = build_prompt(self.tokenizer, req.messages, self.image_token_id, counts)
-        room = self.max_model_len - len(out.prompt)
-        out.max_tokens = req.requested_max_tokens or min(limits.default_max_tokens, room)
-        if room < 1 or out.max_tokens > room:
-            asked = f" + max_tokens {out.max_tokens}" if req.requested_max_tokens else ""
-            raise InvalidRequest(f"{len(out.prompt)} prompt tokens{asked} exceed the context length of "
-                                 f"{self.max_model_len}", param="messages", code="context_length_exceeded")
-        return out
-
     def _sampling(self, req: ChatCompletionRequest, max_tokens: int, choice: int) -> SamplingParams:
         seed = None if req.seed is None else (req.seed + choice) % 2**63  # n choices differ, each reproducible
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
@@ -141,27 +87,43 @@ class Ingress:
 
     async def chat(self, request: Request, request_id: str) -> Response:
         started = time.monotonic()
+        timeout_s = self.args.limits.request_timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s
         req = parse(ChatCompletionRequest, await read_json(request, self.args.limits.max_request_bytes))
-        p = await asyncio.to_thread(self._prepare, req)
-        log = {"id": request_id, "prompt": len(p.prompt), "images": len(p.images), "started": started}
-        streams, firsts = await self._start(req, p, request_id)
-        log["ttft"] = time.monotonic() - started
+        try:
+            async with asyncio.timeout_at(deadline) as budget:
+                self.prep.check(req)
+                fetched = await self.fetcher.fetch_all([(param, url) for _, param, url in image_params(req)])
+                p = await asyncio.to_thread(self.prep.prepare, req, fetched)
+                streams, firsts = await self._start(req, p, request_id)
+        except TimeoutError:
+            if not budget.expired():
+                raise
+            raise deadline_error(timeout_s) from None
+        log = {"id": request_id, "prompt": len(p.prompt), "images": len(p.images), "started": started,
+               "ttft": time.monotonic() - started, "dropped": p.dropped_messages}
+        self.metrics.ttft.observe(log["ttft"])
+        if p.images:  # NOTE: Ray counters refuse inc(0)
+            self.metrics.images.inc(len(p.images))
         head = {"id": request_id, "created": int(time.time()), "model": self.args.model_name}
-        events = interleave(firsts, streams)
+        events = with_deadline(interleave(firsts, streams), deadline, timeout_s)
+        headers = {"X-Dropped-Messages": str(p.dropped_messages)} if p.dropped_messages else None
         if req.stream:
             done = lambda choices: self._log(log, choices)  # noqa: E731
             return StreamingResponse(sse_stream(req, head, p.prompt, events, self.tokenizer, request_id, done),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=headers)
         body, choices = await completion(req, head, p.prompt, events, self.tokenizer)
         self._log(log, choices)
-        return JSONResponse(body.model_dump())
+        return JSONResponse(body.model_dump(), headers=headers)
 
-    async def _encode(self, p: Prepared, indices: list[int]) -> list[Any]:
+    async def _encode(self, p: Prepared, indices: list[int], calls: list[DeploymentResponse]) -> list[Any]:
         """One encoder call per image, concurrently; only ObjectRefs come back (the ingress never holds
-        embeddings)."""
-        calls = [self.encoder.encode.remote(p.images[i], p.image_keys[i])._to_object_ref() for i in indices]
+        embeddings). The calls are added to `calls`, to be cancelled if the request ends early."""
+        responses = [self.encoder.encode.remote(p.images[i], p.image_keys[i]) for i in indices]
+        calls += responses
         try:
-            return list(await asyncio.wait_for(asyncio.gather(*calls), self.args.encoder.timeout_s))
+            return list(await asyncio.wait_for(asyncio.gather(*(r._to_object_ref() for r in responses)),
+                                               self.args.encoder.timeout_s))
         except TimeoutError:
             self.counts["encoder_timeouts"] += 1
             raise Overloaded("no encoder replica took the images in time", retry_after_s=2) from None
@@ -171,7 +133,17 @@ class Ingress:
         its own status). Images whose encoder replica went away are encoded once more; a second loss is a 503."""
         if self.encoder is None:  # colocated mode: the LLM replica gets the bytes and encodes them itself
             return await self._generate(req, p, [], request_id)
-        refs = await self._encode(p, list(range(len(p.images))))
+        calls: list[DeploymentResponse] = []
+        try:
+            return await self._encode_and_generate(req, p, request_id, calls)
+        except BaseException:  # client gone, deadline, or an error: images still queued are not encoded
+            for call in calls:
+                call.cancel()
+            raise
+
+    async def _encode_and_generate(self, req: ChatCompletionRequest, p: Prepared, request_id: str,
+                                   calls: list[DeploymentResponse]):
+        refs = await self._encode(p, list(range(len(p.images))), calls)
         for attempt in (1, 2):
             try:
                 return await self._generate(req, p, refs, request_id)
@@ -185,7 +157,7 @@ class Ingress:
                                      retry_after_s=2) from e
                 logger.warning("%s: %s; retrying them once", request_id, cause.message)
                 self.counts["encoder_retries"] += len(cause.image_indices)
-                for i, ref in zip(cause.image_indices, await self._encode(p, cause.image_indices), strict=True):
+                for i, ref in zip(cause.image_indices, await self._encode(p, cause.image_indices, calls), strict=True):
                     refs[i] = ref
         raise AssertionError("unreachable")
 
@@ -220,6 +192,8 @@ class Ingress:
 
     def _log(self, log: dict, choices: list[ChoiceState]) -> None:
         finish = ",".join(str(c.finish_reason) for c in choices)
-        logger.info("%s prompt=%d images=%d completion=%d finish=%s ttft=%.0fms total=%.0fms", log["id"],
+        total = time.monotonic() - log["started"]
+        self.metrics.e2e.observe(total)
+        logger.info("%s prompt=%d images=%d completion=%d finish=%s ttft=%.0fms total=%.0fms%s", log["id"],
                     log["prompt"], log["images"], sum(len(c.token_ids) for c in choices), finish,
-                    log["ttft"] * 1000, (time.monotonic() - log["started"]) * 1000)
+                    log["ttft"] * 1000, total * 1000, f" dropped={log['dropped']}" if log["dropped"] else "")

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from deployments.http import error_body, sse
 from llm import TextDelta
-from schemas import FinishReason, TokenLogprob
+from schemas import FinishReason, InvalidRequest, TokenLogprob
 from schemas.openai import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChoiceLogprobs,
                             ChunkChoice, Delta, ResponseMessage, TokenLogprobOut, TopLogprob, Usage)
 
@@ -53,6 +53,26 @@ async def interleave(firsts: list[TextDelta], streams: list[AsyncIterator[TextDe
     finally:
         for fut in pending:
             fut.cancel()
+
+
+def deadline_error(timeout_s: float) -> InvalidRequest:
+    return InvalidRequest(f"request did not finish within its deadline of {timeout_s:g} s", code="request_timeout",
+                          status=408)
+
+
+async def with_deadline(events: AsyncIterator, deadline: float, timeout_s: float) -> AsyncIterator:
+    """`events` until the loop time `deadline`; then the generations are closed (cancelling them) and a 408."""
+    it = aiter(events)
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):  # only around the wait, never across a yield
+                item = await anext(it)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            await it.aclose()
+            raise deadline_error(timeout_s) from None
+        yield item
 
 
 @dataclass(slots=True)
@@ -117,4 +137,4 @@ async def sse_stream(req: ChatCompletionRequest, head: dict, prompt: list[int], 
     yield "data: [DONE]\n\n"
 
 
-__all__ = ["ChoiceState", "completion", "interleave", "sse_stream", "to_logprobs"]
+__all__ = ["ChoiceState", "completion", "deadline_error", "interleave", "sse_stream", "to_logprobs", "with_deadline"]

@@ -1,13 +1,20 @@
-"""Shared fixtures: tiny random Qwen2-VL checkpoints (both layouts), the transformers reference, test images."""
+"""Shared fixtures: tiny random Qwen2-VL checkpoints (both layouts), the transformers reference, and the running
+application for end-to-end tests (Ray Serve started once, requests over real HTTP)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import httpx
 import pytest
+import ray
 import torch
+from ray import serve
 
 from demo.build_tiny import build_checkpoint
+from deployments import build_app
+from tests.helpers import LIMITS, free_port
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +36,42 @@ def reference(checkpoint):
     from transformers import Qwen2VLForConditionalGeneration
 
     return Qwen2VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def ray_serve(metrics_port):
+    port = free_port()
+    # NOTE: Serve's proxy readiness checks (5 s / 10 s) kill the proxy on a loaded 2-core CI machine; the
+    # controller inherits these from the driver's environment at ray.init.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
+    # address="local": always a fresh cluster of our own, never one a `ray start` left running on this machine
+    # Metrics reach the Prometheus endpoint every second (Ray's default: 10 s), so tests can read them.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning",
+             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def app_args(checkpoint) -> dict:
+    return {"model": str(checkpoint), "limits": LIMITS, "llm": {"max_model_len": 1024}}
+
+
+@pytest.fixture(scope="session")
+def base_url(ray_serve, app_args) -> str:
+    serve.run(build_app(app_args), name="vlm", route_prefix="/")
+    return ray_serve
+
+
+@pytest.fixture
+def client(base_url):
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        yield c

@@ -103,3 +103,19 @@ class FaultyLM(Qwen2LM):
         if decode_at or positions.shape[1] >= self.fail_prefill_from:
             raise RuntimeError("injected fault")
         return super().forward(inputs_embeds, positions, cache, meta)
+
+
+class SlowLM(Qwen2LM):
+    """Every engine step takes at least `delay_s` more: streams that last long enough to leave or time out."""
+
+    delay_s = 0.05
+
+    @classmethod
+    def load(cls, model_dir, device="cpu", dtype=torch.float32) -> SlowLM:
+        model = Qwen2LM.from_pretrained(model_dir, device=device, dtype=dtype)
+        model.__class__ = cls
+        return model
+
+    def forward(self, inputs_embeds, positions, cache, meta):
+        time.sleep(self.delay_s)
+        return super().forward(inputs_embeds, positions, cache, meta)

@@ -1,0 +1,108 @@
+"""Time limits and clients that leave: a request past its deadline is a 408 (or an error event on a stream), and
+the work under it stops, in the encoders and in the engine."""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from ray import serve
+
+from deployments import LLM, Encoder, Ingress
+from tests.deployments.instruments import SlowEncoder, SlowLM, forwards
+from tests.helpers import data_url, make_image
+
+pytestmark = pytest.mark.e2e
+SMALL = {"num_cpus": 0.1}
+DEADLINE_S, ENCODE_S = 2.0, 3.0  # an encoder forward outlasts a request's deadline
+
+
+@pytest.fixture(scope="module")
+def slow(ray_serve, app_args, tmp_path_factory):
+    record_dir = str(tmp_path_factory.mktemp("forwards"))
+    args = {**app_args, "limits": {**app_args["limits"], "request_timeout_s": DEADLINE_S},
+            "encoder": {"cache_gib": 0, "max_batch_wait_ms": 0}}
+    encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=None, num_replicas=1).bind(
+        args, None, model_factory=functools.partial(SlowEncoder, delay_s=ENCODE_S, record_dir=record_dir))
+    llm = LLM.options(ray_actor_options=SMALL).bind(args, model_factory=SlowLM.load)
+    serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name="slow", route_prefix="/slow")
+    yield f"{ray_serve}/slow", record_dir
+    serve.delete("slow")
+
+
+def _stats(deployment: str) -> dict:
+    return serve.get_deployment_handle(deployment, app_name="slow").stats.remote().result()
+
+
+def _wait_for(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _images(*seeds: int) -> list[dict]:
+    return [{"type": "image_url", "image_url": {"url": data_url(make_image(56, 56, seed=s))}} for s in seeds]
+
+
+LONG = {"messages": [{"role": "user", "content": "Talk."}], "max_tokens": 200, "temperature": 0}  # >= 10 s of steps
+
+
+def test_a_request_past_its_deadline_is_a_408_and_frees_its_sequence(slow):
+    url, _ = slow
+    before = _stats("LLM")
+    started = time.monotonic()
+    r = httpx.post(f"{url}/v1/chat/completions", json=LONG, timeout=30)
+    assert r.status_code == 408, r.text
+    assert DEADLINE_S <= time.monotonic() - started < DEADLINE_S + 2
+    error = r.json()["error"]
+    assert error["code"] == "request_timeout" and "deadline of 2 s" in error["message"]
+    _wait_for(lambda: _stats("LLM")["cancelled"] == before["cancelled"] + 1, 1.0)
+    assert _stats("LLM")["running"] == 0
+
+
+def test_a_stream_past_its_deadline_ends_with_an_error_event(slow):
+    url, _ = slow
+    before = _stats("LLM")
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**LONG, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert any(json.loads(e)["choices"][0]["delta"].get("content") for e in events[1:-2])  # tokens came first
+    assert json.loads(events[-2])["error"]["code"] == "request_timeout"
+    _wait_for(lambda: _stats("LLM")["cancelled"] == before["cancelled"] + 1, 1.0)
+    assert _stats("LLM")["running"] == 0
+
+
+def test_a_slow_encoder_gives_a_408_and_the_encode_is_cancelled(slow):
+    url, record_dir = slow
+    before, seen = _stats("Encoder")["cancelled"], len(forwards(record_dir))
+    body = {"messages": [{"role": "user", "content": [*_images(1), {"type": "text", "text": "hi"}]}], "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 408, r.text
+    _wait_for(lambda: _stats("Encoder")["cancelled"] == before + 1, 2.0)
+    _wait_for(lambda: len(forwards(record_dir)) == seen + 1, ENCODE_S)  # the forward it was in runs out
+
+
+def test_a_client_that_leaves_cancels_its_queued_images(slow):
+    """A holds the encoder for 3 s; B's two images wait behind it. B's client leaves: they are never encoded."""
+    url, record_dir = slow
+    seen, before = len(forwards(record_dir)), _stats("Encoder")["cancelled"]
+    a = {"messages": [{"role": "user", "content": [*_images(10), {"type": "text", "text": "a"}]}], "max_tokens": 1}
+    b = {"messages": [{"role": "user", "content": [*_images(11, 12), {"type": "text", "text": "b"}]}],
+         "max_tokens": 1, "temperature": 0}
+    # A's answer is a 408 (3 s of encoding > 2 s); what matters is that it holds the encoder.
+    thread = threading.Thread(target=httpx.post, args=(f"{url}/v1/chat/completions",), kwargs={"json": a,
+                                                                                             "timeout": 30})
+    thread.start()
+    time.sleep(0.3)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/chat/completions", json=b, timeout=0.5)
+    thread.join()
+    _wait_for(lambda: _stats("Encoder")["cancelled"] >= before + 3, 3.0)  # A's one (deadline) and B's two
+    time.sleep(ENCODE_S + 0.5)  # long enough for one more forward to have started and finished
+    assert [n for _, _, n in forwards(record_dir)[seen:]] == [1]  # only A's image was encoded
