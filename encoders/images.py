@@ -27,7 +27,8 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
     """`data:image/png;base64,...` -> the image bytes; anything else is the client's error."""
     if not url.startswith("data:"):
         scheme = url.split(":", 1)[0][:16] if ":" in url else "(none)"
-        raise InvalidRequest(f"only data: URLs (base64) are accepted for images, got scheme {scheme!r}")
+        raise InvalidRequest(f"image URL scheme {scheme!r} is not accepted: send a data: URL (base64), or http(s) "
+                             "and file:// URLs where the server's image_urls allows them", code="image_url_not_allowed")
     header, sep, payload = url[5:].partition(",")
     if not sep or not header.endswith(";base64"):
         raise InvalidRequest("image data URL must look like data:image/<type>;base64,<data>")

@@ -14,7 +14,7 @@ from ray import serve
 
 from demo.build_tiny import build_checkpoint
 from deployments import build_app
-from tests.helpers import LIMITS, free_port
+from tests.helpers import LIMITS, free_port, make_image
 
 
 @pytest.fixture(scope="session")
@@ -61,8 +61,19 @@ def ray_serve(metrics_port):
 
 
 @pytest.fixture(scope="session")
-def app_args(checkpoint) -> dict:
-    return {"model": str(checkpoint), "limits": LIMITS, "llm": {"max_model_len": 1024}}
+def image_root(tmp_path_factory) -> Path:
+    """The app's image_urls.file_root, with one image in it."""
+    root = tmp_path_factory.mktemp("images")
+    make_image(96, 64, seed=7).save(root / "seven.png")
+    return root
+
+
+@pytest.fixture(scope="session")
+def app_args(checkpoint, image_root) -> dict:
+    # Image URLs on, any host, but only public addresses, except 127.0.0.1 where tests serve images.
+    image_urls = {"allow_http": True, "allowed_domains": ["*"], "allowed_networks": ["127.0.0.1/32"],
+                  "timeout_s": 1.0, "file_root": str(image_root)}
+    return {"model": str(checkpoint), "limits": LIMITS, "llm": {"max_model_len": 1024}, "image_urls": image_urls}
 
 
 @pytest.fixture(scope="session")

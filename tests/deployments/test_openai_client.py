@@ -44,10 +44,10 @@ def test_streaming_with_usage(oai):
 def test_errors_are_raised_by_the_client(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model="qwen2-vl-tiny", max_tokens=4, messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
+            {"type": "image_url", "image_url": {"url": "ftp://example.com/cat.png"}}]}])
     assert e.value.status_code == 400
     assert e.value.body["param"] == "messages[0].content[0].image_url"
-    assert "only data: URLs" in e.value.body["message"]
+    assert "'ftp' is not accepted" in e.value.body["message"] and e.value.body["code"] == "image_url_not_allowed"
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     # Streaming requests that fail before the first token get a real status too.
