@@ -45,6 +45,10 @@ class Preparer:
         self.args, self.limits = args, args.limits
         config = AutoConfig.from_pretrained(args.model)
         self.image_token_id = config.image_token_id
+        # Markers the template writes once per image, and placeholders of inputs we do not take (video).
+        self.per_image_ids = [t for t in (getattr(config, "vision_start_token_id", None),
+                                          getattr(config, "vision_end_token_id", None)) if t is not None]
+        self.forbidden_ids = [t for t in (getattr(config, "video_token_id", None),) if t is not None]
         self.processing = family_of(args.model).processing.from_pretrained(args.model)
         self.preprocessing_id = self.processing.fingerprint()
         config_bytes = (Path(args.model) / "config.json").read_bytes()
@@ -111,7 +115,8 @@ class Preparer:
                 out.image_keys.append(image.key)
                 out.grids.append(image.grid)
         counts = [im.num_tokens for im in images if im.message < n_system or im.message >= start]
-        out.prompt = build_prompt(self.tokenizer, kept, self.image_token_id, counts)
+        out.prompt = build_prompt(self.tokenizer, kept, self.image_token_id, counts, self.per_image_ids,
+                                  self.forbidden_ids)
         room = self.max_model_len - len(out.prompt)
         out.max_tokens = req.requested_max_tokens or min(self.limits.default_max_tokens, room)
         return out

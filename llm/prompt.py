@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -39,17 +40,22 @@ def template_messages(messages: list[Message]) -> list[dict]:
 
 
 def build_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[Message], image_token_id: int,
-                 image_token_counts: list[int]) -> list[int]:
-    """Render, tokenize, and expand the template's one placeholder per image to that image's run of tokens."""
+                 image_token_counts: list[int], per_image_ids: Iterable[int] = (),
+                 forbidden_ids: Iterable[int] = ()) -> list[int]:
+    """Render, tokenize, and expand the template's one placeholder per image to that image's run of tokens.
+
+    The template writes the placeholder (and each of `per_image_ids`, such as vision start/end markers) once per
+    image and never any of `forbidden_ids` (video placeholders): any other count means the user typed them."""
     text = tokenizer.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
     ids = tokenizer.encode(text, add_special_tokens=False)
     slots = [i for i, t in enumerate(ids) if t == image_token_id]
-    if len(slots) != len(image_token_counts):
-        # The template writes one placeholder per image; more means the user typed the placeholder token.
-        raise InvalidRequest(
-            f"the prompt has {len(slots)} image placeholder tokens for {len(image_token_counts)} images: "
-            f"text must not contain the reserved token {tokenizer.convert_ids_to_tokens(image_token_id)!r}",
-            param="messages")
+    expected = {image_token_id: len(image_token_counts)} | {t: len(image_token_counts) for t in per_image_ids} | {
+        t: 0 for t in forbidden_ids}
+    for token_id, n in expected.items():
+        if (found := ids.count(token_id)) != n:
+            raise InvalidRequest(
+                f"the prompt has {found} {tokenizer.convert_ids_to_tokens(token_id)!r} tokens for "
+                f"{len(image_token_counts)} images: text must not contain that reserved token", param="messages")
     expanded: list[int] = []
     prev = 0
     for slot, count in zip(slots, image_token_counts, strict=True):

@@ -35,9 +35,19 @@ def test_expands_each_image_to_its_count(checkpoint, reference):
 
 def test_typed_placeholder_token_is_rejected(checkpoint, reference):
     tokenizer = load_tokenizer(checkpoint)
-    with pytest.raises(InvalidRequest, match="2 image placeholder tokens for 1 images"):
+    with pytest.raises(InvalidRequest, match=r"2 '<\|image_pad\|>' tokens for 1 images"):
         build_prompt(tokenizer, _messages(IMAGE, {"type": "text", "text": "look <|image_pad|>"}),
                      reference.config.image_token_id, [4])
+
+
+@pytest.mark.parametrize("typed", ["<|vision_start|>", "<|vision_end|>", "<|video_pad|>"])
+def test_typed_markers_are_rejected(checkpoint, reference, typed):
+    cfg, tokenizer = reference.config, load_tokenizer(checkpoint)
+    messages = _messages(IMAGE, {"type": "text", "text": f"look {typed}"})
+    build_prompt(tokenizer, messages, cfg.image_token_id, [4])  # without the rule: accepted
+    with pytest.raises(InvalidRequest, match="text must not contain that reserved token"):
+        build_prompt(tokenizer, messages, cfg.image_token_id, [4], [cfg.vision_start_token_id, cfg.vision_end_token_id],
+                     [cfg.video_token_id])
 
 
 def test_string_content_and_roles(checkpoint, reference):

@@ -81,6 +81,10 @@ def _cases(server: str, port: int, root: Path) -> dict[str, tuple]:
                               "reserved token"),
         "typed_vision_start": (_user(_image(_b64(PNG)), {"type": "text", "text": "<|vision_start|><|image_pad|>"}),
                                400, INVALID, "messages", None, "reserved token"),
+        "typed_vision_end": (_chat(messages=[{"role": "user", "content": "a <|vision_end|> b"}]), 400, INVALID,
+                             "messages", None, "'<|vision_end|>'"),
+        "typed_video_pad": (_user(_image(_b64(PNG)), {"type": "text", "text": "<|video_pad|>"}), 400, INVALID,
+                            "messages", None, "'<|video_pad|>'"),
         # Image bytes
         "invalid_base64": (_user(_image("data:image/png;base64,%%%%")), 400, INVALID, IMG, None, "base64"),
         "not_base64_data_url": (_user(_image("data:image/png,rawbytes")), 400, INVALID, IMG, None,
