@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install checkpoint serve test bench bench-prefix bench-encoder bench-colocated clean
+.PHONY: install checkpoint serve test bench bench-prefix bench-encoder bench-colocated soak clean
 
 install: $(STAMP)
 
@@ -42,6 +42,12 @@ bench-encoder: $(STAMP)
 # Encoders on their own replicas against an encoder colocated in the LLM replica, same resources and requests.
 bench-colocated: $(STAMP)
 	$(PY) -m tests.bench.colocated $(BENCH_ARGS)
+
+# A bounded soak (tests/soak.py): thousands of good, bad, cancelled and streaming requests, then no 5xx, bounded
+# replica memory and object store growth, no KV blocks held. `make soak SOAK_ARGS="--requests 300"`: a short one.
+SOAK_ARGS ?= --requests 3000 --concurrency 16
+soak: $(STAMP)
+	$(PY) -m tests.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CHECKPOINT)

@@ -1,0 +1,459 @@
+"""A bounded soak: thousands of mixed requests (good, bad, cancelled, streaming) against the app, then its leaks.
+
+`python -m tests.soak --requests 3000 --concurrency 16 --seed 0` (`make soak`) starts the app here as `make bench`
+does (tiny demo checkpoint, the end-to-end tests' small LIMITS, so bad inputs hit limits cheaply);
+`--url http://127.0.0.1:8000 --app vlm` drives one already running (this process then joins its Ray cluster,
+which must be on this machine: replica memory is read from /proc). tests/deployments/test_soak.py runs a short one.
+
+The mix (seeded): ~35% good non-streaming (text, one or two PNGs of varied sizes, mostly from a small pool so the
+embedding and prefix caches hit, sometimes n=2, stop, logprobs, unknown fields), ~25% good streaming (read to
+`data: [DONE]`), ~15% cancelled (a stream closed after its first content chunk or after a short delay, a
+non-streaming request dropped by a short client timeout), ~25% bad (19 kinds in turn, each with the 4xx it must
+get). `max_tokens` is 4-16, except on cancelled requests, which ask for 64-256 tokens with `ignore_eos` so that
+they are still generating when the client leaves.
+
+Bounds (each a flag); a broken one exits non-zero:
+- no 5xx at all (a 503 too: keep 2 x concurrency below the engine's `max_queued_requests`, 64 by default,
+  n=2 requests put two sequences in its queue), no error event in a 200 stream, every good request a 200 and
+  every bad one its own 4xx;
+- each replica's (and the HTTP proxy's) resident memory grows by at most `--max-rss-growth-mib` (150) from a
+  sample taken after `--warmup` requests to one taken after the load has settled; the EmbeddingCache may also
+  grow by the bytes its LRU holds (bounded by `encoder.cache_gib`, by design);
+- object store bytes in use after settling at most `--max-object-store-growth-mib` (10) above the first sample;
+- after settling (polled for up to `--settle-s`, 10 s): no sequence running or waiting in the engine and no KV
+  block held by a sequence (`kv_usage` counts blocks with a reference; cached-but-free prefix blocks are free).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from PIL import Image
+
+from tests.helpers import data_url, image_bytes, make_image
+
+MIB = 1 << 20
+MIX = {"good": 0.35, "stream": 0.25, "cancel": 0.15, "bad": 0.25}
+PROMPTS = ["Describe the picture.", "What colours do you see?", "hi", "Count the objects, then name them.",
+           "Write one sentence about the sea.", "Is this image dark or light? Answer briefly."]
+
+
+@dataclass(slots=True)
+class Case:
+    category: str  # good | stream | cancel | bad
+    kind: str
+    method: str = "POST"
+    path: str = "/v1/chat/completions"
+    body: Any = None  # a dict is sent as JSON, bytes as they are
+    expect: int = 200
+    close: str = ""  # cancel: "first" (after the first content chunk), "delay", "timeout"
+    delay_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Outcome:
+    category: str
+    kind: str
+    status: str  # the HTTP status, or "timeout" / "closed" (the client left first), or "error:<exception>"
+    latency_s: float
+    ok: bool
+    detail: str = ""
+
+
+def _image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _b64(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+class Mix:
+    """The seeded request mix. Images are encoded once: bodies share the pool's data URLs."""
+
+    SIZES = [(32, 32), (64, 48), (100, 80), (150, 120), (17, 90), (224, 224), (300, 260), (90, 300)]
+
+    def __init__(self, seed: int, model: str | None = None):
+        self.seed, self.model = seed, model
+        self.pool = [data_url(make_image(w, h, seed=1000 + i)) for i, (w, h) in enumerate(self.SIZES)]
+        png = image_bytes(make_image(64, 64))
+        user = lambda *parts: {"messages": [{"role": "user", "content": list(parts)}], "max_tokens": 4}  # noqa: E731
+        hi = [{"role": "user", "content": "hi"}]
+        self.bad: list[tuple[str, Any, int]] = [  # (kind, body, status)
+            ("not_json", b"{not json", 400),
+            ("wrong_type", {"messages": hi, "temperature": "hot"}, 400),
+            ("content_wrong_type", {"messages": [{"role": "user", "content": 5}]}, 400),
+            ("invalid_base64", user(_image("data:image/png;base64,%%%%")), 400),
+            ("not_an_image", user(_image(_b64(b"plain text, not pixels"))), 400),
+            ("truncated_png", user(_image(_b64(png[: len(png) // 2]))), 400),  # fails in the encoder replica
+            ("over_pixel_cap", user(_image(data_url(Image.new("RGB", (641, 640), "red")))), 400),
+            ("too_many_images", user(*[_image(_b64(png))] * 5), 400),
+            ("n_over_limit", {"messages": hi, "n": 9}, 400),
+            ("max_tokens_over_context", {"messages": hi, "max_tokens": 5000}, 400),
+            ("prompt_over_context", {"messages": [{"role": "user", "content": "word " * 1100}]}, 400),
+            ("empty_messages", {"messages": []}, 400),
+            ("typed_placeholder", user({"type": "text", "text": "<|image_pad|>"}), 400),
+            ("image_from_assistant", {"messages": [{"role": "assistant", "content": [_image(_b64(png))]}]}, 400),
+            ("too_many_stops", {"messages": hi, "stop": list("abcde")}, 400),
+            ("unknown_model", {"model": "gpt-4o", "messages": hi}, 404),
+            ("unknown_route", None, 404),
+            ("wrong_method", None, 405),
+            ("body_over_limit", b"x" * (3 << 20), 413),
+        ]  # fmt: skip
+
+    def cases(self, n: int, offset: int = 0) -> list[Case]:
+        """Request i's category and good body depend only on the seed and i; bad ones take the bad kinds in turn."""
+        out, num_bad = [], 0
+        for i in range(offset, offset + n):
+            out.append(self.case(i, num_bad))
+            num_bad += out[-1].category == "bad"
+        return out
+
+    def case(self, i: int, num_bad: int = 0) -> Case:
+        rng = random.Random(self.seed * 1_000_003 + i)
+        category = rng.choices(list(MIX), weights=list(MIX.values()))[0]
+        if category == "bad":
+            kind, body, status = self.bad[num_bad % len(self.bad)]
+            if kind == "unknown_route":
+                return Case("bad", kind, path="/v1/nope", body={"messages": []}, expect=status)
+            if kind == "wrong_method":
+                return Case("bad", kind, method="GET", expect=status)
+            if isinstance(body, dict):  # a bad streaming request gets its status too, not a 200 and an event
+                body = {**body, "stream": rng.random() < 0.5}
+            return Case("bad", kind, body=body, expect=status)
+        body, kind = self._good(rng, i)
+        if category == "good":
+            return Case("good", kind, body=body)
+        body["stream"] = True
+        if category == "stream":
+            return Case("stream", kind, body={**body, "stream_options": {"include_usage": rng.random() < 0.5}})
+        close = rng.choice(["first", "delay", "timeout"])
+        body.update(max_tokens=rng.randint(64, 256), ignore_eos=True, stream=close != "timeout", n=1)
+        return Case("cancel", close, body=body, close=close, delay_s=rng.uniform(0.02, 0.4))
+
+    def _good(self, rng: random.Random, i: int) -> tuple[dict, str]:
+        num_images = rng.choices([0, 1, 2], weights=[0.4, 0.4, 0.2])[0]
+        urls = []
+        for k in range(num_images):
+            if rng.random() < 0.85:
+                urls.append(self.pool[rng.randrange(len(self.pool))])
+            else:  # a new image: an embedding-cache miss and a new LRU entry
+                urls.append(data_url(make_image(rng.randint(20, 96), rng.randint(20, 96), seed=i * 7 + k)))
+        content = [*map(_image, urls), {"type": "text", "text": rng.choice(PROMPTS)}]
+        messages = [{"role": "user", "content": content}]
+        if rng.random() < 0.1:  # a second turn re-sends the first: prefix reuse
+            messages += [{"role": "assistant", "content": "Some answer."}, {"role": "user", "content": "More?"}]
+        body: dict[str, Any] = {"messages": messages, "max_tokens": rng.randint(4, 16)}
+        if self.model and rng.random() < 0.3:
+            body["model"] = self.model
+        if rng.random() < 0.5:
+            body.update(temperature=0.8, seed=rng.randrange(1 << 30))
+        else:
+            body["temperature"] = 0
+        extras = {"n": 2, "stop": ["e", "."], "logprobs": True, "return_token_ids": True, "user": "soak",
+                  "metadata": {"unknown": [1, {"x": None}]}}  # the last two: fields our server ignores
+        for key in rng.sample(list(extras), k=rng.choice([0, 0, 1, 2])):
+            body[key] = extras[key]
+            if key == "logprobs":
+                body["top_logprobs"] = 2
+        return body, f"{num_images}img" + (f"+{len(messages) // 2 + 1}turns" if len(messages) > 1 else "")
+
+
+async def _read_stream(response: httpx.Response, close_first: bool) -> tuple[bool, str]:
+    """(ok, detail) of a 200 stream; stops at the first content chunk when close_first."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            return True, "done"
+        event = json.loads(line[6:])
+        if "error" in event:
+            return False, f"error event: {event['error'].get('message')}"
+        if close_first and any(c.get("delta", {}).get("content") for c in event.get("choices") or []):
+            return True, "closed after the first content chunk"
+    return False, "stream ended without [DONE]"
+
+
+async def run_case(client: httpx.AsyncClient, case: Case, timeout_s: float) -> Outcome:
+    start, head = time.monotonic(), {}
+    kwargs: dict[str, Any] = {"json": case.body} if isinstance(case.body, dict) else {"content": case.body}
+    if isinstance(case.body, bytes):
+        kwargs["headers"] = {"content-type": "application/json"}
+
+    async def exchange() -> tuple[bool, str]:
+        if case.close == "timeout":
+            kwargs["timeout"] = case.delay_s
+        async with client.stream(case.method, case.path, **kwargs) as r:
+            head["status"] = r.status_code
+            if r.status_code != 200 or not (isinstance(case.body, dict) and case.body.get("stream")):
+                body = await r.aread()
+                if r.status_code >= 400:  # every error has OpenAI's body
+                    error = json.loads(body).get("error") if body.startswith(b"{") else None
+                    return r.status_code == case.expect and bool(error), str((error or {}).get("message"))[:200]
+                choices = json.loads(body).get("choices")
+                return case.expect == 200 and bool(choices), f"{len(choices or [])} choices"
+            ok, detail = await _read_stream(r, close_first=case.close == "first")
+            return ok and case.expect == 200, detail
+
+    limit = case.delay_s if case.close == "delay" else timeout_s
+    try:
+        async with asyncio.timeout(limit):
+            ok, detail = await exchange()
+        status = str(head["status"])
+    except (TimeoutError, httpx.TimeoutException):
+        left = case.delay_s if case.close else limit
+        status, detail = ("closed" if "status" in head else "timeout"), f"client left after {left:.2f}s"
+        ok = case.category == "cancel"  # for anyone else, no answer in time is a failure
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        status, ok, detail = f"error:{type(e).__name__}", False, str(e)[:200]
+    if status.startswith("5"):
+        ok = False
+    return Outcome(case.category, case.kind, status, time.monotonic() - start, ok, detail)
+
+
+async def drive(base_url: str, cases: list[Case], concurrency: int, timeout_s: float = 120) -> list[Outcome]:
+    """Closed loop: `concurrency` workers, each sending its next case when the last one is answered."""
+    out: list[Outcome] = [None] * len(cases)  # type: ignore[list-item]
+    todo = iter(enumerate(cases))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
+
+        async def worker() -> None:
+            for i, case in todo:
+                out[i] = await run_case(client, case, timeout_s)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return out
+
+
+# ---- Measurements: from this process, which must be a driver of the app's Ray cluster --------------------------
+
+def replica_pids(app: str) -> dict[str, int]:
+    """{"LLM#<replica id>": pid} for the app's live replicas, and the HTTP proxy."""
+    # NOTE: ray.util.state.list_actors asks the dashboard, which the test cluster runs without; the GCS actor
+    # table, which that API reads in the end, has the pid too.
+    from ray._private.state import actors
+
+    out = {}
+    for actor in actors(actor_state_name="ALIVE").values():
+        name = actor.get("Name") or ""
+        if name.startswith(f"SERVE_REPLICA::{app}#"):
+            _, deployment, replica = name.split("#")
+            out[f"{deployment}#{replica}"] = actor["Pid"]
+        elif actor["ActorClassName"] == "ProxyActor":
+            out["proxy"] = actor["Pid"]
+    return out
+
+
+def rss_bytes(pid: int) -> int | None:
+    """VmRSS from /proc (no psutil); None when the process is gone or on another machine."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def object_store() -> dict[str, int]:
+    """Bytes and objects in the object store (plasma), all nodes."""
+    # NOTE: ray.available_resources()["object_store_memory"] is a capacity that objects do not consume (it stays
+    # put while plasma fills) and ray.util.state needs the dashboard; the raylets' store stats, which
+    # `ray memory --stats-only` prints, are the bytes actually in use. The GCS address is explicit: another Ray
+    # cluster on this machine must not answer instead.
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    stats = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address)).store_stats
+    return {"bytes": stats.object_store_bytes_used, "objects": stats.num_local_objects}
+
+
+def sample(app: str) -> dict[str, Any]:
+    from ray import serve
+
+    rss = {name: rss_bytes(pid) for name, pid in replica_pids(app).items()}
+    return {"rss": {k: v for k, v in rss.items() if v is not None}, "store": object_store(),
+            "engine": serve.get_deployment_handle("LLM", app).stats.remote().result(),
+            "cache": serve.get_deployment_handle("EmbeddingCache", app).stats.remote().result()}
+
+
+def _drained(s: dict, before: dict, max_store: int) -> bool:
+    e, grown = s["engine"], s["store"]["bytes"] - before["store"]["bytes"]
+    return e["running"] == e["waiting"] == 0 and e["kv_usage"] == 0 and grown <= max_store
+
+
+# ---- The soak -----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Bounds:
+    max_rss_growth_mib: float = 150
+    max_object_store_growth_mib: float = 10
+    settle_s: float = 10
+
+
+@dataclass
+class SoakResult:
+    requests: int
+    concurrency: int
+    seed: int
+    elapsed_s: float
+    outcomes: list[Outcome]
+    samples: list[dict]  # before the load, after each quarter of it (the last: after the load), settled
+    settle_s: float
+    bounds: Bounds
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def before(self) -> dict:
+        return self.samples[0]
+
+    @property
+    def settled(self) -> dict:
+        return self.samples[-1]
+
+    def summary(self) -> dict[str, dict]:
+        out = {}
+        for category in MIX:
+            rows = [o for o in self.outcomes if o.category == category]
+            lat = sorted(o.latency_s for o in rows) or [0.0]
+            pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]  # noqa: E731
+            out[category] = {"count": len(rows), "statuses": dict(sorted(Counter(o.status for o in rows).items())),
+                             "p50_ms": 1000 * pct(0.5), "p99_ms": 1000 * pct(0.99),
+                             "failures": sum(not o.ok for o in rows)}
+        return out
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "summary": self.summary()}
+
+
+def check(result: SoakResult) -> list[str]:
+    b, before, settled = result.bounds, result.before, result.settled
+    out = [f"{o.category}/{o.kind}: {o.status} ({o.detail})" for o in result.outcomes if not o.ok]
+    for name, rss in settled["rss"].items():
+        if name not in before["rss"]:
+            continue  # a replica started during the load (encoder autoscaling): no baseline
+        allowed = b.max_rss_growth_mib * MIB
+        if name.startswith("EmbeddingCache#"):  # its LRU fills by design, up to encoder.cache_gib
+            allowed += max(0, settled["cache"]["bytes"] - before["cache"]["bytes"])
+        if rss - before["rss"][name] > allowed:
+            out.append(f"{name}: RSS grew {(rss - before['rss'][name]) / MIB:.0f} MiB, over {allowed / MIB:.0f}")
+    grown = settled["store"]["bytes"] - before["store"]["bytes"]
+    if grown > b.max_object_store_growth_mib * MIB:
+        out.append(f"object store: {grown / MIB:.1f} MiB more in use after settling, over "
+                   f"{b.max_object_store_growth_mib:g} MiB ({settled['store']['objects']} objects)")
+    e = settled["engine"]
+    if e["running"] or e["waiting"] or e["kv_usage"]:
+        out.append(f"engine after {result.settle_s:.1f}s: {e['running']} running, {e['waiting']} waiting, "
+                   f"kv_usage {e['kv_usage']:.6f} (blocks still held by sequences)")
+    return out
+
+
+def soak(base_url: str, app: str, *, requests: int, concurrency: int = 8, seed: int = 0, warmup: int = 50,
+         bounds: Bounds | None = None) -> SoakResult:
+    """Warm up, sample, drive the load in quarters (a sample after each: growth that goes on quarter after quarter
+    is a leak, growth that stops is warm-up), let it settle, sample; `violations` lists every broken bound."""
+    bounds = bounds or Bounds()
+    mix = Mix(seed, model=httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"])
+    asyncio.run(drive(base_url, mix.cases(warmup, offset=requests), concurrency))  # not counted
+    cases, outcomes, samples, elapsed = mix.cases(requests), [], [sample(app)], 0.0
+    for k in range(4):
+        start = time.monotonic()
+        outcomes += asyncio.run(drive(base_url, cases[k * requests // 4 : (k + 1) * requests // 4], concurrency))
+        elapsed += time.monotonic() - start
+        samples.append(sample(app))
+    settled, t0 = samples[-1], time.monotonic()
+    while not _drained(settled, samples[0], bounds.max_object_store_growth_mib * MIB) and \
+            time.monotonic() - t0 < bounds.settle_s:
+        time.sleep(0.25)
+        settled = sample(app)
+    result = SoakResult(requests, concurrency, seed, elapsed, outcomes, [*samples, settled], time.monotonic() - t0,
+                        bounds)
+    result.violations = check(result)
+    return result
+
+
+def report(r: SoakResult) -> str:
+    lines = [f"soak: {r.requests} requests, concurrency {r.concurrency}, seed {r.seed}: {r.elapsed_s:.1f}s "
+             f"({r.requests / r.elapsed_s:.1f} req/s)", "",
+             f"{'category':<9}{'count':>6}{'fail':>6}{'p50 ms':>9}{'p99 ms':>9}  statuses"]
+    for category, s in r.summary().items():
+        statuses = " ".join(f"{k}:{v}" for k, v in s["statuses"].items())
+        lines.append(f"{category:<9}{s['count']:>6}{s['failures']:>6}{s['p50_ms']:>9.0f}{s['p99_ms']:>9.0f}  "
+                     f"{statuses}")
+    columns = ["before", "1/4", "2/4", "3/4", "4/4", "settled"]
+    lines += ["", f"{'measure':<30}" + "".join(f"{c:>10}" for c in columns) + f"{'delta':>10}"]
+
+    def row(name: str, get, unit: float = 1.0, fmt: str = ".1f") -> None:
+        values = [get(s) for s in r.samples]
+        shown = "".join(f"{'-' if v is None else format(v / unit, fmt):>10}" for v in values)
+        if None in (values[0], values[-1]):  # a replica the encoder autoscaler started or stopped meanwhile
+            lines.append(f"{name:<30}{shown}{'new' if values[0] is None else 'gone':>10}")
+        else:
+            lines.append(f"{name:<30}{shown}{(values[-1] - values[0]) / unit:>+10{fmt}}")
+
+    for name in sorted({n for s in r.samples for n in s["rss"]}):
+        row(f"RSS {name} MiB", lambda s, n=name: s["rss"].get(n), MIB)
+    row("object store MiB", lambda s: s["store"]["bytes"], MIB, ".2f")
+    row("object store objects", lambda s: s["store"]["objects"], fmt=".0f")
+    for key in ("running", "waiting", "kv_usage", "cancelled", "finished", "failed", "preemptions", "prefix_hits"):
+        row(f"engine {key}", lambda s, k=key: s["engine"][k], fmt=".4f" if key == "kv_usage" else ".0f")
+    for key in ("entries", "bytes", "hits", "misses"):
+        row(f"embedding cache {key}", lambda s, k=key: s["cache"][k], fmt=".0f")
+    lines += ["", f"settled in {r.settle_s:.1f}s; bounds: RSS +{r.bounds.max_rss_growth_mib:g} MiB per replica, "
+              f"object store +{r.bounds.max_object_store_growth_mib:g} MiB, no sequence or KV block held"]
+    lines += [f"VIOLATION {v}" for v in r.violations[:50]] or ["all bounds held"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--concurrency", type=int, default=16, help="at most 32 (the engine queue holds 64)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=50, help="requests before the first sample (not counted)")
+    parser.add_argument("--url", help="an app already running (default: start one here)")
+    parser.add_argument("--app", default="vlm", help="its Serve application name, with --url")
+    parser.add_argument("--max-rss-growth-mib", type=float, default=Bounds.max_rss_growth_mib)
+    parser.add_argument("--max-object-store-growth-mib", type=float, default=Bounds.max_object_store_growth_mib)
+    parser.add_argument("--settle-s", type=float, default=Bounds.settle_s)
+    parser.add_argument("--json", type=Path, help="write the result (every request) here")
+    args = parser.parse_args(argv)
+    if not 1 <= args.concurrency <= 32:
+        parser.error("--concurrency must be 1..32: past it, n=2 requests can fill the engine queue (503s)")
+    bounds = Bounds(args.max_rss_growth_mib, args.max_object_store_growth_mib, args.settle_s)
+    run = lambda url, app: soak(url, app, requests=args.requests, concurrency=args.concurrency,  # noqa: E731
+                                seed=args.seed, warmup=args.warmup, bounds=bounds)
+    if args.url:
+        import ray
+
+        ray.init(address="auto", logging_level="warning")
+        result = run(args.url, args.app)
+    else:
+        from demo.build_tiny import main as build_tiny
+        from tests.bench.server import serve_app
+        from tests.helpers import LIMITS
+
+        build_tiny(["--out", "demo/qwen2-vl-tiny"])  # as `make checkpoint`: a no-op when it is there
+        with serve_app(Path("demo/qwen2-vl-tiny"), max_images=4,
+                       overrides={"limits": LIMITS, "llm": {"max_model_len": 1024}}) as url:
+            result = run(url, "bench")
+    print(report(result))
+    if args.json:
+        args.json.write_text(json.dumps(result.to_json(), indent=1))
+    return 1 if result.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
