@@ -7,9 +7,9 @@ import logging
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from schemas import InvalidRequest, Overloaded
@@ -24,10 +24,14 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise InvalidRequest(f"request body is {declared} bytes, over the limit of {max_bytes}", status=413)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise InvalidRequest(f"request body is over the limit of {max_bytes} bytes", status=413)
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise InvalidRequest(f"request body is over the limit of {max_bytes} bytes", status=413)
+    except (ClientDisconnect, TaskCancelledError) as e:  # the client left mid-body: not our fault, nobody to answer
+        raise InvalidRequest("client closed the request before its body arrived", code="client_closed",
+                             status=499) from e
     try:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -27,6 +27,11 @@ from schemas.openai import ChatCompletionRequest, ModelCard, ModelList
 logger = logging.getLogger("ray.serve")
 
 
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
 class Ingress:
     def __init__(self, encoder: DeploymentHandle | None, llm: DeploymentHandle, args: dict[str, Any]):
@@ -121,9 +126,10 @@ class Ingress:
         embeddings). The calls are added to `calls`, to be cancelled if the request ends early."""
         responses = [self.encoder.encode.remote(p.images[i], p.image_keys[i]) for i in indices]
         calls += responses
+        refs = asyncio.gather(*(r._to_object_ref() for r in responses))
+        refs.add_done_callback(_retrieve)  # a request that ends early leaves it failing unobserved
         try:
-            return list(await asyncio.wait_for(asyncio.gather(*(r._to_object_ref() for r in responses)),
-                                               self.args.encoder.timeout_s))
+            return list(await asyncio.wait_for(refs, self.args.encoder.timeout_s))
         except TimeoutError:
             self.counts["encoder_timeouts"] += 1
             raise Overloaded("no encoder replica took the images in time", retry_after_s=2) from None

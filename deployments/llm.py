@@ -82,9 +82,12 @@ class LLM:
             if not isinstance(ref, ray.ObjectRef):
                 raise TypeError(f"image embeddings must arrive as ObjectRefs, got {type(ref).__name__}")
         tasks = [asyncio.ensure_future(ref) for ref in refs]
-        done, pending = await asyncio.wait(tasks, timeout=self.args.encoder.timeout_s) if tasks else (set(), set())
-        for task in pending:
-            task.cancel()
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=self.args.encoder.timeout_s) if tasks else (set(), set())
+        finally:  # also when this generation is cancelled: no task left to fail unobserved
+            for task in tasks:
+                task.cancel()
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
         lost = [i for i, t in enumerate(tasks) if t in pending]
         for i, task in enumerate(tasks):
             if task in done and task.exception() is not None:

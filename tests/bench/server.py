@@ -74,7 +74,7 @@ def serve_app(checkpoint: Path, *, max_images: int, max_model_len: int = 4096,
 
     from deployments import build_app
 
-    # NOTE: as tests/deployments/conftest.py: Serve's default proxy readiness checks (5 s / 10 s) kill the
+    # NOTE: as tests/conftest.py: Serve's default proxy readiness checks (5 s / 10 s) kill the
     # proxy on a loaded 2-core machine; the controller reads these from the driver's environment at ray.init.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")

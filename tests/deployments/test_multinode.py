@@ -31,7 +31,7 @@ def _run_cluster_script(checkpoint: Path, timeout_s: float = 240) -> tuple[dict 
     """tests/deployments/multinode_cluster.py in its own process: a `Cluster` needs its own Ray, and this session
     may already be connected to one (the `ray_serve` fixture). Returns (its summary or None, its output)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    # The proxy check timeouts of tests/deployments/conftest.py: a loaded 2-core machine misses Serve's defaults.
+    # The proxy check timeouts of tests/conftest.py: a loaded 2-core machine misses Serve's defaults.
     env |= {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
     proc = subprocess.Popen([sys.executable, "-m", "tests.deployments.multinode_cluster", str(checkpoint)], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
