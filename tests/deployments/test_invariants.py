@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import ray
 import torch
 from ray import serve
 
@@ -59,9 +62,19 @@ def test_error_after_first_token_is_an_event_the_client_raises(instrumented):
     assert not isinstance(e.value, openai.APIStatusError)
     assert received and received[0].choices[0].delta.role == "assistant"
     # Before the first token, the same fault is a 500 with the OpenAI body, and the app keeps serving.
-    with pytest.raises(openai.InternalServerError):
+    with pytest.raises(openai.InternalServerError) as e:
         client.chat.completions.create(model="qwen2-vl-tiny", max_tokens=5,
                                        messages=[{"role": "user", "content": "x " * 120}])
+    message = e.value.body["message"]
+    request_id = re.fullmatch(r"internal error \(request (chatcmpl-[0-9a-f]{32})\)", message).group(1)
+    # The body says nothing of the fault; the ingress's log has the same id with the traceback.
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    deadline = time.monotonic() + 10
+    while not any(f"request {request_id} failed" in f.read_text() for f in logs.glob("replica_traced_Ingress_*.log")):
+        assert time.monotonic() < deadline, f"{request_id} not in the ingress log"
+        time.sleep(0.2)
+    text = next(f.read_text() for f in logs.glob("replica_traced_Ingress_*.log") if request_id in f.read_text())
+    assert "injected fault" in text.split(request_id, 1)[1]
     ok = client.chat.completions.create(model="qwen2-vl-tiny", messages=messages, max_tokens=3)
     assert ok.usage.completion_tokens == 3
 
