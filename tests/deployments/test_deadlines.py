@@ -1,5 +1,6 @@
-"""Time limits and clients that leave: a request past its deadline is a 408 (or an error event on a stream), and
-the work under it stops, in the encoders and in the engine."""
+"""Time limits, overload and clients that leave: a request past its deadline is a 408 (or an error event on a
+stream), a full engine queue is a 503 with Retry-After that the openai client retries, and the work under a
+request that ends stops, in the encoders and in the engine."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 from ray import serve
 
@@ -25,7 +27,8 @@ DEADLINE_S, ENCODE_S = 2.0, 3.0  # an encoder forward outlasts a request's deadl
 def slow(ray_serve, app_args, tmp_path_factory):
     record_dir = str(tmp_path_factory.mktemp("forwards"))
     args = {**app_args, "limits": {**app_args["limits"], "request_timeout_s": DEADLINE_S},
-            "encoder": {"cache_gib": 0, "max_batch_wait_ms": 0}}
+            "encoder": {"cache_gib": 0, "max_batch_wait_ms": 0},
+            "llm": {**app_args["llm"], "max_num_seqs": 1, "max_queued_requests": 1}}  # one runs, one waits
     encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=None, num_replicas=1).bind(
         args, None, model_factory=functools.partial(SlowEncoder, delay_s=ENCODE_S, record_dir=record_dir))
     llm = LLM.options(ray_actor_options=SMALL).bind(args, model_factory=SlowLM.load)
@@ -106,3 +109,23 @@ def test_a_client_that_leaves_cancels_its_queued_images(slow):
     _wait_for(lambda: _stats("Encoder")["cancelled"] >= before + 3, 3.0)  # A's one (deadline) and B's two
     time.sleep(ENCODE_S + 0.5)  # long enough for one more forward to have started and finished
     assert [n for _, _, n in forwards(record_dir)[seen:]] == [1]  # only A's image was encoded
+
+
+def test_a_full_engine_queue_is_a_503_that_the_openai_client_retries(slow):
+    url, _ = slow
+    hogs = [threading.Thread(target=httpx.post, args=(f"{url}/v1/chat/completions",),
+                             kwargs={"json": LONG, "timeout": 30}) for _ in range(2)]
+    hogs[0].start()  # one running...
+    _wait_for(lambda: _stats("LLM")["running"] == 1, 1.5)
+    hogs[1].start()  # ...and one waiting: the queue is full until their deadlines free it
+    _wait_for(lambda: _stats("LLM")["waiting"] == 1, 1.5)
+    r = httpx.post(f"{url}/v1/chat/completions", json={**LONG, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
+    assert r.json()["error"]["code"] == "overloaded"
+    # The openai client waits Retry-After and tries again; the hogs' 2 s deadlines empty the queue meanwhile.
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=5)
+    answer = client.chat.completions.with_raw_response.create(model="qwen2-vl-tiny", max_tokens=2,
+                                                              messages=[{"role": "user", "content": "hi"}])
+    assert answer.retries_taken >= 1 and answer.parse().usage.completion_tokens == 2
+    for hog in hogs:
+        hog.join()
