@@ -17,7 +17,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from deployments.http import root_cause
 from deployments.metrics import EncoderMetrics, LLMMetrics
-from encoders import EmbeddingLRU, EncoderRunner
+from encoders import EmbeddingLRU, EncoderRunner, family_of
 from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, num_kv_blocks
 from schemas import AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, TokenChunk, resolve_device, resolve_dtype
 from schemas import resolve_max_model_len
@@ -62,8 +62,9 @@ class LLM:
             max_num_seqs=llm_args.max_num_seqs, max_num_batched_tokens=llm_args.max_num_batched_tokens,
             max_queued=llm_args.max_queued_requests, enable_prefix_caching=llm_args.enable_prefix_caching,
             stream_interval_s=llm_args.stream_interval_ms / 1000)
-        self.engine = Engine(model, engine_config, image_token_id=config.image_token_id,
-                             merge_size=config.vision_config.spatial_merge_size,
+        family = family_of(self.args.model)
+        self.engine = Engine(model, engine_config, image_token_id=family.image_tokens(config).placeholder_id,
+                             merge_size=family.processing.from_pretrained(self.args.model).merge_size,
                              eos_token_ids=eos_token_ids(self.args.model, config))
         self.metrics = LLMMetrics(self.engine.stats, self.engine.drain_timings)
         self._metrics_task: asyncio.Task | None = None

@@ -44,17 +44,17 @@ class Preparer:
     def __init__(self, args: AppArgs):
         self.args, self.limits = args, args.limits
         config = AutoConfig.from_pretrained(args.model)
-        self.image_token_id = config.image_token_id
-        # Markers the template writes once per image, and placeholders of inputs we do not take (video).
-        self.per_image_ids = [t for t in (getattr(config, "vision_start_token_id", None),
-                                          getattr(config, "vision_end_token_id", None)) if t is not None]
-        self.forbidden_ids = [t for t in (getattr(config, "video_token_id", None),) if t is not None]
-        self.processing = family_of(args.model).processing.from_pretrained(args.model)
+        family = family_of(args.model)
+        self.tokens = family.image_tokens(config)
+        self.image_token_id = self.tokens.placeholder_id
+        self.max_images = min(args.limits.max_images_per_request, family.max_images_per_prompt or 1 << 30)
+        self.processing = family.processing.from_pretrained(args.model)
         self.preprocessing_id = self.processing.fingerprint()
         config_bytes = (Path(args.model) / "config.json").read_bytes()
         self.model_id = hashlib.sha256(args.model.encode() + config_bytes).hexdigest()[:16]
         self.tokenizer = load_tokenizer(args.model)
-        self.max_model_len = resolve_max_model_len(args.llm.max_model_len, config.text_config.max_position_embeddings)
+        text_config = getattr(config, "text_config", config)
+        self.max_model_len = resolve_max_model_len(args.llm.max_model_len, text_config.max_position_embeddings)
 
     def check(self, req: ChatCompletionRequest) -> None:
         """The cheap checks, before any image is read or fetched."""
@@ -68,9 +68,8 @@ class Preparer:
         if req.n > limits.max_n:
             raise InvalidRequest(f"n={req.n} is over the limit of {limits.max_n}", param="n")
         params = image_params(req)
-        if len(params) > limits.max_images_per_request:
-            raise InvalidRequest(f"more than {limits.max_images_per_request} images in one request",
-                                 param=params[limits.max_images_per_request][1])
+        if len(params) > self.max_images:
+            raise InvalidRequest(f"more than {self.max_images} images in one request", param=params[self.max_images][1])
 
     def _image(self, message: int, param: str, url: str, fetched: dict[str, bytes]) -> _Image:
         try:
@@ -115,8 +114,8 @@ class Preparer:
                 out.image_keys.append(image.key)
                 out.grids.append(image.grid)
         counts = [im.num_tokens for im in images if im.message < n_system or im.message >= start]
-        out.prompt = build_prompt(self.tokenizer, kept, self.image_token_id, counts, self.per_image_ids,
-                                  self.forbidden_ids)
+        out.prompt = build_prompt(self.tokenizer, kept, self.image_token_id, counts, self.tokens.per_image_ids,
+                                  self.tokens.forbidden_ids)
         room = self.max_model_len - len(out.prompt)
         out.max_tokens = req.requested_max_tokens or min(self.limits.default_max_tokens, room)
         return out

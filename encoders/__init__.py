@@ -4,7 +4,7 @@ from encoders.batching import ImageBatcher, Preprocessed
 from encoders.cache import EmbeddingLRU, embedding_key
 from encoders.images import FORMATS, ImageInfo, decode_data_url, image_size, load_rgb, probe_image
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, smart_resize
-from encoders.registry import FAMILIES, Family, ImageProcessing, VisionEncoder, family_of
+from encoders.registry import FAMILIES, Family, ImageProcessing, ImageTokens, VisionEncoder, family_of, image_tokens_of
 from encoders.runner import EncoderRunner
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "ImageBatcher",
     "ImageInfo",
     "ImageProcessing",
+    "ImageTokens",
     "Preprocessed",
     "Qwen2VLImageProcessing",
     "Qwen2VLVisionEncoder",
@@ -23,6 +24,7 @@ __all__ = [
     "decode_data_url",
     "embedding_key",
     "family_of",
+    "image_tokens_of",
     "image_size",
     "load_rgb",
     "probe_image",

@@ -7,6 +7,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
 )
 
 from schemas import InvalidRequest, load_components
+
+if TYPE_CHECKING:
+    from encoders.registry import ImageTokens
 
 # OpenAI CLIP statistics, Qwen2-VL's defaults when preprocessor_config.json names none.
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -73,6 +77,10 @@ class Qwen2VLImageProcessing:
         h, w = smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
         return w, h
 
+    @property
+    def max_image_tokens(self) -> int:
+        return self.max_pixels // (self.patch_size * self.merge_size) ** 2
+
     def fingerprint(self) -> str:
         """Everything about preprocessing that changes an embedding, for cache keys."""
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
@@ -111,6 +119,14 @@ class Qwen2VLImageProcessing:
         return out.view(gh * gw, 3 * T * p * p), (1, gh, gw)  # (gh*gw, C*T*p*p)
 
 
+def qwen2_vl_image_tokens(config: Any) -> ImageTokens:
+    """`<|vision_start|><|image_pad|>...<|vision_end|>`; `<|video_pad|>` is a video's placeholder (not served)."""
+    from encoders.registry import ImageTokens  # NOTE: here, not at the top: the registry imports this module
+
+    return ImageTokens(config.image_token_id, (config.vision_start_token_id, config.vision_end_token_id),
+                       (config.video_token_id,))
+
+
 class Qwen2VLVisionEncoder:
     """Qwen2-VL's ViT and patch merger, loaded alone from the checkpoint's `visual.*` weights."""
 
@@ -143,4 +159,4 @@ class Qwen2VLVisionEncoder:
         return self.forward([self.preprocess(im) for im in images])
 
 
-__all__ = ["Qwen2VLImageProcessing", "Qwen2VLVisionEncoder", "smart_resize"]
+__all__ = ["Qwen2VLImageProcessing", "Qwen2VLVisionEncoder", "qwen2_vl_image_tokens", "smart_resize"]

@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from PIL import Image
+from transformers import AutoConfig
 
-from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder
+from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, qwen2_vl_image_tokens
 
 
 class ImageProcessing(Protocol):
     """The token count of an image from its size alone (the ingress needs it before any pixel work)."""
 
-    merge_size: int
+    merge_size: int  # grid cells (per side) merged into one token; grid_thw's t*h*w // merge_size**2 tokens
 
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ImageProcessing: ...
+    @property
+    def max_image_tokens(self) -> int: ...  # the largest count any image can take (admission, memory sizing)
     def fingerprint(self) -> str: ...
     def resized_size(self, width: int, height: int) -> tuple[int, int]: ...
     def grid_thw(self, width: int, height: int) -> tuple[int, int, int]: ...
@@ -37,13 +43,29 @@ class VisionEncoder(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class ImageTokens:
+    """A checkpoint's image token ids: the placeholder each image's run is made of, the markers its chat template
+    writes once per image around the run, and placeholders of inputs this server does not take (video)."""
+
+    placeholder_id: int
+    per_image_ids: tuple[int, ...] = ()
+    forbidden_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Family:
-    processing: type[Qwen2VLImageProcessing]
-    encoder: type[Qwen2VLVisionEncoder]
+    """What a model family adds: preprocessing and token counts, the encoder, and its image token ids. (The LM's
+    position rule comes from its config: M-RoPE when it has an `mrope_section`, else 1-D.)"""
+
+    processing: Callable[..., Any]  # a class with ImageProcessing's methods and from_pretrained(model_dir)
+    encoder: Callable[..., VisionEncoder]  # (model_dir, device=, dtype=) -> VisionEncoder
+    image_tokens: Callable[[Any], ImageTokens]  # from the checkpoint's transformers config
+    max_images_per_prompt: int | None = None  # the family's own limit, if it has one
 
 
 FAMILIES: dict[str, Family] = {
-    "qwen2_vl": Family(processing=Qwen2VLImageProcessing, encoder=Qwen2VLVisionEncoder),
+    "qwen2_vl": Family(processing=Qwen2VLImageProcessing, encoder=Qwen2VLVisionEncoder,
+                       image_tokens=qwen2_vl_image_tokens),
 }
 
 
@@ -54,4 +76,8 @@ def family_of(model_dir: str | Path) -> Family:
     return FAMILIES[model_type]
 
 
-__all__ = ["FAMILIES", "Family", "ImageProcessing", "VisionEncoder", "family_of"]
+def image_tokens_of(model_dir: str | Path) -> ImageTokens:
+    return family_of(model_dir).image_tokens(AutoConfig.from_pretrained(model_dir))
+
+
+__all__ = ["FAMILIES", "Family", "ImageProcessing", "ImageTokens", "VisionEncoder", "family_of", "image_tokens_of"]

@@ -7,7 +7,7 @@ from llm.engine import Engine, EngineConfig, SequenceInput
 from llm.kv_cache import KVCache, num_kv_blocks
 from llm.merge import merge_image_embeds
 from llm.model import Qwen2LM, TextConfig
-from llm.positions import mrope_positions
+from llm.positions import linear_positions, mrope_positions
 from llm.prompt import build_prompt, load_tokenizer, template_messages
 from llm.sampling import make_generator, sample
 from llm.scheduler import Chunk, Scheduler
@@ -35,6 +35,7 @@ __all__ = [
     "load_tokenizer",
     "make_generator",
     "merge_image_embeds",
+    "linear_positions",
     "mrope_positions",
     "num_kv_blocks",
     "paged_attention",

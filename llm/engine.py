@@ -25,7 +25,7 @@ from llm.attention import BatchMeta, ChunkSpec
 from llm.block_pool import BlockPool
 from llm.merge import merge_image_embeds
 from llm.model import Qwen2LM
-from llm.positions import mrope_positions
+from llm.positions import linear_positions, mrope_positions
 from llm.sampling import make_generator, sample
 from llm.scheduler import Chunk, Scheduler
 from llm.sequence import Sequence
@@ -97,7 +97,8 @@ class Engine:
             raise InvalidRequest(f"{n_prompt} prompt tokens + max_tokens {n_max} exceed the context length of {limit}",
                                  param="max_tokens", code="context_length_exceeded")
         ids = torch.tensor(inp.prompt_token_ids, dtype=torch.long)  # (P,)
-        positions, rope_delta = mrope_positions(ids, self.image_token_id, inp.image_grid_thw, self.merge_size)
+        positions, rope_delta = (linear_positions(ids) if self.model.config.mrope_section is None  # 1-D RoPE LM
+                                 else mrope_positions(ids, self.image_token_id, inp.image_grid_thw, self.merge_size))
         is_mm = ids == self.image_token_id
         for i, (grid, embeds) in enumerate(zip(inp.image_grid_thw, inp.image_embeds, strict=True)):
             expected = grid[0] * grid[1] * grid[2] // self.merge_size**2

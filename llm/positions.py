@@ -1,4 +1,5 @@
-"""Qwen2-VL's 3-D M-RoPE positions, computed on the CPU from token ids and each image's patch grid."""
+"""Prompt positions on the CPU: Qwen2-VL's 3-D M-RoPE from token ids and each image's patch grid, or plain 1-D
+positions for LMs without M-RoPE (LLaVA's Llama)."""
 
 from __future__ import annotations
 
@@ -40,4 +41,9 @@ def mrope_positions(
     return positions, rope_delta
 
 
-__all__ = ["mrope_positions"]
+def linear_positions(input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """input_ids (T,) -> positions (3, T), all three rows 0..T-1 (a 1-D RoPE reads the first), rope delta 0."""
+    return torch.arange(input_ids.shape[0]).expand(3, -1), 0  # (3, T)
+
+
+__all__ = ["linear_positions", "mrope_positions"]
