@@ -81,6 +81,11 @@ class Qwen2VLImageProcessing:
     def max_image_tokens(self) -> int:
         return self.max_pixels // (self.patch_size * self.merge_size) ** 2
 
+    def worst_case_size(self) -> tuple[int, int]:
+        """(width, height) of an image with (about) the most tokens: a square of max_pixels."""
+        side = math.isqrt(self.max_pixels)
+        return side, side
+
     def fingerprint(self) -> str:
         """Everything about preprocessing that changes an embedding, for cache keys."""
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]

@@ -24,6 +24,7 @@ class ImageProcessing(Protocol):
     def from_pretrained(cls, model_dir: str | Path) -> ImageProcessing: ...
     @property
     def max_image_tokens(self) -> int: ...  # the largest count any image can take (admission, memory sizing)
+    def worst_case_size(self) -> tuple[int, int]: ...  # (width, height) of an image with the most tokens
     def fingerprint(self) -> str: ...
     def resized_size(self, width: int, height: int) -> tuple[int, int]: ...
     def grid_thw(self, width: int, height: int) -> tuple[int, int, int]: ...
@@ -61,11 +62,12 @@ class Family:
     encoder: Callable[..., VisionEncoder]  # (model_dir, device=, dtype=) -> VisionEncoder
     image_tokens: Callable[[Any], ImageTokens]  # from the checkpoint's transformers config
     max_images_per_prompt: int | None = None  # the family's own limit, if it has one
+    projector: str | None = None  # attribute path of the projector in the encoder object, to place it on its own
 
 
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(processing=Qwen2VLImageProcessing, encoder=Qwen2VLVisionEncoder,
-                       image_tokens=qwen2_vl_image_tokens),
+                       image_tokens=qwen2_vl_image_tokens, projector="vit.merger"),
 }
 
 

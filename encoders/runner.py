@@ -8,12 +8,23 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 from encoders.batching import ImageBatcher, Preprocessed
 from encoders.images import image_size, load_rgb
+from encoders.placement import check_worst_case, place_projector
 from encoders.registry import VisionEncoder, family_of
-from schemas import EncoderArgs
+from schemas import EncoderArgs, resolve_device, resolve_dtype
+
+
+def _part(device: str | None, dtype: str | None, default: tuple[str, torch.dtype]) -> tuple[str, torch.dtype]:
+    """A part's (device, dtype): its own settings, else the default; `auto` dtypes follow the part's device."""
+    dev = resolve_device(device, torch.cuda.is_available()) if device is not None else default[0]
+    if dtype is None:
+        return dev, default[1] if device is None else getattr(torch, resolve_dtype("auto", dev))
+    return dev, getattr(torch, resolve_dtype(dtype, dev))
 
 
 class EncoderRunner:
@@ -22,7 +33,19 @@ class EncoderRunner:
                  on_batch: Callable[[int, float], None] | None = None):
         family = family_of(model_dir)
         self.processing = family.processing.from_pretrained(model_dir)
-        self.encoder = (model_factory or family.encoder)(model_dir, device=device, dtype=dtype)
+        vision = _part(opts.vision_device, opts.vision_dtype, (device, dtype))
+        projector = _part(opts.projector_device, opts.projector_dtype, vision)
+        self.encoder = (model_factory or family.encoder)(model_dir, device=vision[0], dtype=vision[1])
+        if projector != vision:
+            if family.projector is None:
+                raise ValueError(f"{Path(model_dir).name}: this family's projector cannot be placed on its own")
+            place_projector(self.encoder, family.projector, torch.device(projector[0]), projector[1])
+        self.parts = {"vision": vision, "projector": projector}
+        if opts.startup_check:
+            w, h = self.processing.worst_case_size()
+            image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8))
+            check_worst_case(lambda: self.encoder.forward([self.encoder.preprocess(image)]), torch.device(vision[0]),
+                             f"{w}x{h}, {self.processing.max_image_tokens} tokens at most")
         self.jpeg_draft = opts.jpeg_draft
         self.batcher = ImageBatcher(self.encoder.forward, max_patches=opts.max_batch_patches,
                                     max_wait_s=opts.max_batch_wait_ms / 1000, on_batch=on_batch)

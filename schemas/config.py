@@ -108,6 +108,12 @@ class EncoderArgs(_Strict):
     colocated: bool = Field(
         False, description="Encode images inside the LLM replica (one GPU; the baseline that disaggregation beats)."
     )
+    vision_device: Device | None = Field(None, description="Device of the vision tower; default: the app's device.")
+    vision_dtype: DType | None = Field(None, description="dtype of the vision tower; default: the app's dtype.")
+    projector_device: Device | None = Field(None, description="Device of the projector; default: the tower's.")
+    projector_dtype: DType | None = Field(None, description="dtype of the projector (e.g. float32 after a bf16 ViT).")
+    startup_check: bool = Field(
+        True, description="Encode one largest-size image at start; refuse to start, saying why, if it does not fit.")
 
 
 class AuthArgs(_Strict):

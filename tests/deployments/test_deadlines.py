@@ -27,7 +27,7 @@ DEADLINE_S, ENCODE_S = 2.0, 3.0  # an encoder forward outlasts a request's deadl
 def slow(ray_serve, app_args, tmp_path_factory):
     record_dir = str(tmp_path_factory.mktemp("forwards"))
     args = {**app_args, "limits": {**app_args["limits"], "request_timeout_s": DEADLINE_S},
-            "encoder": {"cache_gib": 0, "max_batch_wait_ms": 0},
+            "encoder": {"cache_gib": 0, "max_batch_wait_ms": 0, "startup_check": False},  # as test_encoder_faults
             "llm": {**app_args["llm"], "max_num_seqs": 1, "max_queued_requests": 1}}  # one runs, one waits
     encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=None, num_replicas=1).bind(
         args, None, model_factory=functools.partial(SlowEncoder, delay_s=ENCODE_S, record_dir=record_dir))

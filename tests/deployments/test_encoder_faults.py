@@ -21,7 +21,8 @@ SMALL = {"num_cpus": 0.1}  # these apps share the session's 4 CPUs with the othe
 
 
 def _app(app_args, record_dir: str, delay_s: float, **encoder_options):
-    args = {**app_args, "encoder": {"cache_gib": 0}}  # every request really encodes
+    # Every request really encodes; no start-up forward, which the slow encoder would record as a served one.
+    args = {**app_args, "encoder": {"cache_gib": 0, "startup_check": False}}
     encoder = Encoder.options(ray_actor_options=SMALL, **encoder_options).bind(
         args, None, model_factory=functools.partial(SlowEncoder, delay_s=delay_s, record_dir=record_dir))
     return Ingress.options(ray_actor_options=SMALL).bind(

@@ -1,0 +1,65 @@
+"""Devices and dtypes per encoder part, and the start-up check that the largest image fits."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from encoders import EncoderRunner, Qwen2VLVisionEncoder
+from schemas import EncoderArgs
+from tests.helpers import make_image
+
+
+def _runner(checkpoint, **opts) -> EncoderRunner:
+    return EncoderRunner(checkpoint, EncoderArgs(**opts), device="cpu", dtype=torch.float32)
+
+
+def test_bf16_tower_with_an_fp32_projector(checkpoint):
+    image = make_image(96, 72, seed=3)
+    full = _runner(checkpoint, startup_check=False).encoder.encode([image])[0]
+    mixed = _runner(checkpoint, vision_dtype="bfloat16", projector_dtype="float32", startup_check=False)
+    vit = mixed.encoder.vit
+    assert next(vit.blocks.parameters()).dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in vit.merger.parameters())
+    assert mixed.parts == {"vision": ("cpu", torch.bfloat16), "projector": ("cpu", torch.float32)}
+    out = mixed.encoder.encode([image])[0]
+    assert out.dtype == torch.float32 and out.shape == full.shape
+    error = ((out - full).norm() / full.norm()).item()
+    assert 0 < error < 0.05, error  # a bf16 tower: close to the fp32 answer, not equal to it
+
+
+def test_parts_default_to_the_app_device_and_dtype(checkpoint):
+    runner = _runner(checkpoint, startup_check=False)
+    assert runner.parts == {"vision": ("cpu", torch.float32), "projector": ("cpu", torch.float32)}
+    assert not any(type(m).__name__ == "Placed" for m in runner.encoder.vit.modules())
+
+
+def test_startup_check_encodes_the_largest_image_and_logs_it(checkpoint, caplog):
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        runner = _runner(checkpoint)
+    side = int(runner.processing.max_pixels ** 0.5)
+    assert f"largest image ({side}x{side}, {runner.processing.max_image_tokens} tokens at most)" in caplog.text
+
+
+class _TooBig(Qwen2VLVisionEncoder):
+    def forward(self, batch):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+
+def test_an_encoder_that_cannot_fit_its_largest_image_refuses_to_start(checkpoint):
+    with pytest.raises(RuntimeError, match=r"cannot encode its largest image .* out of memory .* max_pixels"):
+        EncoderRunner(checkpoint, EncoderArgs(), device="cpu", dtype=torch.float32, model_factory=_TooBig)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tower_on_gpu_projector_on_cpu(checkpoint):
+    image = make_image(96, 72, seed=3)
+    full = _runner(checkpoint, startup_check=False).encoder.encode([image])[0]
+    split = _runner(checkpoint, vision_device="cuda", vision_dtype="float32", projector_device="cpu",
+                    startup_check=False)
+    out = split.encoder.encode([image])[0]
+    assert out.device.type == "cpu"
+    torch.testing.assert_close(out, full, atol=1e-4, rtol=1e-4)
