@@ -5,84 +5,19 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import AutoImageProcessor, AutoTokenizer
 
-from tests.helpers import data_url, make_image
+from tests.deployments.parity import CASES, MAX_TOKENS, assert_greedy_equals_reference, openai_messages
 
 pytestmark = pytest.mark.e2e
-MAX_TOKENS = 24  # the tiny checkpoint's greedy margins are checked for this many steps
-
-
-def _reference(checkpoint, reference, conversation) -> tuple[list[int], list[int]]:
-    """transformers' own pipeline: chat template, processor grids, placeholder expansion, generate."""
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    processor = AutoImageProcessor.from_pretrained(checkpoint)
-    messages, images = [], []
-    for role, parts in conversation:
-        content = []
-        for part in parts:
-            if isinstance(part, str):
-                content.append({"type": "text", "text": part})
-            else:
-                content.append({"type": "image"})
-                images.append(part)
-        messages.append({"role": role, "content": content})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    pad = reference.config.image_token_id
-    kwargs = {}
-    if images:
-        processed = processor(images=images, return_tensors="pt")
-        counts = iter((processed["image_grid_thw"].prod(-1) // 4).tolist())
-        ids = [t for tok in ids for t in ([pad] * next(counts) if tok == pad else [tok])]
-        kwargs = {"pixel_values": processed["pixel_values"], "image_grid_thw": processed["image_grid_thw"]}
-    input_ids = torch.tensor([ids])
-    with torch.no_grad():
-        out = reference.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 mm_token_type_ids=(input_ids == pad).int(), do_sample=False,
-                                 max_new_tokens=MAX_TOKENS, **kwargs)
-    return ids, out[0, len(ids):].tolist()
-
-
-def _openai_messages(conversation) -> list[dict]:
-    messages = []
-    for role, parts in conversation:
-        content = [{"type": "text", "text": p} if isinstance(p, str) else
-                   {"type": "image_url", "image_url": {"url": data_url(p)}} for p in parts]
-        messages.append({"role": role, "content": content})
-    return messages
-
-
-CASES = {
-    "text_only": [("user", ["Tell me about red circles."])],
-    "one_image": [("user", [make_image(120, 80, seed=1), "What is in the picture?"])],
-    "three_images": [("user", ["Compare", make_image(57, 31, seed=2), make_image(300, 140, seed=3), "and",
-                               make_image(40, 260, seed=4), "please."])],
-    "two_turns": [("user", [make_image(90, 90, seed=5), "What colour is the square?"]),
-                  ("assistant", ["The square is blue."]),
-                  ("user", ["And this one?", make_image(200, 60, seed=6)])],
-}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_equals_transformers(case, client, checkpoint, reference):
-    ref_prompt, ref_tokens = _reference(checkpoint, reference, CASES[case])
-    body = {"messages": _openai_messages(CASES[case]), "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True}
-    r = client.post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    out = r.json()
-    assert out["prompt_token_ids"] == ref_prompt
-    assert out["choices"][0]["token_ids"] == ref_tokens
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    assert out["choices"][0]["message"]["content"] == tokenizer.decode(ref_tokens, skip_special_tokens=True)
-    assert out["usage"] == {"prompt_tokens": len(ref_prompt), "completion_tokens": len(ref_tokens),
-                            "total_tokens": len(ref_prompt) + len(ref_tokens)}
+    assert_greedy_equals_reference(client, checkpoint, reference, CASES[case])
 
 
 def test_streaming_equals_non_streaming(client):
-    body = {"messages": _openai_messages(CASES["three_images"]), "max_tokens": MAX_TOKENS, "temperature": 0,
+    body = {"messages": openai_messages(CASES["three_images"]), "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True}
     whole = client.post("/v1/chat/completions", json=body).json()
     with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
