@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -19,8 +20,9 @@ from deployments.fetch import ImageFetcher
 from deployments.http import error_response, parse, read_json, root_cause
 from deployments.metrics import IngressMetrics
 from deployments.prepare import Prepared, Preparer, image_params
-from deployments.responses import ChoiceState, completion, deadline_error, interleave, sse_stream, with_deadline
-from llm import OutputProcessor, TextDelta
+from deployments.responses import (ChoiceState, completion, deadline_error, interleave, pixel_boxes, sse_stream,
+                                   with_deadline)
+from llm import GroundingTokens, OutputProcessor, TextDelta
 from schemas import AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, Overloaded, SamplingParams
 from schemas.openai import ChatCompletionRequest, ModelCard, ModelList
 
@@ -39,6 +41,7 @@ class Ingress:
         self.args = AppArgs.model_validate(args)
         self.prep = Preparer(self.args)
         self.tokenizer, self.max_model_len = self.prep.tokenizer, self.prep.max_model_len
+        self.grounding = GroundingTokens.of(self.tokenizer)  # None: this family's answers carry no boxes
         self.fetcher = ImageFetcher(self.args.image_urls, self.args.limits.max_image_bytes)
         self.gate = Gate(self.args.auth)
         self.metrics = IngressMetrics()
@@ -113,11 +116,13 @@ class Ingress:
         head = {"id": request_id, "created": int(time.time()), "model": self.args.model_name}
         events = with_deadline(interleave(firsts, streams), deadline, timeout_s)
         headers = {"X-Dropped-Messages": str(p.dropped_messages)} if p.dropped_messages else None
+        boxes = functools.partial(pixel_boxes, marks=self.grounding, tokenizer=self.tokenizer,
+                                  image_sizes=p.image_sizes, image_numbers=p.image_numbers)
         if req.stream:
             done = lambda choices: self._log(log, choices)  # noqa: E731
-            return StreamingResponse(sse_stream(req, head, p.prompt, events, self.tokenizer, request_id, done),
+            return StreamingResponse(sse_stream(req, head, p.prompt, events, self.tokenizer, request_id, done, boxes),
                                      media_type="text/event-stream", headers=headers)
-        body, choices = await completion(req, head, p.prompt, events, self.tokenizer)
+        body, choices = await completion(req, head, p.prompt, events, self.tokenizer, boxes)
         self._log(log, choices)
         return JSONResponse(body.model_dump(), headers=headers)
 

@@ -22,11 +22,15 @@ class Prepared:
     grids: list[tuple[int, int, int]] = field(default_factory=list)
     max_tokens: int = 0
     dropped_messages: int = 0
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each image kept
+    image_numbers: list[int] = field(default_factory=list)  # its index among the request's images
 
 
 @dataclass(slots=True)
 class _Image:
     message: int
+    number: int
+    size: tuple[int, int]
     data: bytes
     key: str
     grid: tuple[int, int, int]
@@ -71,7 +75,7 @@ class Preparer:
         if len(params) > self.max_images:
             raise InvalidRequest(f"more than {self.max_images} images in one request", param=params[self.max_images][1])
 
-    def _image(self, message: int, param: str, url: str, fetched: dict[str, bytes]) -> _Image:
+    def _image(self, number: int, message: int, param: str, url: str, fetched: dict[str, bytes]) -> _Image:
         try:
             data = fetched[param] if param in fetched else decode_data_url(url, self.limits.max_image_bytes)
             info = probe_image(data, self.limits)
@@ -80,12 +84,13 @@ class Preparer:
         # One key for the embedding cache and for the prefix cache of the image's tokens.
         key = embedding_key(hashlib.sha256(data).hexdigest(), info.width, info.height, info.mode,
                             self.preprocessing_id, self.model_id)
-        return _Image(message, data, key, self.processing.grid_thw(info.width, info.height),
+        return _Image(message, number, (info.width, info.height), data, key,
+                      self.processing.grid_thw(info.width, info.height),
                       self.processing.num_image_tokens(info.width, info.height))
 
     def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes]) -> Prepared:
         """Image headers and prompt ids, after `check`; `fetched` holds the bytes of remote images by JSON path."""
-        images = [self._image(i, param, url, fetched) for i, param, url in image_params(req)]
+        images = [self._image(n, i, param, url, fetched) for n, (i, param, url) in enumerate(image_params(req))]
         overflow = req.context_overflow or self.limits.context_overflow
         # Turns start at each user message after the leading system messages; dropping whole turns from the
         # front drops their images with them and never cuts inside an image's placeholder run.
@@ -113,6 +118,8 @@ class Preparer:
                 out.images.append(image.data)
                 out.image_keys.append(image.key)
                 out.grids.append(image.grid)
+                out.image_sizes.append(image.size)
+                out.image_numbers.append(image.number)
         counts = [im.num_tokens for im in images if im.message < n_system or im.message >= start]
         out.prompt = build_prompt(self.tokenizer, kept, self.image_token_id, counts, self.tokens.per_image_ids,
                                   self.tokens.forbidden_ids)

@@ -9,10 +9,13 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from deployments.http import error_body, sse
-from llm import TextDelta
+from llm import GroundingTokens, TextDelta, parse_boxes
 from schemas import FinishReason, InvalidRequest, TokenLogprob
-from schemas.openai import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChoiceLogprobs,
+from schemas.openai import (Box, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChoiceLogprobs,
                             ChunkChoice, Delta, ResponseMessage, TokenLogprobOut, TopLogprob, Usage)
+
+
+BoxesOf = Callable[[list[int]], list[Box] | None]  # a choice's token ids -> its boxes
 
 
 def to_logprobs(tokenizer: PreTrainedTokenizerBase, ids: list[int], lps: list[TokenLogprob] | None):
@@ -95,14 +98,32 @@ def _usage(n_prompt: int, choices: list[ChoiceState]) -> Usage:
     return Usage(prompt_tokens=n_prompt, completion_tokens=n_completion, total_tokens=n_prompt + n_completion)
 
 
+def pixel_boxes(token_ids: list[int], marks: GroundingTokens | None, tokenizer: PreTrainedTokenizerBase,
+                image_sizes: list[tuple[int, int]], image_numbers: list[int]) -> list[Box] | None:
+    """The answer's grounding boxes in pixels of the image they refer to: the last image of the prompt (Qwen's
+    0..1000 coordinates are relative to the image in view)."""
+    if marks is None or not image_sizes:
+        return None
+    (w, h), number = image_sizes[-1], image_numbers[-1]
+    return [Box(label=label, image_index=number, x1=round(x1 * w / 1000), y1=round(y1 * h / 1000),
+                x2=round(x2 * w / 1000), y2=round(y2 * h / 1000))
+            for label, (x1, y1, x2, y2) in parse_boxes(token_ids, marks, tokenizer)] or None
+
+
+def _no_boxes(token_ids: list[int]) -> None:
+    return None
+
+
 async def completion(req: ChatCompletionRequest, head: dict, prompt: list[int], events,
-                     tokenizer: PreTrainedTokenizerBase) -> tuple[ChatCompletion, list[ChoiceState]]:
+                     tokenizer: PreTrainedTokenizerBase, boxes_of: BoxesOf = _no_boxes,
+                     ) -> tuple[ChatCompletion, list[ChoiceState]]:
     choices = [ChoiceState() for _ in range(req.n)]
     async for i, delta in events:
         choices[i].add(delta)
     body = ChatCompletion(**head, usage=_usage(len(prompt), choices),
                           prompt_token_ids=prompt if req.return_token_ids else None, choices=[
-        Choice(index=i, message=ResponseMessage(content=c.text), finish_reason=c.finish_reason or "stop",
+        Choice(index=i, message=ResponseMessage(content=c.text, boxes=boxes_of(c.token_ids)),
+               finish_reason=c.finish_reason or "stop",
                logprobs=to_logprobs(tokenizer, c.token_ids, c.logprobs),
                token_ids=c.token_ids if req.return_token_ids else None)
         for i, c in enumerate(choices)])
@@ -111,7 +132,8 @@ async def completion(req: ChatCompletionRequest, head: dict, prompt: list[int], 
 
 async def sse_stream(req: ChatCompletionRequest, head: dict, prompt: list[int], events,
                      tokenizer: PreTrainedTokenizerBase, request_id: str,
-                     on_done: Callable[[list[ChoiceState]], None]) -> AsyncIterator[str]:
+                     on_done: Callable[[list[ChoiceState]], None], boxes_of: BoxesOf = _no_boxes,
+                     ) -> AsyncIterator[str]:
     """role chunk per choice, content chunks, a finish chunk per choice, the usage chunk, then [DONE]."""
     choices = [ChoiceState() for _ in range(req.n)]
     ids_out = req.return_token_ids
@@ -126,8 +148,8 @@ async def sse_stream(req: ChatCompletionRequest, head: dict, prompt: list[int], 
                     index=i, delta=Delta(content=delta.text), token_ids=delta.token_ids if ids_out else None,
                     logprobs=to_logprobs(tokenizer, delta.token_ids, delta.logprobs))]))
             if delta.finish_reason is not None:
-                yield sse(ChatCompletionChunk(**head, choices=[ChunkChoice(index=i, delta=Delta(),
-                                                                           finish_reason=delta.finish_reason)]))
+                yield sse(ChatCompletionChunk(**head, choices=[ChunkChoice(
+                    index=i, delta=Delta(boxes=boxes_of(choices[i].token_ids)), finish_reason=delta.finish_reason)]))
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse(ChatCompletionChunk(**head, choices=[], usage=_usage(len(prompt), choices)))
     except Exception as e:  # after the 200: the error goes out as an event, which OpenAI clients raise
@@ -137,4 +159,4 @@ async def sse_stream(req: ChatCompletionRequest, head: dict, prompt: list[int], 
     yield "data: [DONE]\n\n"
 
 
-__all__ = ["ChoiceState", "completion", "deadline_error", "interleave", "sse_stream", "to_logprobs", "with_deadline"]
+__all__ = ["ChoiceState", "completion", "deadline_error", "interleave", "pixel_boxes", "sse_stream", "to_logprobs", "with_deadline"]

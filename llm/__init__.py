@@ -4,6 +4,7 @@ from llm.detokenize import IncrementalDetokenizer, OutputProcessor, StopMatcher,
 from llm.attention import BatchMeta, ChunkSpec, paged_attention
 from llm.block_pool import BlockPool, block_hash
 from llm.engine import Engine, EngineConfig, SequenceInput
+from llm.grounding import GroundingTokens, parse_boxes
 from llm.kv_cache import KVCache, num_kv_blocks
 from llm.merge import merge_image_embeds
 from llm.model import Qwen2LM, TextConfig
@@ -20,6 +21,7 @@ __all__ = [
     "ChunkSpec",
     "Engine",
     "EngineConfig",
+    "GroundingTokens",
     "IncrementalDetokenizer",
     "KVCache",
     "OutputProcessor",
@@ -39,6 +41,7 @@ __all__ = [
     "mrope_positions",
     "num_kv_blocks",
     "paged_attention",
+    "parse_boxes",
     "sample",
     "template_messages",
 ]

@@ -124,9 +124,22 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprobOut]
 
 
+class Box(BaseModel):
+    """A grounding box of the answer, in pixels of the request's image `image_index` (0-based, request order)."""
+
+    label: str
+    image_index: int
+    x1: int
+    y1: int
+    x2: int
+    y2: int
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    # Extension: boxes parsed out of a grounding answer (absent when there are none).
+    boxes: list[Box] | None = Field(None, exclude_if=lambda v: not v)
 
 
 class Choice(BaseModel):
@@ -150,6 +163,7 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=lambda v: v is None)
     content: str | None = Field(None, exclude_if=lambda v: v is None)
+    boxes: list[Box] | None = Field(None, exclude_if=lambda v: not v)  # with the finish chunk, as in the message
 
 
 class ChunkChoice(BaseModel):
@@ -195,6 +209,7 @@ class ModelList(BaseModel):
 
 
 __all__ = [
+    "Box",
     "ChatCompletion",
     "ChatCompletionChunk",
     "ChatCompletionRequest",
