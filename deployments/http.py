@@ -91,6 +91,12 @@ def error_response(e: BaseException, request_id: str) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
+def observe(future) -> None:
+    """A done-callback: marks a future's exception as seen (it may fail after nobody awaits it any more)."""
+    if not future.cancelled():
+        future.exception()
+
+
 def sse(payload: BaseModel | dict | str) -> str:
     if isinstance(payload, BaseModel):
         payload = payload.model_dump_json()
@@ -99,4 +105,4 @@ def sse(payload: BaseModel | dict | str) -> str:
     return f"data: {payload}\n\n"
 
 
-__all__ = ["error_body", "error_response", "parse", "read_json", "root_cause", "sse"]
+__all__ = ["error_body", "error_response", "observe", "parse", "read_json", "root_cause", "sse"]

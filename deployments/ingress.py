@@ -17,21 +17,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.auth import Gate
 from deployments.fetch import ImageFetcher
-from deployments.http import error_response, parse, read_json, root_cause
+from deployments.http import error_response, observe, parse, read_json, root_cause
 from deployments.metrics import IngressMetrics
-from deployments.prepare import Prepared, Preparer, image_params
+from deployments.prepare import Prepared, Preparer, image_params, sampling_params
 from deployments.responses import (ChoiceState, completion, deadline_error, interleave, pixel_boxes, sse_stream,
                                    with_deadline)
 from llm import GroundingTokens, OutputProcessor, TextDelta
-from schemas import AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, Overloaded, SamplingParams
+from schemas import AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, Overloaded
 from schemas.openai import ChatCompletionRequest, ModelCard, ModelList
 
 logger = logging.getLogger("ray.serve")
-
-
-def _retrieve(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
@@ -86,13 +81,6 @@ class Ingress:
         card = ModelCard(id=self.args.model_name, max_model_len=self.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    def _sampling(self, req: ChatCompletionRequest, max_tokens: int, choice: int) -> SamplingParams:
-        seed = None if req.seed is None else (req.seed + choice) % 2**63  # n choices differ, each reproducible
-        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                              top_k=max(req.top_k, 0), seed=seed, presence_penalty=req.presence_penalty,
-                              frequency_penalty=req.frequency_penalty, stop_token_ids=frozenset(req.stop_token_ids),
-                              ignore_eos=req.ignore_eos, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
-
     async def chat(self, request: Request, request_id: str) -> Response:
         started = time.monotonic()
         timeout_s = self.args.limits.request_timeout_s
@@ -132,7 +120,7 @@ class Ingress:
         responses = [self.encoder.encode.remote(p.images[i], p.image_keys[i]) for i in indices]
         calls += responses
         refs = asyncio.gather(*(r._to_object_ref() for r in responses))
-        refs.add_done_callback(_retrieve)  # a request that ends early leaves it failing unobserved
+        refs.add_done_callback(observe)  # a request that ends early leaves it failing unobserved
         try:
             return list(await asyncio.wait_for(refs, self.args.encoder.timeout_s))
         except TimeoutError:
@@ -174,7 +162,7 @@ class Ingress:
 
     async def _generate(self, req: ChatCompletionRequest, p: Prepared, refs: list[Any], request_id: str):
         streams = [self._events(self.llm.options(stream=True).generate.remote(GenerateRequest(
-            f"{request_id}-{i}", p.prompt, p.grids, refs, self._sampling(req, p.max_tokens, i), p.image_keys,
+            f"{request_id}-{i}", p.prompt, p.grids, refs, sampling_params(req, p.max_tokens, i), p.image_keys,
             p.images if self.encoder is None else [])),
             req.stop) for i in range(req.n)]
         try:

@@ -15,7 +15,7 @@ from ray.exceptions import (ActorUnavailableError, NodeDiedError, ObjectLostErro
                             TaskCancelledError, WorkerCrashedError)
 from transformers import AutoConfig, GenerationConfig
 
-from deployments.http import root_cause
+from deployments.http import observe, root_cause
 from deployments.metrics import EncoderMetrics, LLMMetrics
 from encoders import EmbeddingLRU, EncoderRunner, family_of
 from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, num_kv_blocks
@@ -88,7 +88,7 @@ class LLM:
         finally:  # also when this generation is cancelled: no task left to fail unobserved
             for task in tasks:
                 task.cancel()
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+                task.add_done_callback(observe)
         lost = [i for i, t in enumerate(tasks) if t in pending]
         for i, task in enumerate(tasks):
             if task in done and task.exception() is not None:

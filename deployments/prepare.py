@@ -10,7 +10,7 @@ from transformers import AutoConfig
 
 from encoders import decode_data_url, embedding_key, family_of, probe_image
 from llm import build_prompt, load_tokenizer
-from schemas import AppArgs, InvalidRequest, resolve_max_model_len
+from schemas import AppArgs, InvalidRequest, SamplingParams, resolve_max_model_len
 from schemas.openai import ChatCompletionRequest, ImagePart, Message
 
 
@@ -42,6 +42,14 @@ def image_params(req: ChatCompletionRequest) -> list[tuple[int, str, str]]:
     return [(i, f"messages[{i}].content[{j}].image_url", part.image_url.url)
             for i, m in enumerate(req.messages) if isinstance(m.content, list)
             for j, part in enumerate(m.content) if isinstance(part, ImagePart)]
+
+
+def sampling_params(req: ChatCompletionRequest, max_tokens: int, choice: int) -> SamplingParams:
+    seed = None if req.seed is None else (req.seed + choice) % 2**63  # n choices differ, each reproducible
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          top_k=max(req.top_k, 0), seed=seed, presence_penalty=req.presence_penalty,
+                          frequency_penalty=req.frequency_penalty, stop_token_ids=frozenset(req.stop_token_ids),
+                          ignore_eos=req.ignore_eos, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
 
 
 class Preparer:
@@ -139,4 +147,4 @@ class Preparer:
         return p
 
 
-__all__ = ["Prepared", "Preparer", "image_params"]
+__all__ = ["Prepared", "Preparer", "image_params", "sampling_params"]
