@@ -3,6 +3,7 @@
 from encoders.batching import ImageBatcher, Preprocessed
 from encoders.cache import EmbeddingLRU, embedding_key
 from encoders.images import FORMATS, ImageInfo, decode_data_url, image_size, load_rgb, probe_image
+from encoders.llava import LlavaImageProcessing, LlavaVisionEncoder
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, smart_resize
 from encoders.registry import FAMILIES, Family, ImageProcessing, ImageTokens, VisionEncoder, family_of, image_tokens_of
@@ -18,6 +19,8 @@ __all__ = [
     "ImageInfo",
     "ImageProcessing",
     "ImageTokens",
+    "LlavaImageProcessing",
+    "LlavaVisionEncoder",
     "Preprocessed",
     "Qwen2_5_VLVisionEncoder",
     "Qwen2VLImageProcessing",

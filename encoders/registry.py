@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from transformers import AutoConfig
 
+from encoders.llava import LlavaImageProcessing, LlavaVisionEncoder, llava_image_tokens
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, qwen2_vl_image_tokens
 
@@ -72,6 +73,8 @@ FAMILIES: dict[str, Family] = {
     # Qwen2.5-VL: Qwen2-VL's preprocessing and image tokens, its own ViT (see encoders/qwen2_5_vl.py).
     "qwen2_5_vl": Family(processing=Qwen2VLImageProcessing, encoder=Qwen2_5_VLVisionEncoder,
                          image_tokens=qwen2_vl_image_tokens, projector="vit.merger"),
+    "llava": Family(processing=LlavaImageProcessing, encoder=LlavaVisionEncoder, image_tokens=llava_image_tokens,
+                    projector="projector"),
 }
 
 

@@ -100,19 +100,21 @@ class Engine:
         positions, rope_delta = (linear_positions(ids) if self.model.config.mrope_section is None  # 1-D RoPE LM
                                  else mrope_positions(ids, self.image_token_id, inp.image_grid_thw, self.merge_size))
         is_mm = ids == self.image_token_id
-        for i, (grid, embeds) in enumerate(zip(inp.image_grid_thw, inp.image_embeds, strict=True)):
-            expected = grid[0] * grid[1] * grid[2] // self.merge_size**2
-            if embeds.shape[0] != expected:
-                raise ValueError(f"image {i}: {embeds.shape[0]} embedding rows for a grid of {expected} tokens")
+        counts = [int(e.shape[0]) for e in inp.image_embeds]  # tokens per image: its embedding rows
+        if self.model.config.mrope_section is not None:  # M-RoPE positions follow the grid: the rows must too
+            for i, (grid, n) in enumerate(zip(inp.image_grid_thw, counts, strict=True)):
+                expected = grid[0] * grid[1] * grid[2] // self.merge_size**2
+                if n != expected:
+                    raise ValueError(f"image {i}: {n} embedding rows for a grid of {expected} tokens")
         image_embeds = torch.cat(inp.image_embeds) if inp.image_embeds else None
         n_mm = int(is_mm.sum())
-        if (image_embeds.shape[0] if image_embeds is not None else 0) != n_mm:  # counted on the CPU ids
-            raise ValueError(f"{0 if image_embeds is None else image_embeds.shape[0]} image embeddings for "
-                             f"{n_mm} placeholder tokens")
+        if sum(counts) != n_mm:  # counted on the CPU ids
+            raise ValueError(f"{sum(counts)} image embeddings for {n_mm} placeholder tokens")
         starts = is_mm.nonzero().flatten().tolist()
         spans, k = [], 0
-        for i, (t, h, w) in enumerate(inp.image_grid_thw):
-            n = t * h * w // self.merge_size**2
+        for i, n in enumerate(counts):
+            if starts[k + n - 1] != starts[k] + n - 1:
+                raise ValueError(f"the {n} placeholder tokens of image {i} are not one contiguous run")
             # No key: a unique one, so that this prompt's image blocks never match another's.
             key = inp.image_keys[i] if inp.image_keys else f"unshared-{inp.request_id}-{i}"
             spans.append((starts[k], starts[k] + n, key))

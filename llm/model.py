@@ -1,7 +1,8 @@
-"""A compact Qwen2 decoder (Qwen2-VL's language model) with M-RoPE, over a flat (T, D) token layout.
+"""A compact Qwen2 / Llama decoder (Qwen2-VL's and LLaVA's language models) over a flat (T, D) token layout.
 
 The module names match the checkpoint's (`layers.0.self_attn.q_proj`, ...), so weights load by name.
-With `mrope_section=None` the same code is a plain 1-D RoPE decoder (Llama-family LMs differ only in biases).
+With `mrope_section=None` the same code is a plain 1-D RoPE decoder; Llama differs from Qwen2 only in which
+projections have biases (Qwen2: q/k/v; Llama: `attention_bias` for q/k/v/o, `mlp_bias` for the MLP).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class TextConfig:
     mrope_section: tuple[int, ...] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
+    qkv_bias: bool = True  # Qwen2's q/k/v projections have biases, its o_proj none
+    o_bias: bool = False
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, (self.num_heads, self.num_kv_heads)
@@ -45,8 +49,17 @@ class TextConfig:
         tc = getattr(config, "text_config", config)
         if getattr(tc, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported")
+        if (act := getattr(tc, "hidden_act", "silu")) != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; only 'silu' (SwiGLU MLP) is")
         rope = dict(tc.rope_parameters or {})
+        # NOTE: transformers 5 keeps Qwen2-VL's legacy `"type": "mrope"` next to `"rope_type": "default"`.
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in ("default", "mrope"):
+            raise ValueError(f"rope type {rope_type!r} is not supported; only plain RoPE ('default', or Qwen2-VL's "
+                             f"M-RoPE) is implemented")
         mrope = rope.get("mrope_section")
+        # Llama-family configs say which projections have biases; Qwen2's have no such fields (q/k/v biased).
+        attention_bias = getattr(tc, "attention_bias", None)
         return cls(
             vocab_size=tc.vocab_size,
             hidden_size=tc.hidden_size,
@@ -60,6 +73,9 @@ class TextConfig:
             mrope_section=tuple(mrope) if mrope else None,
             max_position_embeddings=tc.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=True if attention_bias is None else bool(attention_bias),
+            o_bias=bool(attention_bias),
+            mlp_bias=bool(getattr(tc, "mlp_bias", False)),
         )
 
 
@@ -95,10 +111,10 @@ class Attention(nn.Module):
     def __init__(self, c: TextConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=True)
-        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=True)
-        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=True)
-        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
+        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.o_bias)
 
     def forward(self, x, cos, sin, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         T = x.shape[0]
@@ -114,9 +130,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: TextConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -136,6 +152,8 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen2LM(nn.Module):
+    """The decoder of any TextConfig: Qwen2 (Qwen2-VL) or Llama (LLaVA); the biases and RoPE follow the config."""
+
     def __init__(self, c: TextConfig):
         super().__init__()
         self.config = c

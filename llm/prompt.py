@@ -47,7 +47,10 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[Message], im
     The template writes the placeholder (and each of `per_image_ids`, such as vision start/end markers) once per
     image and never any of `forbidden_ids` (video placeholders): any other count means the user typed them."""
     text = tokenizer.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    # NOTE: a BOS the template did not write is added, as transformers' processors do (LLaVA's templates leave
+    # `<s>` to the tokenizer; Qwen's tokenizer has none).
+    bos = tokenizer.bos_token
+    ids = tokenizer.encode(text, add_special_tokens=bool(bos) and not text.startswith(bos))
     slots = [i for i, t in enumerate(ids) if t == image_token_id]
     expected = {image_token_id: len(image_token_counts)} | {t: len(image_token_counts) for t in per_image_ids} | {
         t: 0 for t in forbidden_ids}

@@ -1,7 +1,12 @@
 """Checkpoint layouts: which safetensors keys hold the vision tower, the language model and lm_head.
 
-Two layouts exist in the wild and both are read: real hub checkpoints (and what transformers 5 writes) use
-`visual.*`, `model.*`, `lm_head.*`; transformers 4.52-4.57 wrote `model.visual.*`, `model.language_model.*`.
+Qwen2-VL: real hub checkpoints (and what transformers 5 writes) use `visual.*`, `model.*`, `lm_head.*`;
+transformers 4.52-4.57 wrote `model.visual.*`, `model.language_model.*`.
+LLaVA: llava-hf hub checkpoints use `vision_tower.vision_model.*`, `multi_modal_projector.*`,
+`language_model.model.*`, `language_model.lm_head.*`; transformers 5 writes the same without `vision_model.`;
+transformers 4.52-4.57 wrote `model.vision_tower.vision_model.*`, `model.multi_modal_projector.*`,
+`model.language_model.*`, `lm_head.*`. LLaVA's vision component keeps its sub-prefixes (`vision_tower.*`, as
+transformers 5's CLIPVisionModel names them, and `multi_modal_projector.*`): the encoder holds both.
 Each replica reads only the tensors of its own components, so the other weights never enter its memory.
 """
 
@@ -16,21 +21,33 @@ from safetensors import safe_open
 
 Component = Literal["vision", "text", "lm_head"]
 
-# First match wins: the longer legacy prefixes must come before the short hub ones.
-_PREFIXES: tuple[tuple[str, Component], ...] = (
-    ("model.visual.", "vision"),
-    ("visual.", "vision"),
-    ("model.language_model.", "text"),
-    ("model.", "text"),
-    ("lm_head.", "lm_head"),
+# (prefix, component, what replaces the prefix). First match wins: the longer prefixes must come before the
+# short ones they start with (`model.vision_tower.` before `model.`, `model.language_model.` before `model.`).
+_PREFIXES: tuple[tuple[str, Component, str], ...] = (
+    ("model.visual.", "vision", ""),
+    ("visual.", "vision", ""),
+    ("model.vision_tower.vision_model.", "vision", "vision_tower."),
+    ("model.vision_tower.", "vision", "vision_tower."),
+    ("vision_tower.vision_model.", "vision", "vision_tower."),
+    ("vision_tower.", "vision", "vision_tower."),
+    ("model.multi_modal_projector.", "vision", "multi_modal_projector."),
+    ("multi_modal_projector.", "vision", "multi_modal_projector."),
+    ("model.language_model.", "text", ""),
+    ("language_model.model.", "text", ""),
+    ("language_model.lm_head.", "lm_head", ""),
+    ("model.", "text", ""),
+    ("lm_head.", "lm_head", ""),
 )
 
 
 def split_key(key: str) -> tuple[Component, str] | None:
-    """`model.language_model.layers.0.x` -> ("text", "layers.0.x"); None for keys of no component."""
-    for prefix, component in _PREFIXES:
+    """`model.language_model.layers.0.x` -> ("text", "layers.0.x"); None for keys of no component.
+
+    Every layout of a family gives the same names: `vision_tower.vision_model.encoder.layers.0.x` and
+    `vision_tower.encoder.layers.0.x` are both ("vision", "vision_tower.encoder.layers.0.x")."""
+    for prefix, component, replacement in _PREFIXES:
         if key.startswith(prefix):
-            return component, key[len(prefix) :]
+            return component, replacement + key[len(prefix) :]
     return None
 
 

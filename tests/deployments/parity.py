@@ -64,9 +64,11 @@ def openai_messages(conversation) -> list[dict]:
     return messages
 
 
-def assert_greedy_equals_reference(client: httpx.Client, checkpoint, reference, conversation) -> None:
-    """Prompt ids, completion ids, text and usage from the app equal transformers' on the same checkpoint."""
-    ref_prompt, ref_tokens = reference_generate(checkpoint, reference, conversation)
+def assert_greedy_equals_reference(client: httpx.Client, checkpoint, reference, conversation,
+                                   generate=reference_generate) -> None:
+    """Prompt ids, completion ids, text and usage from the app equal transformers' on the same checkpoint
+    (`generate(checkpoint, reference, conversation)`: the family's own transformers pipeline)."""
+    ref_prompt, ref_tokens = generate(checkpoint, reference, conversation)
     body = {"messages": openai_messages(conversation), "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True}
     r = client.post("/v1/chat/completions", json=body)

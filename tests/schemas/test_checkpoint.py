@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import schemas.checkpoint as ckpt
-from encoders import Qwen2VLVisionEncoder
+from demo.tiny_llava import build_llava_checkpoint
+from encoders import LlavaVisionEncoder, Qwen2VLVisionEncoder
 from llm import Qwen2LM
 from schemas import split_key
 
@@ -19,9 +20,18 @@ from schemas import split_key
         ("model.language_model.embed_tokens.weight", ("text", "embed_tokens.weight")),
         ("lm_head.weight", ("lm_head", "weight")),
         ("something.else", None),
+        # LLaVA: llava-hf (4.x), transformers 5, and transformers 4.52-4.57 names of the same tensors.
+        ("vision_tower.vision_model.post_layernorm.bias", ("vision", "vision_tower.post_layernorm.bias")),
+        ("vision_tower.encoder.layers.0.mlp.fc1.weight", ("vision", "vision_tower.encoder.layers.0.mlp.fc1.weight")),
+        ("model.vision_tower.vision_model.pre_layrnorm.bias", ("vision", "vision_tower.pre_layrnorm.bias")),
+        ("model.vision_tower.embeddings.class_embedding", ("vision", "vision_tower.embeddings.class_embedding")),
+        ("multi_modal_projector.linear_1.weight", ("vision", "multi_modal_projector.linear_1.weight")),
+        ("model.multi_modal_projector.linear_2.bias", ("vision", "multi_modal_projector.linear_2.bias")),
+        ("language_model.model.layers.1.self_attn.q_proj.weight", ("text", "layers.1.self_attn.q_proj.weight")),
+        ("language_model.lm_head.weight", ("lm_head", "weight")),
     ],
 )
-def test_split_key_both_layouts(key, expected):
+def test_split_key_every_layout(key, expected):
     assert split_key(key) == expected
 
 
@@ -62,3 +72,15 @@ def test_encoder_reads_only_vision_and_llm_reads_no_vision(layout, request, tens
     Qwen2LM.from_pretrained(path)
     assert tensors_read and all(split_key(k)[0] in ("text", "lm_head") for k in tensors_read)
     assert any(k.startswith("lm_head.") for k in tensors_read)
+
+
+@pytest.mark.parametrize("layout", ["hub", "legacy", "prefixed"])
+def test_llava_encoder_reads_only_vision_and_llm_reads_no_vision(layout, tmp_path, tensors_read):
+    path = build_llava_checkpoint(tmp_path / layout, layout=layout)
+    LlavaVisionEncoder(path)
+    assert tensors_read and all(split_key(k)[0] == "vision" for k in tensors_read)
+    assert any("multi_modal_projector." in k for k in tensors_read)
+    tensors_read.clear()
+    Qwen2LM.from_pretrained(path)
+    assert tensors_read and all(split_key(k)[0] in ("text", "lm_head") for k in tensors_read)
+    assert any("lm_head." in k for k in tensors_read)

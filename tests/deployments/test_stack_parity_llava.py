@@ -1,0 +1,66 @@
+"""LLaVA-1.5 through the deployed app over HTTP: greedy output equals transformers' generate on the same checkpoint."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from ray import serve
+from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+from demo.tiny_llava import build_llava_checkpoint
+from deployments import build_app
+from tests.deployments.parity import CASES, MAX_TOKENS, assert_greedy_equals_reference
+
+pytestmark = pytest.mark.e2e  # MAX_TOKENS: the tiny checkpoint's greedy margins are above 0.02 for that many steps
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_llava_checkpoint(tmp_path_factory.mktemp("llava") / "llava-tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return LlavaForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def client(ray_serve, app_args, ckpt):
+    """The LLaVA app at /llava, beside any other app of the session."""
+    serve.run(build_app({**app_args, "model": str(ckpt)}), name="llava", route_prefix="/llava")
+    with httpx.Client(base_url=f"{ray_serve}/llava", timeout=60) as c:
+        yield c
+    serve.delete("llava")
+
+
+def _reference(ckpt, reference, conversation) -> tuple[list[int], list[int]]:
+    """transformers' own pipeline: the processor's chat template, tokenization and `<image>` expansion, generate."""
+    processor = AutoProcessor.from_pretrained(ckpt)
+    messages = [{"role": role, "content": [{"type": "text", "text": p} if isinstance(p, str) else
+                                           {"type": "image", "image": p} for p in parts]}
+                for role, parts in conversation]
+    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    with torch.no_grad():
+        out = reference.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS)
+    n = inputs["input_ids"].shape[1]
+    return inputs["input_ids"][0].tolist(), out[0, n:].tolist()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_equals_transformers(case, client, ckpt, reference):
+    assert_greedy_equals_reference(client, ckpt, reference, CASES[case], generate=_reference)
+
+
+def test_full_feature_strategy_keeps_the_cls_token(ray_serve, app_args, tmp_path_factory):
+    """With vision_feature_select_strategy "full", an image takes h*w + 1 tokens, still equal to transformers."""
+    ckpt = build_llava_checkpoint(tmp_path_factory.mktemp("llava-full") / "llava-full", select_strategy="full")
+    reference = LlavaForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    serve.run(build_app({**app_args, "model": str(ckpt)}), name="llava-full", route_prefix="/llava-full")
+    try:
+        with httpx.Client(base_url=f"{ray_serve}/llava-full", timeout=60) as c:
+            for case in ("one_image", "three_images"):
+                assert_greedy_equals_reference(c, ckpt, reference, CASES[case], generate=_reference)
+    finally:
+        serve.delete("llava-full")
