@@ -10,12 +10,14 @@ from deployments.cache import EmbeddingCache
 from deployments.encoder import Encoder
 from deployments.ingress import Ingress
 from deployments.llm import LLM
+from encoders import family_of
 from schemas import AppArgs
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """Validated here, once, so a bad config fails at deploy time with the field named, not in a replica."""
     app_args = AppArgs.model_validate(args)
+    family_of(app_args.model, app_args.family)  # an unsupported checkpoint fails here, listing the supported ones
     plain = app_args.model_dump()
     if app_args.encoder.colocated:  # no encoder tier: the LLM replica encodes the images itself
         return Ingress.bind(None, LLM.bind(plain), plain)

@@ -40,7 +40,8 @@ class Encoder:
         dtype = getattr(torch, resolve_dtype(self.args.dtype, device))
         self.metrics = EncoderMetrics()
         self.runner = EncoderRunner(self.args.model, self.args.encoder, device=device, dtype=dtype,
-                                    model_factory=model_factory, on_batch=self.metrics.on_batch)
+                                    model_factory=model_factory, on_batch=self.metrics.on_batch,
+                                    family=self.args.family)
         self.num_cancelled = 0
         self.cache = cache if self.args.encoder.cache_gib > 0 else None
         self._puts: set[asyncio.Task] = set()

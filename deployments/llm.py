@@ -62,7 +62,7 @@ class LLM:
             max_num_seqs=llm_args.max_num_seqs, max_num_batched_tokens=llm_args.max_num_batched_tokens,
             max_queued=llm_args.max_queued_requests, enable_prefix_caching=llm_args.enable_prefix_caching,
             stream_interval_s=llm_args.stream_interval_ms / 1000)
-        family = family_of(self.args.model)
+        family = family_of(self.args.model, self.args.family)
         self.engine = Engine(model, engine_config, image_token_id=family.image_tokens(config).placeholder_id,
                              merge_size=family.processing.from_pretrained(self.args.model).merge_size,
                              eos_token_ids=eos_token_ids(self.args.model, config))
@@ -71,7 +71,7 @@ class LLM:
         self.vision = self.vision_cache = None
         if self.args.encoder.colocated:  # the encoder lives here, sharing this replica's device with the engine
             self.vision = EncoderRunner(self.args.model, self.args.encoder, device=device, dtype=dtype,
-                                        on_batch=EncoderMetrics().on_batch)
+                                        on_batch=EncoderMetrics().on_batch, family=self.args.family)
             self.vision_cache = EmbeddingLRU(int(self.args.encoder.cache_gib * (1 << 30)))
         logger.info("llm ready: %s on %s (%s, %d threads), context %d, KV cache %d tokens (%.2f GiB)%s",
                     self.args.model, device, dtype, torch.get_num_threads(), max_model_len,

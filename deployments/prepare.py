@@ -56,7 +56,7 @@ class Preparer:
     def __init__(self, args: AppArgs):
         self.args, self.limits = args, args.limits
         config = AutoConfig.from_pretrained(args.model)
-        family = family_of(args.model)
+        family = family_of(args.model, args.family)
         self.tokens = family.image_tokens(config)
         self.image_token_id = self.tokens.placeholder_id
         self.max_images = min(args.limits.max_images_per_request, family.max_images_per_prompt or 1 << 30)

@@ -78,15 +78,21 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def family_of(model_dir: str | Path) -> Family:
+def family_of(model_dir: str | Path, name: str | None = None) -> Family:
+    """The family named in `args.family`, else the one of the checkpoint's `model_type`."""
+    if name is not None:
+        if name not in FAMILIES:
+            raise ValueError(f"family {name!r} is not supported; supported: {sorted(FAMILIES)}")
+        return FAMILIES[name]
     model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
     if model_type not in FAMILIES:
-        raise ValueError(f"checkpoint model_type {model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+        raise ValueError(f"checkpoint model_type {model_type!r} is not supported; supported: {sorted(FAMILIES)} "
+                         "(name one with args.family if the checkpoint is one of them under another model_type)")
     return FAMILIES[model_type]
 
 
-def image_tokens_of(model_dir: str | Path) -> ImageTokens:
-    return family_of(model_dir).image_tokens(AutoConfig.from_pretrained(model_dir))
+def image_tokens_of(model_dir: str | Path, name: str | None = None) -> ImageTokens:
+    return family_of(model_dir, name).image_tokens(AutoConfig.from_pretrained(model_dir))
 
 
 __all__ = ["FAMILIES", "Family", "ImageProcessing", "ImageTokens", "VisionEncoder", "family_of", "image_tokens_of"]

@@ -30,8 +30,8 @@ def _part(device: str | None, dtype: str | None, default: tuple[str, torch.dtype
 class EncoderRunner:
     def __init__(self, model_dir: str | Path, opts: EncoderArgs, *, device: str, dtype: torch.dtype,
                  model_factory: Callable[..., VisionEncoder] | None = None,
-                 on_batch: Callable[[int, float], None] | None = None):
-        family = family_of(model_dir)
+                 on_batch: Callable[[int, float], None] | None = None, family: str | None = None):
+        family = family_of(model_dir, family)
         self.processing = family.processing.from_pretrained(model_dir)
         vision = _part(opts.vision_device, opts.vision_dtype, (device, dtype))
         projector = _part(opts.projector_device, opts.projector_dtype, vision)

@@ -1,0 +1,30 @@
+"""The family comes from the checkpoint's model_type, or from args.family; anything else fails at build time with
+the list of supported families."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from deployments import build_app
+from encoders import FAMILIES, family_of
+
+
+def test_model_type_picks_the_family(checkpoint):
+    assert family_of(checkpoint) is FAMILIES["qwen2_vl"]
+
+
+def test_an_unsupported_checkpoint_fails_at_build_listing_the_families(checkpoint, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "paligemma"}))
+    with pytest.raises(ValueError, match=r"model_type 'paligemma' is not supported; supported: \['llava', 'qwen2_5_vl'"):
+        build_app({"model": str(other)})
+    # ...unless args.family says which family it is.
+    assert family_of(other, "qwen2_vl") is FAMILIES["qwen2_vl"]
+    build_app({"model": str(other), "family": "qwen2_vl"})
+    with pytest.raises(ValueError, match="family 'gemma3' is not supported"):
+        build_app({"model": str(other), "family": "gemma3"})
