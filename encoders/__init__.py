@@ -4,6 +4,7 @@ from encoders.batching import ImageBatcher, Preprocessed
 from encoders.cache import EmbeddingLRU, embedding_key
 from encoders.images import FORMATS, ImageInfo, decode_data_url, image_size, load_rgb, probe_image
 from encoders.llava import LlavaImageProcessing, LlavaVisionEncoder
+from encoders.llava_next import LlavaNextImageProcessing, LlavaNextVisionEncoder
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, smart_resize
 from encoders.registry import FAMILIES, Family, ImageProcessing, ImageTokens, VisionEncoder, family_of, image_tokens_of
@@ -20,6 +21,8 @@ __all__ = [
     "ImageProcessing",
     "ImageTokens",
     "LlavaImageProcessing",
+    "LlavaNextImageProcessing",
+    "LlavaNextVisionEncoder",
     "LlavaVisionEncoder",
     "Preprocessed",
     "Qwen2_5_VLVisionEncoder",

@@ -71,6 +71,22 @@ class LlavaImageProcessing:
         strategy = config.vision_feature_select_strategy
         if strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported ('default' or 'full')")
+        # NOTE: only LlavaImageProcessor's do_pad pads to a square before resizing; CLIPImageProcessor's pads the
+        # batch to its largest image after cropping, a no-op when every image is cropped to the same size.
+        is_llava = cfg.get("image_processor_type", "").startswith("LlavaImageProcessor")
+        processing = cls.from_config(cfg, patch_size=int(config.vision_config.patch_size),
+                                     do_pad=bool(cfg.get("do_pad", False)) and is_llava,
+                                     num_extra_tokens=1 if strategy == "full" else 0)
+        side = int(config.vision_config.image_size)
+        if processing.out_size != (side, side):
+            h, w = processing.out_size
+            raise ValueError(f"preprocessing gives {w}x{h} images but the vision tower takes {side}x{side}")
+        return processing
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], *, patch_size: int, do_pad: bool = False,
+                    num_extra_tokens: int = 0) -> LlavaImageProcessing:
+        """The resize, crop, rescale and normalize settings of an image processor config (preprocessor_config.json)."""
         size = cfg.get("size", {"shortest_edge": 224})
         if isinstance(size, int):  # old feature-extractor files: an int is the short side
             size = {"shortest_edge": size}
@@ -81,30 +97,22 @@ class LlavaImageProcessing:
         else:
             raise ValueError(f"preprocessor_config.json: size {size!r} is not supported "
                              "(shortest_edge, or height and width)")
-        # NOTE: only LlavaImageProcessor's do_pad pads to a square before resizing; CLIPImageProcessor's pads the
-        # batch to its largest image after cropping, a no-op when every image is cropped to the same size.
-        is_llava = cfg.get("image_processor_type", "").startswith("LlavaImageProcessor")
-        processing = cls(
+        return cls(
             shortest_edge=shortest_edge,
             size=exact,
             crop_size=_hw(cfg.get("crop_size", 224), "crop_size"),
             do_resize=bool(cfg.get("do_resize", True)),
             do_center_crop=bool(cfg.get("do_center_crop", True)),
-            do_pad=bool(cfg.get("do_pad", False)) and is_llava,
+            do_pad=do_pad,
             do_rescale=bool(cfg.get("do_rescale", True)),
             rescale_factor=float(cfg.get("rescale_factor", 1 / 255)),
             do_normalize=bool(cfg.get("do_normalize", True)),
             image_mean=tuple(cfg.get("image_mean") or _CLIP_MEAN),
             image_std=tuple(cfg.get("image_std") or _CLIP_STD),
             resample=int(cfg.get("resample", Image.Resampling.BICUBIC)),
-            patch_size=int(config.vision_config.patch_size),
-            num_extra_tokens=1 if strategy == "full" else 0,
+            patch_size=patch_size,
+            num_extra_tokens=num_extra_tokens,
         )
-        side = int(config.vision_config.image_size)
-        if processing.out_size != (side, side):
-            h, w = processing.out_size
-            raise ValueError(f"preprocessing gives {w}x{h} images but the vision tower takes {side}x{side}")
-        return processing
 
     @property
     def out_size(self) -> tuple[int, int]:
@@ -238,8 +246,12 @@ class LlavaVisionEncoder:
     checkpoint's vision weights."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        config = AutoConfig.from_pretrained(model_dir)
         self.processing = LlavaImageProcessing.from_pretrained(model_dir)
+        self._load(AutoConfig.from_pretrained(model_dir), load_components(model_dir, {"vision"})["vision"], device,
+                   dtype)
+
+    def _load(self, config: Any, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> None:
+        """Build the tower and the projector from the vision component's weights (LLaVA-NeXT's encoder too)."""
         self.device, self.dtype = torch.device(device), dtype
         vc = copy.deepcopy(config.vision_config)
         self.feature_layers = _feature_layers(config.vision_feature_layer, vc.num_hidden_layers)
@@ -248,7 +260,6 @@ class LlavaVisionEncoder:
         # NOTE: the layers after the deepest selected one never reach the LM (LLaVA-1.5 uses the second to last):
         # they are not built, and their weights are dropped once read.
         vc.num_hidden_layers = max(self.feature_layers)
-        weights = load_components(model_dir, {"vision"})["vision"]
         tower_weights = {k.removeprefix("vision_tower."): v for k, v in weights.items()
                          if k.startswith("vision_tower.") and not _is_dropped(k, vc.num_hidden_layers)}
         projector_weights = {k.removeprefix("multi_modal_projector."): v for k, v in weights.items()
@@ -277,16 +288,20 @@ class LlavaVisionEncoder:
         p, B = self.processing.patch_size, len(batch)
         x = torch.stack([pv for pv, _ in batch]).to(self.device, self.dtype)  # (B, gh*gw, C*p*p)
         x = x.view(B, gh, gw, 3, p, p).permute(0, 3, 1, 4, 2, 5).reshape(B, 3, gh * p, gw * p)  # (B, C, H, W)
+        return list(self.features(x).unbind(0))  # B x (n, D)
+
+    def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) images at the tower's size -> (B, n, D) projected features of the selected layers."""
         # Adapted from CLIPVisionModel.forward and LlavaModel.get_image_features in transformers: the hidden
         # states are the embeddings after pre_layrnorm, then each layer's output.
-        h = self.tower.pre_layrnorm(self.tower.embeddings(x))  # (B, 1 + gh*gw, Dv)
+        h = self.tower.pre_layrnorm(self.tower.embeddings(pixel_values))  # (B, 1 + gh*gw, Dv)
         states = [h]
         for layer in self.tower.encoder.layers:
             h = layer(h, None)  # (B, 1 + gh*gw, Dv)
             states.append(h)
         selected = [states[i] if self.keep_cls else states[i][:, 1:] for i in self.feature_layers]  # (B, n, Dv) each
         features = torch.cat(selected, dim=-1) if self.is_concat else selected[0]  # (B, n, Dv * num_layers)
-        return list(self.projector(features).unbind(0))  # B x (n, D)
+        return self.projector(features)  # (B, n, D)
 
     def encode(self, images: list[Image.Image]) -> list[torch.Tensor]:
         return self.forward([self.preprocess(im) for im in images])

@@ -13,6 +13,7 @@ from PIL import Image
 from transformers import AutoConfig
 
 from encoders.llava import LlavaImageProcessing, LlavaVisionEncoder, llava_image_tokens
+from encoders.llava_next import LlavaNextImageProcessing, LlavaNextVisionEncoder
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, qwen2_vl_image_tokens
 
@@ -75,6 +76,8 @@ FAMILIES: dict[str, Family] = {
                          image_tokens=qwen2_vl_image_tokens, projector="vit.merger"),
     "llava": Family(processing=LlavaImageProcessing, encoder=LlavaVisionEncoder, image_tokens=llava_image_tokens,
                     projector="projector"),
+    "llava_next": Family(processing=LlavaNextImageProcessing, encoder=LlavaNextVisionEncoder,
+                         image_tokens=llava_image_tokens, projector="projector"),
 }
 
 

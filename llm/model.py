@@ -58,8 +58,12 @@ class TextConfig:
             raise ValueError(f"rope type {rope_type!r} is not supported; only plain RoPE ('default', or Qwen2-VL's "
                              f"M-RoPE) is implemented")
         mrope = rope.get("mrope_section")
-        # Llama-family configs say which projections have biases; Qwen2's have no such fields (q/k/v biased).
+        # Llama-family configs say which projections have biases; Qwen2's have no such fields (q/k/v biased), nor do
+        # Mistral's (none biased).
+        is_qwen = str(getattr(tc, "model_type", "")).startswith("qwen2")
         attention_bias = getattr(tc, "attention_bias", None)
+        if not is_qwen and getattr(tc, "sliding_window", None):  # Mistral's window; Qwen2's needs use_sliding_window
+            raise ValueError(f"sliding-window attention (window {tc.sliding_window}) is not supported")
         return cls(
             vocab_size=tc.vocab_size,
             hidden_size=tc.hidden_size,
@@ -73,7 +77,7 @@ class TextConfig:
             mrope_section=tuple(mrope) if mrope else None,
             max_position_embeddings=tc.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=True if attention_bias is None else bool(attention_bias),
+            qkv_bias=is_qwen if attention_bias is None else bool(attention_bias),
             o_bias=bool(attention_bias),
             mlp_bias=bool(getattr(tc, "mlp_bias", False)),
         )

@@ -32,6 +32,8 @@ _PREFIXES: tuple[tuple[str, Component, str], ...] = (
     ("vision_tower.", "vision", "vision_tower."),
     ("model.multi_modal_projector.", "vision", "multi_modal_projector."),
     ("multi_modal_projector.", "vision", "multi_modal_projector."),
+    ("model.image_newline", "vision", "image_newline"),
+    ("image_newline", "vision", "image_newline"),
     ("model.language_model.", "text", ""),
     ("language_model.model.", "text", ""),
     ("language_model.lm_head.", "lm_head", ""),

@@ -132,7 +132,7 @@ class AppArgs(_Strict):
     model: str = Field(description="Path to a Hugging Face-format checkpoint directory (config.json, safetensors).")
     served_model_name: str | None = Field(None, description="Name in /v1/models and responses; default: the folder name.")
     family: str | None = Field(
-        None, description="Model family (qwen2_vl, qwen2_5_vl, llava); default: from config.json's model_type.")
+        None, description="Model family (qwen2_vl, qwen2_5_vl, llava, llava_next); default: config.json's model_type.")
     device: Device = Field("auto", description="cuda when the Ray cluster has GPUs, else cpu; or set one.")
     dtype: DType = Field("auto", description="Weights and activations: bfloat16 on cuda, float32 on cpu when auto.")
     limits: Limits = Field(default_factory=Limits, description="Input limits; every one gets a 4xx past it.")

@@ -36,7 +36,8 @@ class SamplingParams:
 class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
-    # One (t, h, w) patch grid per image, in prompt order; rows of embeddings = t*h*w / merge_size**2.
+    # One (t, h, w) patch grid per image, in prompt order; with M-RoPE, rows of embeddings = t*h*w / merge_size**2
+    # (for 1-D RoPE LMs, the LLaVAs, an image takes as many tokens as its embedding has rows).
     image_grid_thw: list[tuple[int, int, int]]
     # One ObjectRef per image (never the tensors themselves: the ingress must not hold embeddings).
     image_embed_refs: list[Any]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import torch
-from transformers import AutoImageProcessor, AutoTokenizer
+from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
 from tests.helpers import data_url, make_image
 
@@ -55,6 +55,21 @@ def reference_generate(checkpoint, reference, conversation, max_tokens: int = MA
     return ids, out[0, len(ids):].tolist()
 
 
+def processor_generate(checkpoint, reference, conversation, max_tokens: int = MAX_TOKENS) -> tuple[list[int], list[int]]:
+    """transformers' own pipeline for families whose processor does it all (LLaVA, LLaVA-NeXT): the processor's chat
+    template, tokenization, tiling and `<image>` expansion, then generate."""
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    messages = [{"role": role, "content": [{"type": "text", "text": p} if isinstance(p, str) else
+                                           {"type": "image", "image": p} for p in parts]}
+                for role, parts in conversation]
+    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    with torch.no_grad():
+        out = reference.generate(**inputs, do_sample=False, max_new_tokens=max_tokens)
+    n = inputs["input_ids"].shape[1]
+    return inputs["input_ids"][0].tolist(), out[0, n:].tolist()
+
+
 def openai_messages(conversation) -> list[dict]:
     messages = []
     for role, parts in conversation:
@@ -82,4 +97,4 @@ def assert_greedy_equals_reference(client: httpx.Client, checkpoint, reference, 
                             "total_tokens": len(ref_prompt) + len(ref_tokens)}
 
 
-__all__ = ["CASES", "MAX_TOKENS", "assert_greedy_equals_reference", "openai_messages", "reference_generate"]
+__all__ = ["CASES", "MAX_TOKENS", "assert_greedy_equals_reference", "openai_messages", "processor_generate", "reference_generate"]

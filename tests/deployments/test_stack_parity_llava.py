@@ -6,11 +6,11 @@ import httpx
 import pytest
 import torch
 from ray import serve
-from transformers import AutoProcessor, LlavaForConditionalGeneration
+from transformers import LlavaForConditionalGeneration
 
 from demo.tiny_llava import build_llava_checkpoint
 from deployments import build_app
-from tests.deployments.parity import CASES, MAX_TOKENS, assert_greedy_equals_reference
+from tests.deployments.parity import CASES, assert_greedy_equals_reference, processor_generate
 
 pytestmark = pytest.mark.e2e  # MAX_TOKENS: the tiny checkpoint's greedy margins are above 0.02 for that many steps
 
@@ -34,23 +34,9 @@ def client(ray_serve, app_args, ckpt):
     serve.delete("llava")
 
 
-def _reference(ckpt, reference, conversation) -> tuple[list[int], list[int]]:
-    """transformers' own pipeline: the processor's chat template, tokenization and `<image>` expansion, generate."""
-    processor = AutoProcessor.from_pretrained(ckpt)
-    messages = [{"role": role, "content": [{"type": "text", "text": p} if isinstance(p, str) else
-                                           {"type": "image", "image": p} for p in parts]}
-                for role, parts in conversation]
-    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                           return_tensors="pt")
-    with torch.no_grad():
-        out = reference.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS)
-    n = inputs["input_ids"].shape[1]
-    return inputs["input_ids"][0].tolist(), out[0, n:].tolist()
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_equals_transformers(case, client, ckpt, reference):
-    assert_greedy_equals_reference(client, ckpt, reference, CASES[case], generate=_reference)
+    assert_greedy_equals_reference(client, ckpt, reference, CASES[case], generate=processor_generate)
 
 
 def test_full_feature_strategy_keeps_the_cls_token(ray_serve, app_args, tmp_path_factory):
@@ -61,6 +47,6 @@ def test_full_feature_strategy_keeps_the_cls_token(ray_serve, app_args, tmp_path
     try:
         with httpx.Client(base_url=f"{ray_serve}/llava-full", timeout=60) as c:
             for case in ("one_image", "three_images"):
-                assert_greedy_equals_reference(c, ckpt, reference, CASES[case], generate=_reference)
+                assert_greedy_equals_reference(c, ckpt, reference, CASES[case], generate=processor_generate)
     finally:
         serve.delete("llava-full")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoProcessor, LlamaConfig, LlamaForCausalLM, LlavaForConditionalGeneration
+from transformers import (AutoProcessor, LlamaConfig, LlamaForCausalLM, LlavaForConditionalGeneration, MistralConfig,
+                          MistralForCausalLM)
 
 from demo.build_tiny import _init_weights
 from demo.tiny_llava import build_llava_checkpoint
@@ -70,6 +71,25 @@ def test_llama_with_biases_and_its_own_head_dim_matches_transformers(tied, tmp_p
         expected = reference(input_ids=ids[None]).logits[0]
         ours = model.logits(run_chunks(model, model.embed(ids), linear_positions(ids)[0], [7, 8]))
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_mistral_has_no_biases_and_matches_transformers(tmp_path):
+    """LLaVA-NeXT's Mistral LM: no bias fields in its config (unlike Qwen2, none biased); a window is refused."""
+    config = MistralConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=None)
+    reference = MistralForCausalLM(config).eval()
+    _init_weights(reference, seed=4, std=0.5)
+    reference.save_pretrained(tmp_path)
+    model = Qwen2LM.from_pretrained(tmp_path)
+    assert (model.config.qkv_bias, model.config.o_bias, model.config.mlp_bias) == (False, False, False)
+    ids = torch.arange(3, 40) % 96
+    with torch.no_grad():
+        expected = reference(input_ids=ids[None]).logits[0]
+        ours = model.logits(run_chunks(model, model.embed(ids), linear_positions(ids)[0], [7, 8]))
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    MistralConfig(hidden_size=32, num_attention_heads=2, sliding_window=4096).save_pretrained(tmp_path / "windowed")
+    with pytest.raises(ValueError, match="sliding-window attention \\(window 4096\\)"):
+        TextConfig.from_pretrained(tmp_path / "windowed")
 
 
 @pytest.mark.parametrize(("rope", "name"), [

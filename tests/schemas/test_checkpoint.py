@@ -6,7 +6,8 @@ import pytest
 
 import schemas.checkpoint as ckpt
 from demo.tiny_llava import build_llava_checkpoint
-from encoders import LlavaVisionEncoder, Qwen2VLVisionEncoder
+from demo.tiny_llava_next import build_llava_next_checkpoint
+from encoders import LlavaNextVisionEncoder, LlavaVisionEncoder, Qwen2VLVisionEncoder
 from llm import Qwen2LM
 from schemas import split_key
 
@@ -29,6 +30,9 @@ from schemas import split_key
         ("model.multi_modal_projector.linear_2.bias", ("vision", "multi_modal_projector.linear_2.bias")),
         ("language_model.model.layers.1.self_attn.q_proj.weight", ("text", "layers.1.self_attn.q_proj.weight")),
         ("language_model.lm_head.weight", ("lm_head", "weight")),
+        # LLaVA-NeXT's row separator: llava-hf and transformers 5, then transformers 4.52-4.57.
+        ("image_newline", ("vision", "image_newline")),
+        ("model.image_newline", ("vision", "image_newline")),
     ],
 )
 def test_split_key_every_layout(key, expected):
@@ -84,3 +88,14 @@ def test_llava_encoder_reads_only_vision_and_llm_reads_no_vision(layout, tmp_pat
     Qwen2LM.from_pretrained(path)
     assert tensors_read and all(split_key(k)[0] in ("text", "lm_head") for k in tensors_read)
     assert any("lm_head." in k for k in tensors_read)
+
+
+def test_llava_next_image_newline_goes_to_the_encoder_only(tmp_path, tensors_read):
+    """transformers 4.52-4.57's `model.image_newline` is read by the encoder, never by the LLM (whose loader is
+    strict: it would refuse a stray tensor)."""
+    path = build_llava_next_checkpoint(tmp_path / "prefixed", layout="prefixed")
+    LlavaNextVisionEncoder(path)
+    assert "model.image_newline" in tensors_read and all(split_key(k)[0] == "vision" for k in tensors_read)
+    tensors_read.clear()
+    Qwen2LM.from_pretrained(path)
+    assert tensors_read and all(split_key(k)[0] in ("text", "lm_head") for k in tensors_read)
