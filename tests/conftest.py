@@ -52,7 +52,9 @@ def ray_serve(metrics_port):
     os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
     # address="local": always a fresh cluster of our own, never one a `ray start` left running on this machine
     # Metrics reach the Prometheus endpoint every second (Ray's default: 10 s), so tests can read them.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning",
+    # num_cpus=8: logical CPUs, so that the apps of several families (1.5 CPUs each) can be up at once; they share
+    # the machine's real cores anyway.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="warning",
              _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"

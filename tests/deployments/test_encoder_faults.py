@@ -17,7 +17,7 @@ from tests.deployments.instruments import SlowEncoder, forwards
 from tests.helpers import data_url, image_bytes, make_image
 
 pytestmark = pytest.mark.e2e
-SMALL = {"num_cpus": 0.1}  # these apps share the session's 4 CPUs with the others
+SMALL = {"num_cpus": 0.1}  # these apps share the session's logical CPUs with the others
 
 
 def _app(app_args, record_dir: str, delay_s: float, **encoder_options):

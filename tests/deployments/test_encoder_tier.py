@@ -9,14 +9,14 @@ from PIL import Image
 from ray import serve
 
 from deployments import build_app
-from tests.deployments.test_stack_parity import CASES, MAX_TOKENS, _openai_messages, _reference
+from tests.deployments.parity import CASES, MAX_TOKENS, openai_messages, reference_generate
 from tests.helpers import data_url, image_bytes, make_image
 
 pytestmark = pytest.mark.e2e
 
 
 def _ask(client: httpx.Client, conversation, url: str = "/v1/chat/completions") -> list[int]:
-    body = {"messages": _openai_messages(conversation), "max_tokens": MAX_TOKENS, "temperature": 0,
+    body = {"messages": openai_messages(conversation), "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True}
     r = client.post(url, json=body)
     assert r.status_code == 200, r.text
@@ -42,7 +42,7 @@ def test_cache_keys_on_size_not_only_bytes(client, checkpoint, reference):
     assert (after["misses"] - middle["misses"], after["hits"] - middle["hits"]) == (0, 2)
     assert again == first
     for name, conv in convs.items():
-        assert first[name] == _reference(checkpoint, reference, conv)[1], name
+        assert first[name] == reference_generate(checkpoint, reference, conv)[1], name
 
 
 def test_second_turn_reuses_first_turn_embeddings(client):
@@ -69,7 +69,7 @@ def colocated(ray_serve, app_args):
 @pytest.mark.parametrize("case", ["one_image", "three_images", "two_turns"])
 def test_colocated_equals_transformers(colocated, case, checkpoint, reference):
     with httpx.Client(base_url=colocated, timeout=60) as client:
-        assert _ask(client, CASES[case]) == _reference(checkpoint, reference, CASES[case])[1]
+        assert _ask(client, CASES[case]) == reference_generate(checkpoint, reference, CASES[case])[1]
 
 
 def test_colocated_bad_image_is_a_400(colocated):
