@@ -95,7 +95,7 @@ _PLACES = ["left", "right", "top", "bottom", "center", "top left corner", "botto
 _NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
 
-def _corpus() -> list[str]:
+def corpus() -> list[str]:
     """A fixed few-KB English corpus: hand-written chat lines plus templated image Q&A."""
     lines = _CHAT_LINES.splitlines()
     # Walk the combinations in a fixed order so the corpus (and so the merges) never change.
@@ -124,7 +124,7 @@ def build_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
         vocab_size=vocab_size, min_frequency=1, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
     )  # fmt: skip
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus(), trainer=trainer)
     # Added after training, so their ids follow the BPE vocab; special => never split, never merged.
     tok.add_special_tokens(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
@@ -133,7 +133,7 @@ def build_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
     )  # fmt: skip
 
 
-def _mrope_section(head_dim: int) -> list[int]:
+def mrope_section(head_dim: int) -> list[int]:
     """Split head_dim/2 rotary pairs over (t, h, w) in Qwen2-VL's 16:24:24 proportions."""
     half = head_dim // 2
     t = max(1, half // 4)
@@ -141,7 +141,7 @@ def _mrope_section(head_dim: int) -> list[int]:
     return [t, h, half - t - h]
 
 
-def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
+def init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
     """Redraw every parameter from one seeded generator, in name order, so the bytes are reproducible.
 
     With the usual 0.02 the logits are nearly flat and greedy decoding flips on float noise. The
@@ -163,7 +163,7 @@ def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
-def _to_legacy_layout(weights_path: Path) -> None:
+def to_legacy_layout(weights_path: Path) -> None:
     """Rename keys to the layout transformers 4.52-4.57 saved (model.visual.*, model.language_model.*)."""
     from safetensors.torch import load_file, save_file
 
@@ -203,7 +203,7 @@ def build_checkpoint(
         hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_window_layers=num_layers,
         max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope_section(head_dim)},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section(head_dim)},
         bos_token_id=eot, eos_token_id=im_end, pad_token_id=eot,  # Qwen's configs name <|endoftext|> bos too
     )  # fmt: skip
     vision_config = dict(
@@ -218,7 +218,7 @@ def build_checkpoint(
     )  # fmt: skip
     torch.manual_seed(seed)  # the constructor's own init is overwritten, but keep it reproducible too
     model = Qwen2VLForConditionalGeneration(config).eval()
-    _init_weights(model, seed, init_std)
+    init_weights(model, seed, init_std)
     with torch.no_grad():
         # Zero output rows get logit 0, far below the random winners, so greedy decoding never emits
         # them: the ids past the tokenizer (they only pad the matrix to a multiple of 64) and the
@@ -234,7 +234,7 @@ def build_checkpoint(
     tokenizer.save_pretrained(out)  # also writes chat_template.jinja, where processor loaders look
     Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(out)
     if layout == "legacy":
-        _to_legacy_layout(out / "model.safetensors")
+        to_legacy_layout(out / "model.safetensors")
     return out
 
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from demo.build_tiny import _init_weights, build_tokenizer
+from demo.build_tiny import build_tokenizer, init_weights
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -111,7 +111,7 @@ def build_llava_checkpoint(
     )  # fmt: skip
     torch.manual_seed(seed)  # the constructor's own init is overwritten, but keep it reproducible too
     model = LlavaForConditionalGeneration(config).eval()
-    _init_weights(model, seed, init_std)
+    init_weights(model, seed, init_std)
     with torch.no_grad():
         # NOTE: the CLIP residual stream is not normalized before the projector (hidden_states[-2]), so the
         # LM's std would make image embeddings ~1000x the text ones; a smaller one keeps them comparable.

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from demo.build_tiny import _init_weights
+from demo.build_tiny import init_weights
 from demo.tiny_llava import CHAT_TEMPLATE, SPECIAL_TOKENS, build_llava_tokenizer
 
 # (height, width) pairs, multiples of the crop: 2x2, 2x4, 4x2 and 4x4 tiles of 28 px, so that small test images are
@@ -81,7 +81,7 @@ def build_llava_next_checkpoint(
     )  # fmt: skip
     torch.manual_seed(seed)  # the constructor's own init is overwritten, but keep it reproducible too
     model = LlavaNextForConditionalGeneration(config).eval()
-    _init_weights(model, seed, init_std)  # image_newline too: std init_std, like the token embeddings
+    init_weights(model, seed, init_std)  # image_newline too: std init_std, like the token embeddings
     with torch.no_grad():
         # NOTE: as in tiny_llava: the unnormalized CLIP residual stream would make image embeddings ~1000x the
         # text ones at the LM's std; a smaller one keeps them comparable.

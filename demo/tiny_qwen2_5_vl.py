@@ -7,7 +7,7 @@ from pathlib import Path
 
 # NOTE: the tokenizer, chat template, seeded init and legacy renaming are Qwen2-VL's builder's: Qwen2.5-VL uses the
 # same tokenizer, special tokens and chat template, and the same two safetensors layouts.
-from demo.build_tiny import SPECIAL_TOKENS, _init_weights, _mrope_section, _to_legacy_layout, build_tokenizer
+from demo.build_tiny import SPECIAL_TOKENS, build_tokenizer, init_weights, mrope_section, to_legacy_layout
 
 # OpenAI CLIP statistics, as every Qwen2.5-VL preprocessor_config.json names them.
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -37,7 +37,7 @@ def build_qwen2_5_vl_checkpoint(out: Path, seed: int = 0, max_pixels: int = 28 *
         hidden_size=hidden_size, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=num_heads, num_key_value_heads=2, max_window_layers=2, max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,  # Qwen2.5-VL's theta (Qwen2-VL's too)
-                         "mrope_section": _mrope_section(hidden_size // num_heads)},
+                         "mrope_section": mrope_section(hidden_size // num_heads)},
         bos_token_id=eot, eos_token_id=im_end, pad_token_id=eot,
     )  # fmt: skip
     # NOTE: unlike Qwen2-VL's, this vision config's hidden_size is the ViT's own width; out_hidden_size is the LM's.
@@ -52,7 +52,7 @@ def build_qwen2_5_vl_checkpoint(out: Path, seed: int = 0, max_pixels: int = 28 *
     )  # fmt: skip
     torch.manual_seed(seed)  # the constructor's own init is overwritten, but keep it reproducible too
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    _init_weights(model, seed, init_std)
+    init_weights(model, seed, init_std)
     with torch.no_grad():
         # As in build_tiny: rows that greedy decoding must never pick (vision placeholders, vocab padding) get 0.
         never = [i for t, i in ids.items() if t.startswith("<|vision") or t.endswith("_pad|>")]
@@ -71,7 +71,7 @@ def build_qwen2_5_vl_checkpoint(out: Path, seed: int = 0, max_pixels: int = 28 *
                     "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
     if layout == "legacy":
-        _to_legacy_layout(out / "model.safetensors")
+        to_legacy_layout(out / "model.safetensors")
     return out
 
 

@@ -7,7 +7,7 @@ import torch
 from transformers import (AutoProcessor, LlamaConfig, LlamaForCausalLM, LlavaForConditionalGeneration, MistralConfig,
                           MistralForCausalLM)
 
-from demo.build_tiny import _init_weights
+from demo.build_tiny import init_weights
 from demo.tiny_llava import build_llava_checkpoint
 from encoders import LlavaVisionEncoder
 from llm import Qwen2LM, TextConfig, linear_positions, merge_image_embeds
@@ -59,7 +59,7 @@ def test_llama_with_biases_and_its_own_head_dim_matches_transformers(tied, tmp_p
                          mlp_bias=True, tie_word_embeddings=tied, rope_parameters={"rope_type": "default",
                                                                                     "rope_theta": 500.0})
     reference = LlamaForCausalLM(config).eval()
-    _init_weights(reference, seed=3, std=0.5)
+    init_weights(reference, seed=3, std=0.5)
     if tied:
         reference.tie_weights()
     reference.save_pretrained(tmp_path)
@@ -78,7 +78,7 @@ def test_mistral_has_no_biases_and_matches_transformers(tmp_path):
     config = MistralConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=None)
     reference = MistralForCausalLM(config).eval()
-    _init_weights(reference, seed=4, std=0.5)
+    init_weights(reference, seed=4, std=0.5)
     reference.save_pretrained(tmp_path)
     model = Qwen2LM.from_pretrained(tmp_path)
     assert (model.config.qkv_bias, model.config.o_bias, model.config.mlp_bias) == (False, False, False)
