@@ -1,0 +1,26 @@
+"""The training script runs end to end and writes a checkpoint our server loads (a smoke test: two steps)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from encoders import EncoderRunner, family_of
+from llm import Qwen2LM, load_tokenizer
+from schemas import EncoderArgs
+from tests.helpers import make_image
+
+
+def test_two_steps_write_a_checkpoint_the_server_loads(tmp_path):
+    out = tmp_path / "shapes"
+    subprocess.run([sys.executable, "-m", "demo.train", "--out", str(out), "--steps", "2", "--batch-size", "2",
+                    "--eval-every", "1000", "--threads", "1"], check=True, capture_output=True, timeout=300)
+    assert family_of(out).processing.from_pretrained(out).max_image_tokens == 64
+    tokenizer = load_tokenizer(out)
+    assert len(tokenizer.encode("What colour is the star?", add_special_tokens=False)) <= 8  # scene words are tokens
+    model = Qwen2LM.from_pretrained(out)
+    runner = EncoderRunner(out, EncoderArgs(startup_check=False), device="cpu", dtype=torch.float32)
+    embeds = runner.encoder.encode([make_image(200, 120)])[0]
+    assert embeds.shape[1] == model.config.hidden_size
