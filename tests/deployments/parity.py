@@ -3,10 +3,15 @@ deployed app gives the same greedy tokens over HTTP."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import httpx
 import torch
+from ray import serve
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
+from deployments import build_app
 from tests.helpers import data_url, make_image
 
 MAX_TOKENS = 24  # the tiny checkpoints' greedy margins are checked for this many steps
@@ -79,6 +84,17 @@ def openai_messages(conversation) -> list[dict]:
     return messages
 
 
+@contextmanager
+def deployed(ray_serve: str, app_args: dict, checkpoint, name: str) -> Iterator[httpx.Client]:
+    """The app on `checkpoint` at /<name>, beside any other app of the session, for as long as the block runs."""
+    serve.run(build_app({**app_args, "model": str(checkpoint)}), name=name, route_prefix=f"/{name}")
+    try:
+        with httpx.Client(base_url=f"{ray_serve}/{name}", timeout=60) as client:
+            yield client
+    finally:
+        serve.delete(name)
+
+
 def assert_greedy_equals_reference(client: httpx.Client, checkpoint, reference, conversation,
                                    generate=reference_generate) -> None:
     """Prompt ids, completion ids, text and usage from the app equal transformers' on the same checkpoint
@@ -97,4 +113,4 @@ def assert_greedy_equals_reference(client: httpx.Client, checkpoint, reference, 
                             "total_tokens": len(ref_prompt) + len(ref_tokens)}
 
 
-__all__ = ["CASES", "MAX_TOKENS", "assert_greedy_equals_reference", "openai_messages", "processor_generate", "reference_generate"]
+__all__ = ["CASES", "MAX_TOKENS", "assert_greedy_equals_reference", "deployed", "openai_messages", "processor_generate", "reference_generate"]

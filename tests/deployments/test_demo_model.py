@@ -9,10 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ray import serve
 
 from demo.scenes import iou, make_eval_set, make_scene
-from deployments import build_app
+from tests.deployments.parity import deployed
 from tests.helpers import data_url
 
 DEMO = Path(__file__).parents[2] / "demo" / "qwen2-vl-shapes"
@@ -25,12 +24,8 @@ EVAL_SEED, EVAL_ITEMS = 2026_11_22, 60  # held out: training draws from other se
 
 @pytest.fixture(scope="module")
 def demo(ray_serve, app_args):
-    serve.run(build_app({**app_args, "model": str(DEMO)}), name="demo", route_prefix="/demo")
-    try:
-        with httpx.Client(base_url=f"{ray_serve}/demo", timeout=60) as c:
-            yield c
-    finally:
-        serve.delete("demo")
+    with deployed(ray_serve, app_args, DEMO, "demo") as client:
+        yield client
 
 
 def _ask(client: httpx.Client, images, question: str) -> dict:

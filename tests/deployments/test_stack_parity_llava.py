@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
-from ray import serve
 from transformers import LlavaForConditionalGeneration
 
 from demo.tiny_llava import build_llava_checkpoint
-from deployments import build_app
-from tests.deployments.parity import CASES, assert_greedy_equals_reference, processor_generate
+from tests.deployments.parity import deployed, CASES, assert_greedy_equals_reference, processor_generate
 
 pytestmark = pytest.mark.e2e  # MAX_TOKENS: the tiny checkpoint's greedy margins are above 0.02 for that many steps
 
@@ -27,11 +24,8 @@ def reference(ckpt):
 
 @pytest.fixture(scope="module")
 def client(ray_serve, app_args, ckpt):
-    """The LLaVA app at /llava, beside any other app of the session."""
-    serve.run(build_app({**app_args, "model": str(ckpt)}), name="llava", route_prefix="/llava")
-    with httpx.Client(base_url=f"{ray_serve}/llava", timeout=60) as c:
-        yield c
-    serve.delete("llava")
+    with deployed(ray_serve, app_args, ckpt, "llava") as client:
+        yield client
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -43,10 +37,6 @@ def test_full_feature_strategy_keeps_the_cls_token(ray_serve, app_args, tmp_path
     """With vision_feature_select_strategy "full", an image takes h*w + 1 tokens, still equal to transformers."""
     ckpt = build_llava_checkpoint(tmp_path_factory.mktemp("llava-full") / "llava-full", select_strategy="full")
     reference = LlavaForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
-    serve.run(build_app({**app_args, "model": str(ckpt)}), name="llava-full", route_prefix="/llava-full")
-    try:
-        with httpx.Client(base_url=f"{ray_serve}/llava-full", timeout=60) as c:
-            for case in ("one_image", "three_images"):
-                assert_greedy_equals_reference(c, ckpt, reference, CASES[case], generate=processor_generate)
-    finally:
-        serve.delete("llava-full")
+    with deployed(ray_serve, app_args, ckpt, "llava-full") as client:
+        for case in ("one_image", "three_images"):
+            assert_greedy_equals_reference(client, ckpt, reference, CASES[case], generate=processor_generate)

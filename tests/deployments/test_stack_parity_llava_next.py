@@ -3,15 +3,12 @@ with images of different sizes (so different tile counts, unpadding and token co
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
-from ray import serve
 from transformers import LlavaNextForConditionalGeneration
 
 from demo.tiny_llava_next import build_llava_next_checkpoint
-from deployments import build_app
-from tests.deployments.parity import CASES, assert_greedy_equals_reference, processor_generate
+from tests.deployments.parity import deployed, CASES, assert_greedy_equals_reference, processor_generate
 
 pytestmark = pytest.mark.e2e  # MAX_TOKENS: the tiny checkpoint's greedy margins are above 0.05 for that many steps
 
@@ -28,11 +25,8 @@ def reference(ckpt):
 
 @pytest.fixture(scope="module")
 def client(ray_serve, app_args, ckpt):
-    """The LLaVA-NeXT app at /llava-next, beside any other app of the session."""
-    serve.run(build_app({**app_args, "model": str(ckpt)}), name="llava-next", route_prefix="/llava-next")
-    with httpx.Client(base_url=f"{ray_serve}/llava-next", timeout=60) as c:
-        yield c
-    serve.delete("llava-next")
+    with deployed(ray_serve, app_args, ckpt, "llava-next") as client:
+        yield client
 
 
 @pytest.mark.parametrize("case", list(CASES))

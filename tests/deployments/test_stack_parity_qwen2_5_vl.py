@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
-from ray import serve
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from demo.tiny_qwen2_5_vl import build_qwen2_5_vl_checkpoint
-from deployments import build_app
-from tests.deployments.parity import CASES, assert_greedy_equals_reference
+from tests.deployments.parity import deployed, CASES, assert_greedy_equals_reference
 
 pytestmark = pytest.mark.e2e
 APP = "qwen25"
@@ -29,13 +26,8 @@ def ref(ckpt):
 
 @pytest.fixture(scope="module")
 def qwen25_client(ray_serve, app_args, ckpt):
-    """Its own application next to (never instead of) the Qwen2-VL one that other modules use."""
-    serve.run(build_app({**app_args, "model": str(ckpt)}), name=APP, route_prefix=f"/{APP}")
-    try:
-        with httpx.Client(base_url=f"{ray_serve}/{APP}", timeout=60) as c:
-            yield c
-    finally:
-        serve.delete(APP)
+    with deployed(ray_serve, app_args, ckpt, "qwen25") as client:
+        yield client
 
 
 def test_the_app_serves_the_qwen2_5_vl_checkpoint(qwen25_client):
