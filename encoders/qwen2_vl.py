@@ -135,17 +135,21 @@ def qwen2_vl_image_tokens(config: Any) -> ImageTokens:
 class Qwen2VLVisionEncoder:
     """Qwen2-VL's ViT and patch merger, loaded alone from the checkpoint's `visual.*` weights."""
 
+    # transformers' modules of this family's ViT, and the vision config field that is the LM's width.
+    vit_class, rotary_class = Qwen2VisionTransformerPretrainedModel, Qwen2VLVisionRotaryEmbedding
+    out_width = "hidden_size"
+
     def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
         config = AutoConfig.from_pretrained(model_dir).vision_config
         self.processing = Qwen2VLImageProcessing.from_pretrained(model_dir)
         self.device, self.dtype = torch.device(device), dtype
         weights = load_components(model_dir, {"vision"})["vision"]
         with torch.device("meta"):  # no random init of weights we are about to replace
-            vit = Qwen2VisionTransformerPretrainedModel._from_config(config, attn_implementation="sdpa")
+            vit = self.vit_class._from_config(config, attn_implementation="sdpa")
         vit.load_state_dict(weights, strict=True, assign=True)
-        vit.rotary_pos_emb = Qwen2VLVisionRotaryEmbedding(config)  # non-persistent buffers: build them for real
+        vit.rotary_pos_emb = self.rotary_class(config)  # non-persistent buffers: build them for real
         self.vit = vit.to(device=self.device, dtype=dtype).eval()
-        self.hidden_size = int(config.hidden_size)
+        self.hidden_size = int(getattr(config, self.out_width))
 
     def preprocess(self, image: Image.Image, size: tuple[int, int] | None = None):
         return self.processing.preprocess(image, size)

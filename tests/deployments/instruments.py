@@ -87,16 +87,19 @@ def deserializations(record_dir: str | Path) -> list[str]:
     return [line for f in sorted(Path(record_dir).glob("*.log")) for line in f.read_text().split()]
 
 
-class FaultyLM(Qwen2LM):
-    """Fails when decoding reaches cache position 40 (mid-stream), or on prefill of 100+ tokens (before any token)."""
-
-    fail_at, fail_prefill_from = 40, 100
-
+class _InstrumentedLM(Qwen2LM):
     @classmethod
-    def load(cls, model_dir, device="cpu", dtype=torch.float32) -> FaultyLM:
+    def load(cls, model_dir, device="cpu", dtype=torch.float32) -> Qwen2LM:
+        """The real loader, then this class's forward (a `model_factory` for the LLM deployment)."""
         model = Qwen2LM.from_pretrained(model_dir, device=device, dtype=dtype)
         model.__class__ = cls
         return model
+
+
+class FaultyLM(_InstrumentedLM):
+    """Fails when decoding reaches cache position 40 (mid-stream), or on prefill of 100+ tokens (before any token)."""
+
+    fail_at, fail_prefill_from = 40, 100
 
     def forward(self, inputs_embeds, positions, cache, meta):
         decode_at = positions.shape[1] == 1 and int(positions[0, 0]) == self.fail_at
@@ -105,16 +108,10 @@ class FaultyLM(Qwen2LM):
         return super().forward(inputs_embeds, positions, cache, meta)
 
 
-class SlowLM(Qwen2LM):
+class SlowLM(_InstrumentedLM):
     """Every engine step takes at least `delay_s` more: streams that last long enough to leave or time out."""
 
     delay_s = 0.05
-
-    @classmethod
-    def load(cls, model_dir, device="cpu", dtype=torch.float32) -> SlowLM:
-        model = Qwen2LM.from_pretrained(model_dir, device=device, dtype=dtype)
-        model.__class__ = cls
-        return model
 
     def forward(self, inputs_embeds, positions, cache, meta):
         time.sleep(self.delay_s)
