@@ -96,8 +96,8 @@ _UNIT = {
 }
 
 
-def _draw_shape(image: Image.Image, obj: Shape) -> None:
-    """Paste one anti-aliased shape that fills obj.box exactly."""
+def _mask(obj: Shape) -> Image.Image:
+    """The shape's anti-aliased coverage (0..255) over its box, drawn 4x larger and averaged down."""
     x1, y1, x2, y2 = obj.box
     w, h = x2 - x1, y2 - y1
     ss = _SUPERSAMPLE
@@ -107,8 +107,20 @@ def _draw_shape(image: Image.Image, obj: Shape) -> None:
         draw.ellipse((0, 0, w * ss - 1, h * ss - 1), fill=255)
     else:
         draw.polygon([(u * (w * ss - 1), v * (h * ss - 1)) for u, v in _UNIT[obj.shape]], fill=255)
-    mask = mask.resize((w, h), Image.Resampling.BOX)
-    image.paste(COLOURS[obj.colour], (x1, y1, x2, y2), mask)
+    return mask.resize((w, h), Image.Resampling.BOX)
+
+
+def _draw_shape(image: Image.Image, obj: Shape) -> None:
+    """Paste one anti-aliased shape that fills obj.box exactly."""
+    image.paste(COLOURS[obj.colour], obj.box, _mask(obj))
+
+
+def coverage(obj: Shape, size: tuple[int, int]) -> np.ndarray:
+    """(height, width) float32 in 0..1: how much of each pixel of a size=(width, height) picture the shape covers."""
+    out = np.zeros((size[1], size[0]), dtype=np.float32)
+    x1, y1, x2, y2 = obj.box
+    out[y1:y2, x1:x2] = np.asarray(_mask(obj), dtype=np.float32) / 255
+    return out
 
 
 def _background(rng: random.Random, width: int, height: int) -> tuple[Image.Image, frozenset[str]]:
@@ -222,5 +234,5 @@ def iou(a: tuple[float, float, float, float], b: tuple[float, float, float, floa
     return inter / union if union > 0 else 0.0
 
 
-__all__ = ["COLOURS", "KINDS", "SHAPES", "Scene", "Shape", "iou", "make_eval_set", "make_item", "make_scene",
+__all__ = ["COLOURS", "KINDS", "SHAPES", "Scene", "Shape", "coverage", "iou", "make_eval_set", "make_item", "make_scene",
            "pair_questions", "parse_box"]  # fmt: skip

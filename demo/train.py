@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import random
+import re
 import sys
 import time
 from collections import defaultdict
@@ -15,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
-    AutoImageProcessor,
     GenerationConfig,
     PreTrainedTokenizerFast,
     Qwen2VLConfig,
@@ -26,21 +26,29 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 # NOTE: corpus and mrope_section come from build_tiny, so both checkpoints share one
 # tokenizer recipe and one config recipe.
 from demo.build_tiny import CHAT_TEMPLATE, QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS, corpus, mrope_section
-from demo.scenes import COLOURS, SHAPES, make_eval_set, make_scene, pair_questions
-
-# Grounding and two pictures are the hard kinds: they get most of the samples.
-KIND_WEIGHTS: dict[str, float] = {"colour": 0.14, "shape": 0.14, "count": 0.12, "grounding": 0.35, "which_image": 0.25}
+from demo.batches import Encoder, model_inputs, sample_conversation
+from demo.scenes import COLOURS, SHAPES, make_eval_set
+from demo.supervision import Probes
 MODEL_SIZES: dict[str, int] = dict(
     hidden_size=192, num_layers=3, num_heads=6, num_kv_heads=2, intermediate_size=512,
     vision_embed_dim=96, vision_depth=3, vision_heads=4, vision_mlp_ratio=2,
 )  # fmt: skip
-# At most 64 image tokens (256 patches of 14 px) per picture: a 336x336 scene is drawn at 224x224.
-MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 64
+# At most 36 image tokens (144 patches of 14 px) per picture: a 336x336 scene is seen at 168x168. Fewer patches
+# make a step cheaper, and each 14 px patch holds more of a shape's outline.
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 36
 EVAL_SEED = 10_000  # the in-training check; demo/evaluate.py uses its own held-out seed
 
 
+# Coordinates are written in steps of COORD_STEP (0, 10, ..., 990): each is one token of this tokenizer (digits
+# split in runs of up to three, not one by one as Qwen2's pattern does), so a box is four 100-way choices, not
+# twelve digits. Rounding to 10 of 1000 moves an edge by at most 0.5% of the picture.
+COORD_STEP = 10
+COORDS: list[str] = [str(v) for v in range(0, 1000, COORD_STEP)]
+DEMO_SPLIT_PATTERN = QWEN2_SPLIT_PATTERN.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+
+
 def scenes_corpus() -> list[str]:
-    """The scenes' questions and answers, every colour, shape and digit, so each word is one token."""
+    """The scenes' questions and answers, every colour, shape and coordinate, so each word is one token."""
     lines = []
     for colour in COLOURS:
         for shape in SHAPES:
@@ -49,16 +57,23 @@ def scenes_corpus() -> list[str]:
                       f"the {colour} {shape}", f"Which picture has the {shape}?"]  # fmt: skip
     lines += ["How many shapes are there?", "The first picture.", "The second picture."]
     lines += ["system\nYou are a helpful assistant.", "user\n", "assistant\n"]  # the chat template's own words
-    lines += [f"({d}{d},{d}0{d}),({d}{d}{d},{d})" for d in range(10)]
+    lines += [f"({a},{b}),({b},{a})" for a, b in zip(COORDS, reversed(COORDS))]
     return lines
 
 
-def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """build_tiny's byte-level BPE (Qwen2's split, special tokens last), trained on its corpus plus the scenes'."""
+def quantize_box(answer: str) -> str:
+    """A grounding answer with its coordinates rounded to COORD_STEP (at most 990)."""
+    step = lambda m: str(min(990, round(int(m.group()) / COORD_STEP) * COORD_STEP))  # noqa: E731
+    return re.sub(r"\d+", step, answer) if answer.startswith("<|object_ref_start|>") else answer
+
+
+def build_tokenizer(vocab_size: int = 768) -> PreTrainedTokenizerFast:
+    """build_tiny's byte-level BPE (special tokens last) with digits in runs of three, trained on its corpus plus
+    the scenes'. Every coordinate of COORDS is checked to be one token."""
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(DEMO_SPLIT_PATTERN), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])  # fmt: skip
     tok.decoder = decoders.ByteLevel()
@@ -69,6 +84,9 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     # The scenes' lines 20 times over, so their words win the merges of a small vocabulary.
     tok.train_from_iterator(corpus() + scenes_corpus() * 20, trainer=trainer)
     tok.add_special_tokens(SPECIAL_TOKENS)
+    split = [c for c in COORDS if len(tok.encode(c).ids) != 1]
+    if split:
+        raise RuntimeError(f"coordinates {split[:5]} are not single tokens: raise vocab_size")
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
         chat_template=CHAT_TEMPLATE, model_max_length=4096, clean_up_tokenization_spaces=False,
@@ -100,192 +118,49 @@ def make_config(tokenizer: PreTrainedTokenizerFast, *, hidden_size: int, num_lay
     )  # fmt: skip
 
 
-def sample_conversation(rng: random.Random, max_turns: int = 4, num_objects: int | None = None) -> dict:
-    """A training conversation: one scene (or two) and 1 to max_turns questions about it, each answer labelled.
+class AnswerLoss:
+    """Cross-entropy on the answer tokens, each answer's tokens averaged, then the mean over answers. A coordinate's
+    target is soft: a Gaussian of COORD_SIGMA steps around the true value over the coordinate tokens, so that
+    250 for 260 costs less than 900 for 260."""
 
-    Several questions share one image encoding: per second of CPU, ~3x the answers of single questions. The
-    first turn is exactly the served (single-question) format."""
-    kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
-    if rng.choices(kinds, weights)[0] == "which_image":
-        while True:
-            scenes = [make_scene(rng, num_objects), make_scene(rng, num_objects)]
-            options = [(q, a) for q, a, _ in pair_questions(*scenes)]
-            if options:
-                break
-        rng.shuffle(options)
-        return {"images": [sc.image for sc in scenes], "turns": options[: rng.randint(1, max_turns)],
-                "objects": [sc.objects for sc in scenes]}  # fmt: skip
-    scene = make_scene(rng, num_objects)
-    options = scene.questions()
-    used: set[int] = set()  # each shape is asked about once: a later question must not be answerable from an earlier one
-    turns = []
-    for _ in range(rng.randint(1, max_turns)):
-        left = [o for o in options if o[3] is None or id(o[3]) not in used]
-        if not left:
-            break
-        kind = rng.choices(sorted({o[0] for o in left}), [KIND_WEIGHTS[k] for k in sorted({o[0] for o in left})])[0]
-        _, question, answer, obj = rng.choice([o for o in left if o[0] == kind])
-        turns.append((question, answer))
-        options = [o for o in options if o[1] != question]
-        if obj is not None:
-            used.add(id(obj))
-    return {"images": [scene.image], "turns": turns, "objects": [scene.objects]}
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, vocab_size: int, sigma: float = 1.0):
+        self.coord_ids = torch.tensor(tokenizer.convert_tokens_to_ids(COORDS))  # (C,)
+        self.coord_of = torch.full((vocab_size,), -1)
+        self.coord_of[self.coord_ids] = torch.arange(len(COORDS))
+        bins = torch.arange(len(COORDS), dtype=torch.float32)
+        soft = torch.exp(-((bins[:, None] - bins[None, :]) ** 2) / (2 * sigma**2))  # (C, C)
+        self.soft = soft / soft.sum(-1, keepdim=True)
 
+    def __call__(self, model: Qwen2VLForConditionalGeneration, batch: dict) -> torch.Tensor:
+        hidden = model.model(**model_inputs(batch)).last_hidden_state  # (B, T, hidden)
+        targets = batch["labels"][:, 1:]  # (B, T-1): position t predicts token t+1
+        weights = batch["label_weights"][:, 1:]  # (B, T-1)
+        keep = targets != -100  # (B, T-1)
+        logits = model.lm_head(hidden[:, :-1][keep])  # (N, vocab): the LM head runs on the answer positions alone
+        return (self.token_losses(logits, targets[keep]) * weights[keep]).sum() / weights[keep].sum()
 
-class Encoder:
-    """Conversations -> padded batches, with transformers' own Qwen2-VL pipeline: chat template, the image
-    processor's pixel_values and grids, each <|image_pad|> expanded to its image's token count.
-
-    An item is {"images", "turns": [(question, answer), ...]} or an eval item {"images", "question", "answer"}."""
-
-    def __init__(self, checkpoint: Path, tokenizer: PreTrainedTokenizerFast, image_token_id: int):
-        self.tokenizer, self.image_token_id = tokenizer, image_token_id
-        self.processor = AutoImageProcessor.from_pretrained(checkpoint)
-        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-    def _ids(self, item: dict, with_answers: bool) -> tuple[list[int], list[int], list[int]]:
-        """-> (token ids, labels (-100 but on answer tokens), index of the answer each label belongs to)."""
-        turns = item.get("turns") or [(item["question"], item["answer"])]
-        messages: list[dict] = []
-        ids, labels, owner, rendered = [], [], [], ""
-        for k, (question, answer) in enumerate(turns):
-            content = [{"type": "image"} for _ in item["images"]] if k == 0 else []
-            messages.append({"role": "user", "content": content + [{"type": "text", "text": question}]})
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            # The template renders each message on its own, so the text only grows: encode the new part.
-            prompt = self.tokenizer.encode(text[len(rendered) :], add_special_tokens=False)
-            ids += prompt
-            labels += [-100] * len(prompt)
-            owner += [-1] * len(prompt)
-            if not with_answers:
-                break
-            target = self.tokenizer.encode(answer, add_special_tokens=False) + [self.im_end]
-            ids += target
-            labels += target
-            owner += [k] * len(target)
-            messages.append({"role": "assistant", "content": answer})
-            rendered = text + answer + "<|im_end|>\n"
-            newline = self.tokenizer.encode("\n", add_special_tokens=False)
-            if k + 1 < len(turns):
-                ids += newline
-                labels += [-100] * len(newline)
-                owner += [-1] * len(newline)
-        return ids, labels, owner
-
-    def __call__(self, items: list[dict], with_answers: bool = True) -> dict[str, torch.Tensor]:
-        processed = self.processor(images=[im for it in items for im in it["images"]], return_tensors="pt")
-        counts = iter((processed["image_grid_thw"].prod(-1) // self.processor.merge_size**2).tolist())
-        rows, labels, weights = [], [], []
-        for it in items:
-            ids, labs, owner = self._ids(it, with_answers)
-            expanded, exp_labels, exp_owner = [], [], []
-            for tok, lab, own in zip(ids, labs, owner):
-                n = next(counts) if tok == self.image_token_id else 1
-                expanded += [tok] * n
-                exp_labels += [lab] * n
-                exp_owner += [own] * n
-            rows.append(expanded)
-            labels.append(exp_labels)
-            # Each answer weighs the same, whatever its length: a colour (1 token) counts as much as a box (24).
-            sizes = defaultdict(int)
-            for own in exp_owner:
-                sizes[own] += 1
-            weights.append([1.0 / sizes[own] if own >= 0 else 0.0 for own in exp_owner])
-        width = max(map(len, rows))
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])  # (B, T)
-        batch = {
-            "input_ids": input_ids,
-            "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),  # (B, T)
-            "mm_token_type_ids": (input_ids == self.image_token_id).int(),  # (B, T)
-            "labels": torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels]),  # (B, T)
-            "label_weights": torch.tensor([w + [0.0] * (width - len(w)) for w in weights]),  # (B, T)
-            "pixel_values": processed["pixel_values"],  # (sum patches, 3*2*14*14)
-            "image_grid_thw": processed["image_grid_thw"],  # (num_images, 3)
-        }
-        if all("objects" in it for it in items):
-            batch["aux_targets"] = self.aux_targets(items, processed["image_grid_thw"])
-        return batch
-
-    def aux_targets(self, items: list[dict], grids: torch.Tensor) -> torch.Tensor:
-        """Per image token, what the scene says is under its cell's centre: colour and shape ids (background
-        last), the number of shapes, the cell's own centre and its shape's box (0..1, -1 on background).
-        Rows in the merger's order: images in turn, cells row-major."""
-        rows = []
-        for (image, objects), (_, gh, gw) in zip([(im, ob) for it in items for im, ob in zip(it["images"], it["objects"])],
-                                                 grids.tolist()):  # fmt: skip
-            w, h = image.size
-            mh, mw = gh // self.processor.merge_size, gw // self.processor.merge_size
-            cy = (torch.arange(mh, dtype=torch.float32) + 0.5) / mh  # (mh,) 0..1
-            cx = (torch.arange(mw, dtype=torch.float32) + 0.5) / mw  # (mw,)
-            cy, cx = cy[:, None].expand(mh, mw).reshape(-1), cx[None, :].expand(mh, mw).reshape(-1)  # (mh*mw,)
-            target = torch.full((mh * mw, 9), -1.0)
-            target[:, 0], target[:, 1] = len(COLOURS), len(SHAPES)
-            target[:, 2] = len(objects) - 1
-            target[:, 3], target[:, 4] = cx, cy
-            for obj in objects:
-                x1, y1, x2, y2 = obj.box
-                inside = (cx * w >= x1) & (cx * w < x2) & (cy * h >= y1) & (cy * h < y2)  # (mh*mw,)
-                target[inside, 0] = list(COLOURS).index(obj.colour)
-                target[inside, 1] = SHAPES.index(obj.shape)
-                target[inside, 5:] = torch.tensor([x1 / w, y1 / h, x2 / w, y2 / h])
-            rows.append(target)
-        return torch.cat(rows)  # (sum tokens, 9)
-
-
-def model_inputs(batch: dict) -> dict:
-    return {k: v for k, v in batch.items() if k not in ("labels", "label_weights", "aux_targets")}
-
-
-class AuxHead(torch.nn.Module):
-    """Training-only probe on the image tokens (the merger's output), never saved: per-token colour, shape, count,
-    position and box. Dense labels teach the ViT in a few hundred steps what the answers alone take thousands
-    of steps to reach, as the answer loss has to find the right image token and read it at once."""
-
-    def __init__(self, hidden_size: int, visual: torch.nn.Module):
-        super().__init__()
-        self.proj = torch.nn.Linear(hidden_size, len(COLOURS) + 1 + len(SHAPES) + 1 + 3 + 2 + 4)
-        self.image_embeds: torch.Tensor | None = None
-        visual.register_forward_hook(self._keep)
-
-    def _keep(self, module, args, output) -> None:
-        self.image_embeds = output.pooler_output  # (sum tokens, hidden), before the model splits it per image
-
-    def loss(self, targets: torch.Tensor) -> torch.Tensor:
-        out = self.proj(self.image_embeds)  # (N, 27)
-        nc, ns = len(COLOURS) + 1, len(SHAPES) + 1
-        colour, shape, count = out[:, :nc], out[:, nc : nc + ns], out[:, nc + ns : nc + ns + 3]  # (N, 9), (N, 5), (N, 3)
-        where, box = out[:, nc + ns + 3 : nc + ns + 5], out[:, nc + ns + 5 :]  # (N, 2), (N, 4)
-        on_shape = targets[:, 5] >= 0  # (N,)
-        loss = F.cross_entropy(colour, targets[:, 0].long()) + F.cross_entropy(shape, targets[:, 1].long())
-        loss = loss + F.cross_entropy(count, targets[:, 2].long()) + 5 * F.l1_loss(where, targets[:, 3:5])
-        if on_shape.any():
-            loss = loss + 5 * F.l1_loss(box[on_shape], targets[on_shape, 5:])
-        return loss
-
-
-def answer_loss(model: Qwen2VLForConditionalGeneration, batch: dict) -> torch.Tensor:
-    """Cross-entropy on the answer tokens, each answer's tokens averaged, then the mean over answers."""
-    hidden = model.model(**model_inputs(batch)).last_hidden_state  # (B, T, hidden)
-    targets = batch["labels"][:, 1:]  # (B, T-1): position t predicts token t+1
-    weights = batch["label_weights"][:, 1:]  # (B, T-1)
-    keep = targets != -100  # (B, T-1)
-    logits = model.lm_head(hidden[:, :-1][keep])  # (N, vocab): the LM head runs on the answer positions alone
-    losses = F.cross_entropy(logits, targets[keep], reduction="none")  # (N,)
-    return (losses * weights[keep]).sum() / weights[keep].sum()
+    def token_losses(self, logits: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
+        """logits (N, vocab), wanted (N,) -> (N,) cross-entropies, soft on coordinates."""
+        hard = F.cross_entropy(logits, wanted, reduction="none")  # (N,)
+        coord = self.coord_of[wanted]  # (N,) -1 but on coordinates
+        soft = -(self.soft[coord.clamp_min(0)] * logits.log_softmax(-1)[:, self.coord_ids]).sum(-1)  # (N,)
+        return torch.where(coord >= 0, soft, hard)
 
 
 @torch.no_grad()
-def teacher_forced_check(model, encoder: Encoder, items: list[dict]) -> dict[str, float]:
-    """Per kind, the share of answers whose every token is the argmax given the right prefix (cheap, one forward)."""
+def teacher_forced_check(model, encoder: Encoder, items: list[dict], coord_of: torch.Tensor) -> dict[str, float]:
+    """Per kind, the share of answers whose every token is the argmax given the right prefix (cheap, one forward);
+    a box counts when its coordinates are within one step."""
     model.eval()
     right: dict[str, list[bool]] = defaultdict(list)
     for i in range(0, len(items), 16):
-        chunk = items[i : i + 16]
+        chunk = [{**it, "answer": quantize_box(it["answer"])} for it in items[i : i + 16]]
         batch = encoder(chunk)
         logits = model.lm_head(model.model(**model_inputs(batch)).last_hidden_state[:, :-1])  # (B, T-1, vocab)
         targets = batch["labels"][:, 1:]  # (B, T-1)
-        ok = (logits.argmax(-1) == targets) | (targets == -100)  # (B, T-1)
+        got = logits.argmax(-1)  # (B, T-1)
+        want_c, got_c = coord_of[targets.clamp_min(0)], coord_of[got]  # (B, T-1) -1 but on coordinates
+        ok = (got == targets) | (targets == -100) | ((want_c >= 0) & (got_c >= 0) & ((want_c - got_c).abs() <= 1))
         for it, row in zip(chunk, ok.all(-1).tolist()):
             right[it["kind"]].append(row)
     model.train()
@@ -321,8 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--single-until", type=float, default=0.3, help="share of training on one-shape scenes")
-    parser.add_argument("--aux-weight", type=float, default=1.0, help="of the image tokens' probe loss (AuxHead)")
+    parser.add_argument("--single-until", type=float, default=0.0, help="share of training on one-shape scenes")
+    parser.add_argument("--vision-until", type=float, default=0.15, help="share of training of the vision tower "
+                        "alone, on its probe (a step costs half of a whole model's)")  # fmt: skip
+    parser.add_argument("--vision-weight", type=float, default=1.0, help="of the image tokens' probe loss")
+    parser.add_argument("--route-weight", type=float, default=0.5, help="of the routed attention head's loss")
+    parser.add_argument("--ask-weight", type=float, default=0.5, help="of the first layer's head on the question's words")
+    parser.add_argument("--read-weight", type=float, default=0.5, help="of the routed layer's answer probe")
+    parser.add_argument("--picture-weight", type=float, default=0.5, help="of the picture-index probe's loss")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="of the saved weights")
     parser.add_argument("--sizes", type=json.loads, default={}, help='overrides of MODEL_SIZES, as JSON')
     args = parser.parse_args(argv)
@@ -335,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = build_tokenizer()
     config = make_config(tokenizer, **sizes)
+    config.text_config._attn_implementation = "eager"  # the routed head's weights; not saved in config.json
     model = Qwen2VLForConditionalGeneration(config)  # transformers' own init (std 0.02)
     model.generation_config = GenerationConfig(
         eos_token_id=[config.text_config.eos_token_id, config.text_config.pad_token_id],
@@ -348,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{n_params:,} parameters ({n_vision:,} vision), vocab {len(tokenizer)}, sizes {sizes}", flush=True)
 
     check_items = make_eval_set(EVAL_SEED, 60)
-    aux = AuxHead(config.text_config.hidden_size, model.model.visual)
-    named = list(model.named_parameters()) + list(aux.named_parameters())
+    probes = Probes(model)
+    answer_loss = AnswerLoss(tokenizer, config.text_config.vocab_size)
+    named = list(model.named_parameters()) + list(probes.named_parameters())
     params = [p for _, p in named]
     decay = [p for n, p in named if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in named if not (p.ndim >= 2 and "embed" not in n)]
@@ -369,26 +252,40 @@ def main(argv: list[str] | None = None) -> int:
             group["lr"] = lr
         # Curriculum: one shape per picture first, so "look at the shape" is learnt before "look at the right one".
         num_objects = 1 if progress < args.single_until else None
-        batch = encoder([sample_conversation(rng, args.max_turns, num_objects) for _ in range(args.batch_size)])
-        loss = answer_loss(model, batch)
-        aux_loss = aux.loss(batch["aux_targets"])
-        loss_all = loss + args.aux_weight * aux_loss
+        batch = encoder([sample_conversation(rng, args.max_turns, num_objects, quantize_box)
+                         for _ in range(args.batch_size)])  # fmt: skip
+        if progress < args.vision_until:  # the tower learns to see before the LM learns to ask
+            model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
+            aux = {"vision": probes.vision_loss(batch["vision_targets"])}
+            loss = torch.zeros(())
+        else:
+            loss = answer_loss(model, batch)
+            aux = {"vision": probes.vision_loss(batch["vision_targets"]),
+                   "route": probes.route_loss(batch["route_queries"], batch["route_keys"]),
+                   "ask": probes.route_loss(batch["ask_queries"], batch["ask_keys"], layer=0),
+                   "read": probes.read_loss(batch["read_queries"], batch["read_colours"], batch["read_shapes"],
+                                            batch["read_boxes"]),
+                   "picture": probes.picture_loss(batch["pictures"])}  # fmt: skip
+        loss_all = loss + sum(getattr(args, f"{k}_weight") * v for k, v in aux.items())
         optim.zero_grad(set_to_none=True)
         loss_all.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optim.step()
         step += 1
-        loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
+        if progress >= args.vision_until:
+            loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
         if step % 20 == 0:
-            print(f"step {step:5d}  {elapsed / 60:5.1f} min  lr {lr:.2e}  loss {loss.item():.3f}  ema {loss_ema:.3f}  aux {aux_loss.item():.3f}",
+            probed = "  ".join(f"{k} {v.item():.3f}" for k, v in aux.items())
+            probed += f"  token shapes {probes.seen['shape_accuracy'].item():.2f}"
+            print(f"step {step:5d}  {elapsed / 60:5.1f} min  lr {lr:.2e}  loss {loss.item():.3f}  ema {loss_ema or 0:.3f}  {probed}",
                   flush=True)  # fmt: skip
-        if step % args.eval_every == 0:
-            scores = teacher_forced_check(model, encoder, check_items)
+        if step % args.eval_every == 0 and progress >= args.vision_until:
+            scores = teacher_forced_check(model, encoder, check_items, answer_loss.coord_of)
             print("  teacher-forced exact: " + "  ".join(f"{k} {v:.2f}" for k, v in scores.items()), flush=True)
 
     wall = time.perf_counter() - start
     save_checkpoint(model, tokenizer, out, getattr(torch, args.dtype))
-    scores = teacher_forced_check(model, encoder, check_items)
+    scores = teacher_forced_check(model, encoder, check_items, answer_loss.coord_of)
     print("final teacher-forced exact: " + "  ".join(f"{k} {v:.2f}" for k, v in scores.items()))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"trained {step} steps x {args.batch_size} in {wall / 60:.1f} min; wrote {out} ({size / 2**20:.1f} MiB)")
