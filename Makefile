@@ -16,10 +16,12 @@ $(STAMP): requirements.txt requirements-test.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-test.txt
 	touch $(STAMP)
 
+# The random-weight checkpoint of the plumbing tests and benchmarks; `make serve` serves the trained, committed
+# demo/qwen2-vl-shapes (demo/README.md says how it was trained).
 checkpoint: $(STAMP)
 	$(PY) -m demo.build_tiny --out $(CHECKPOINT)
 
-serve: checkpoint
+serve: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/serve run serve_config.yaml
 
 test: $(STAMP)

@@ -14,12 +14,12 @@ from schemas.config import EncoderArgs, LLMArgs, Limits
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_shipped_serve_config_is_valid(checkpoint):
+def test_shipped_serve_config_is_valid():
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     app = config["applications"][0]
     assert app["import_path"] == "deployments.app:build_app"
-    assert app["args"]["model"] == "demo/qwen2-vl-tiny"
-    args = AppArgs.model_validate({**app["args"], "model": str(checkpoint)})
+    assert app["args"]["model"] == "demo/qwen2-vl-shapes"  # the trained demo model, committed
+    args = AppArgs.model_validate({**app["args"], "model": str(ROOT / app["args"]["model"])})
     assert args.device == "auto" and args.limits.max_images_per_request == 8
     names = {d["name"] for d in app["deployments"]}
     assert names == {"Ingress", "Encoder", "EmbeddingCache", "LLM"}  # exactly what build_app binds
