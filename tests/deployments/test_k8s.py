@@ -1,0 +1,61 @@
+"""The KubeRay manifest serves what serve_config.yaml serves: its serveConfigV2 is that file with the cluster's
+overrides and nothing else, it validates, and the worker groups offer what the replicas ask for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from deployments.k8s import render
+from schemas import AppArgs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _differences(a, b, path=()) -> set[tuple]:
+    """Paths (keys, list indices) where two parsed YAML documents differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {p for k in a.keys() | b.keys() for p in _differences(a.get(k), b.get(k), path + (k,))}
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return {p for i, (x, y) in enumerate(zip(a, b)) for p in _differences(x, y, path + (i,))}
+    return set() if a == b else {path}
+
+
+def test_the_manifest_is_serve_config_with_the_cluster_overrides_only():
+    assert render.main(["--check"]) == 0, "run: python -m deployments.k8s.render"
+    local = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    manifest = yaml.safe_load(render.MANIFEST.read_text())
+    served = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    names = [d["name"] for d in local["applications"][0]["deployments"]]
+    encoder, llm = names.index("Encoder"), names.index("LLM")
+    deployments = ("applications", 0, "deployments")
+    assert _differences(local, served) == {
+        ("http_options", "host"), ("applications", 0, "args", "model"),
+        (*deployments, encoder, "ray_actor_options", "num_cpus"), (*deployments, encoder, "ray_actor_options", "num_gpus"),
+        (*deployments, encoder, "ray_actor_options", "resources"), (*deployments, encoder, "autoscaling_config", "max_replicas"),
+        (*deployments, llm, "ray_actor_options", "num_cpus"), (*deployments, llm, "ray_actor_options", "num_gpus"),
+        (*deployments, llm, "ray_actor_options", "resources"),
+    }  # fmt: skip
+    app = served["applications"][0]
+    AppArgs.model_validate({**app["args"], "model": str(ROOT / local["applications"][0]["args"]["model"])})
+
+
+def test_gpu_worker_groups_offer_what_the_replicas_ask_for():
+    manifest = yaml.safe_load(render.MANIFEST.read_text())
+    served = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    groups = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    offered = {}
+    for group in groups:
+        container = group["template"]["spec"]["containers"][0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1", group["groupName"]
+        offered[group["groupName"]] = json.loads(json.loads(group["rayStartParams"]["resources"]))
+    for deployment in served["applications"][0]["deployments"]:
+        options = deployment.get("ray_actor_options", {})
+        for resource, amount in options.get("resources", {}).items():
+            hosts = [name for name, res in offered.items() if res.get(resource, 0) >= amount]
+            assert hosts and options["num_gpus"] == 1, (deployment["name"], resource)
+    encoder = next(d for d in served["applications"][0]["deployments"] if d["name"] == "Encoder")
+    group = next(g for g in groups if g["groupName"] == "encoders")
+    assert group["maxReplicas"] >= encoder["autoscaling_config"]["max_replicas"]  # a pod per encoder at the top
