@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from schemas.adapters import normalize_message
+
 
 class _Tolerant(BaseModel):
     # NOTE: OpenAI clients send fields we do not know (metadata, store, user, ...); tolerate them rather
@@ -37,6 +39,11 @@ class Message(_Tolerant):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _other_formats(cls, data: Any) -> Any:
+        return normalize_message(data)  # Qwen-VL / MindIE items and webui inline images (schemas/adapters.py)
 
     @model_validator(mode="after")
     def _content_present(self) -> Message:
