@@ -16,6 +16,7 @@ def main() -> None:
     parser.add_argument("question", nargs="?", default="What is in the picture?")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the API's default is 1)")
     parser.add_argument("--draw", metavar="PNG", help="write the image with the answer's boxes drawn on it")
     args = parser.parse_args()
 
@@ -28,7 +29,7 @@ def main() -> None:
         model=model,
         messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                {"type": "text", "text": args.question}]}],
-        max_tokens=args.max_tokens, stream=True, stream_options={"include_usage": True})
+        max_tokens=args.max_tokens, temperature=args.temperature, stream=True, stream_options={"include_usage": True})
     boxes = []
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
