@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install checkpoint serve test bench bench-prefix bench-encoder bench-colocated soak clean
+.PHONY: install browser checkpoint serve test bench bench-prefix bench-encoder bench-colocated soak clean
 
 install: $(STAMP)
 
@@ -24,7 +24,15 @@ checkpoint: $(STAMP)
 serve: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/serve run serve_config.yaml
 
-test: $(STAMP)
+# The playground's browser test drives Debian's Chromium; installed here when missing (as root, with apt).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && export DEBIAN_FRONTEND=noninteractive && \
+	    { apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 || \
+	      { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }; }; } || \
+	  echo "no chromium: tests/deployments/test_playground.py will skip"
+
+test: $(STAMP) browser
 	$(PY) -m pytest
 
 # The serving benchmark (tests/bench/README.md): `make bench BENCH_ARGS=--quick` for a one-minute smoke run.

@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -27,6 +28,7 @@ from schemas import AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest
 from schemas.openai import ChatCompletionRequest, ModelCard, ModelList
 
 logger = logging.getLogger("ray.serve")
+PLAYGROUND = Path(__file__).with_name("static") / "playground.html"
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
@@ -46,7 +48,8 @@ class Ingress:
                     urls.allowed_domains if urls.allow_http else "off", urls.file_root or "off")
         self.counts = {"encoder_retries": 0, "encoder_failures": 0, "encoder_timeouts": 0}
         self.routes = {"/v1/chat/completions": ("POST", self.chat), "/v1/models": ("GET", self.models),
-                       "/health": ("GET", self.health)}
+                       "/health": ("GET", self.health), "": ("GET", self.playground)}
+        self.page = PLAYGROUND.read_bytes()
 
     async def __call__(self, request: Request) -> Response:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -57,7 +60,7 @@ class Ingress:
             method, handler = self.routes.get(path, (None, None))
             if handler is None:
                 raise InvalidRequest(f"no route {request.url.path}", status=404, code="not_found")
-            if path != "/health":  # health checks (load balancers, Kubernetes) carry no key
+            if path not in ("/health", ""):  # health checks carry no key; the page asks for one and sends it
                 self.gate.check(request)
             if request.method != method:
                 raise InvalidRequest(f"{request.url.path} takes {method}, not {request.method}", status=405)
@@ -76,6 +79,13 @@ class Ingress:
 
     async def health(self, request: Request, request_id: str) -> Response:
         return JSONResponse({"status": "ok"})
+
+    async def playground(self, request: Request, request_id: str) -> Response:
+        """GET /: the one-file web playground (deployments/static/playground.html); it loads nothing from elsewhere."""
+        return Response(self.page, media_type="text/html; charset=utf-8", headers={
+            "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; "
+                                       "script-src 'unsafe-inline'; style-src 'unsafe-inline'",
+            "Cache-Control": "no-cache"})
 
     async def models(self, request: Request, request_id: str) -> Response:
         card = ModelCard(id=self.args.model_name, max_model_len=self.max_model_len)

@@ -56,6 +56,15 @@ def test_health_needs_no_key(guarded):
     assert guarded.get("/health").status_code == 200
 
 
+def test_the_playground_page_needs_no_key_but_its_api_calls_do(guarded):
+    page = guarded.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert 'id="api-key"' in page.text and "Authorization" in page.text  # the page asks for a key and sends it
+    assert "http://" not in page.text and "https://" not in page.text  # one file: no CDN, nothing from elsewhere
+    assert guarded.get("/v1/models").status_code == 401
+
+
 def test_openai_client_raises_authentication_error(guarded):
     client = openai.OpenAI(base_url="http://ingress/v1", api_key="wrong", http_client=guarded, max_retries=0)
     with pytest.raises(openai.AuthenticationError):
