@@ -49,7 +49,8 @@ bench-prefix: $(STAMP)
 bench-encoder: $(STAMP)
 	$(PY) -m tests.bench.encoder $(BENCH_ARGS)
 
-# Encoders on their own replicas against an encoder colocated in the LLM replica, same resources and requests.
+# Encoders on their own replicas against an encoder colocated in the LLM replica, same resources and requests
+# (BENCH_ARGS="--images 1,2,4,8": a sweep over images per request, plotted to bench_results/colocated-*.png).
 bench-colocated: $(STAMP)
 	$(PY) -m tests.bench.colocated $(BENCH_ARGS)
 
