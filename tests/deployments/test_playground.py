@@ -1,6 +1,6 @@
 """The web playground at GET /, driven in headless Chromium (Debian's chromium + chromedriver, which `make test`
 installs): upload a scene, ask, watch the streamed answer and its box drawn, ask again with the history, see an
-API error shown. The screenshot goes to $PLAYGROUND_SCREENSHOT when set (the README's demo/playground.png)."""
+API error shown. It saves a screenshot, to $PLAYGROUND_SCREENSHOT when set (the README's demo/playground.png)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _ask(browser, question: str, image: Path | None = None):
     return browser.find_elements(By.CSS_SELECTOR, "[data-done]")[-1]
 
 
-def test_chat_about_an_image_with_boxes_history_and_errors(page_url, browser):
+def test_chat_about_an_image_with_boxes_history_and_errors(page_url, browser, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -76,8 +76,8 @@ def test_chat_about_an_image_with_boxes_history_and_errors(page_url, browser):
     # A second turn: the history (with its image) goes with it, and the answer is about that image.
     answer = _ask(browser, "What colour is the triangle?")
     assert answer.text == "yellow"
-    if os.environ.get("PLAYGROUND_SCREENSHOT"):
-        browser.save_screenshot(os.environ["PLAYGROUND_SCREENSHOT"])
+    shot = Path(os.environ.get("PLAYGROUND_SCREENSHOT") or tmp_path / "playground.png")
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     # An API error is shown, not swallowed.
     browser.execute_script("document.getElementById('max-tokens').value = 0")
     error = _ask(browser, "How many shapes are there?")
