@@ -107,15 +107,17 @@ def corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE like Qwen2's on the embedded corpus; special tokens get the last ids."""
+def build_tokenizer(vocab_size: int = 1024, split_pattern: str | None = None,
+                    lines: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE like Qwen2's on the embedded corpus (or `lines`); special tokens get the last ids.
+    `split_pattern`: the pre-tokenizer's regex, Qwen2's by default."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(split_pattern or QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])  # fmt: skip
     tok.decoder = decoders.ByteLevel()
@@ -124,7 +126,7 @@ def build_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
         vocab_size=vocab_size, min_frequency=1, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
     )  # fmt: skip
-    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus() if lines is None else lines, trainer=trainer)
     # Added after training, so their ids follow the BPE vocab; special => never split, never merged.
     tok.add_special_tokens(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     GenerationConfig,
     PreTrainedTokenizerFast,
@@ -25,7 +24,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 # NOTE: corpus and mrope_section come from build_tiny, so both checkpoints share one
 # tokenizer recipe and one config recipe.
-from demo.build_tiny import CHAT_TEMPLATE, QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS, corpus, mrope_section
+from demo.build_tiny import QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS, corpus, mrope_section
+from demo.build_tiny import build_tokenizer as build_tiny_tokenizer
 from demo.batches import Encoder, model_inputs, sample_conversation
 from demo.scenes import COLOURS, SHAPES, make_eval_set
 from demo.supervision import Probes
@@ -68,29 +68,13 @@ def quantize_box(answer: str) -> str:
 
 
 def build_tokenizer(vocab_size: int = 768) -> PreTrainedTokenizerFast:
-    """build_tiny's byte-level BPE (special tokens last) with digits in runs of three, trained on its corpus plus
-    the scenes'. Every coordinate of COORDS is checked to be one token."""
-    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(DEMO_SPLIT_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=1, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
-    )  # fmt: skip
-    # The scenes' lines 20 times over, so their words win the merges of a small vocabulary.
-    tok.train_from_iterator(corpus() + scenes_corpus() * 20, trainer=trainer)
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    split = [c for c in COORDS if len(tok.encode(c).ids) != 1]
+    """build_tiny's byte-level BPE with digits in runs of three, trained on its corpus plus the scenes' lines 20
+    times over (so their words win the merges of a small vocabulary). Every coordinate is checked to be one token."""
+    tokenizer = build_tiny_tokenizer(vocab_size, DEMO_SPLIT_PATTERN, corpus() + scenes_corpus() * 20)
+    split = [c for c in COORDS if len(tokenizer.encode(c, add_special_tokens=False)) != 1]
     if split:
         raise RuntimeError(f"coordinates {split[:5]} are not single tokens: raise vocab_size")
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
-        chat_template=CHAT_TEMPLATE, model_max_length=4096, clean_up_tokenization_spaces=False,
-    )  # fmt: skip
+    return tokenizer
 
 
 def make_config(tokenizer: PreTrainedTokenizerFast, *, hidden_size: int, num_layers: int, num_heads: int,
