@@ -49,8 +49,10 @@ class LLM:
         dtype = getattr(torch, resolve_dtype(self.args.dtype, device))
         config = AutoConfig.from_pretrained(self.args.model)
         llm_args = self.args.llm
-        if device == "cpu":  # NOTE: Ray pins torch to num_cpus threads; the engine is the hot loop, give it the cores
-            torch.set_num_threads(llm_args.cpu_threads or os.cpu_count() or 1)
+        cpu_threads = None
+        if device == "cpu":  # NOTE: one thread process-wide, the cores for the engine's worker alone (llm/threads.py)
+            cpu_threads = llm_args.cpu_threads or os.cpu_count() or 1
+            torch.set_num_threads(1)
         model = (model_factory or Qwen2LM.from_pretrained)(self.args.model, device=device, dtype=dtype)
         max_model_len = resolve_max_model_len(llm_args.max_model_len, model.config.max_position_embeddings)
         num_blocks = num_kv_blocks(
@@ -61,7 +63,7 @@ class LLM:
             max_model_len=max_model_len, num_blocks=num_blocks, block_size=llm_args.block_size,
             max_num_seqs=llm_args.max_num_seqs, max_num_batched_tokens=llm_args.max_num_batched_tokens,
             max_queued=llm_args.max_queued_requests, enable_prefix_caching=llm_args.enable_prefix_caching,
-            stream_interval_s=llm_args.stream_interval_ms / 1000)
+            stream_interval_s=llm_args.stream_interval_ms / 1000, cpu_threads=cpu_threads)
         family = family_of(self.args.model, self.args.family)
         self.engine = Engine(model, engine_config, image_token_id=family.image_tokens(config).placeholder_id,
                              merge_size=family.processing.from_pretrained(self.args.model).merge_size,
@@ -73,8 +75,8 @@ class LLM:
             self.vision = EncoderRunner(self.args.model, self.args.encoder, device=device, dtype=dtype,
                                         on_batch=EncoderMetrics().on_batch, family=self.args.family)
             self.vision_cache = EmbeddingLRU(int(self.args.encoder.cache_gib * (1 << 30)))
-        logger.info("llm ready: %s on %s (%s, %d threads), context %d, KV cache %d tokens (%.2f GiB)%s",
-                    self.args.model, device, dtype, torch.get_num_threads(), max_model_len,
+        logger.info("llm ready: %s on %s (%s, %s engine threads), context %d, KV cache %d tokens (%.2f GiB)%s",
+                    self.args.model, device, dtype, cpu_threads or "default", max_model_len,
                     num_blocks * llm_args.block_size, self.engine.cache.nbytes / (1 << 30),
                     ", encoder colocated" if self.vision else "")
 

@@ -29,6 +29,7 @@ from llm.positions import linear_positions, mrope_positions
 from llm.sampling import make_generator, sample
 from llm.scheduler import Chunk, Scheduler
 from llm.sequence import Sequence
+from llm.threads import set_thread_intra_op_threads
 from schemas import InvalidRequest, Overloaded, SamplingParams, TokenChunk
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class EngineConfig:
     max_queued: int = 64
     enable_prefix_caching: bool = True
     stream_interval_s: float = 0.02
+    cpu_threads: int | None = None  # CPU: torch threads of the worker thread alone (llm/threads.py); None: leave as is
 
     def __post_init__(self) -> None:
         assert self.num_blocks * self.block_size >= self.max_model_len, "the cache must hold one full sequence"
@@ -166,6 +168,9 @@ class Engine:
             self._inbox.put(None)  # wake the worker if it sleeps
 
     def _loop(self) -> None:
+        if self.config.cpu_threads is not None:
+            threads = set_thread_intra_op_threads(self.config.cpu_threads)
+            logger.info("engine worker: %d torch threads", threads)
         while True:
             self._take_inbox(block=not self.scheduler.running and not self.scheduler.waiting)
             chunks = self.scheduler.schedule()

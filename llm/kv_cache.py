@@ -9,13 +9,15 @@ import torch
 
 @dataclass(slots=True)
 class KVCache:
-    k: torch.Tensor  # (L, num_blocks, block_size, nkv, hd)
-    v: torch.Tensor  # (L, num_blocks, block_size, nkv, hd)
+    # Head-major: a gather of blocks along dim 2 gives each KV head's keys as one contiguous (tokens, hd) matrix
+    # per sequence, the layout the attention matmuls want (llm/attention.py).
+    k: torch.Tensor  # (L, nkv, num_blocks, block_size, hd)
+    v: torch.Tensor  # (L, nkv, num_blocks, block_size, hd)
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype) -> KVCache:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
         return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
 
     @staticmethod
@@ -24,16 +26,15 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
     @property
     def block_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
-
 
 
 def num_kv_blocks(bytes_per_token: int, *, block_size: int, max_model_len: int, device: torch.device,

@@ -35,11 +35,11 @@ class _StepClock(BaseStreamer):
 class HFRunner:
     """Qwen2VLForConditionalGeneration.generate, prompts built as tests/deployments/test_stack_parity.py does."""
 
-    def __init__(self, checkpoint: Path, threads: int):
+    def __init__(self, checkpoint: Path, threads: int, dtype: str = "float32"):
         torch.set_num_threads(threads)
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.processor = AutoImageProcessor.from_pretrained(checkpoint)
-        self.model = Qwen2VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        self.model = Qwen2VLForConditionalGeneration.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
         self.image_token_id = self.model.config.image_token_id
         self.pad_id = self.model.generation_config.pad_token_id
         eos = self.model.generation_config.eos_token_id

@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: TPOT at most this")
     p.add_argument("--baseline-max-prompts", type=int, default=None,
                    help="cap on requests the transformers baselines run per concurrency (default: all)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights and activations of every system (the app's `dtype`, the in-process engine, transformers)")
     p.add_argument("--baseline-threads", type=int, default=2, help="torch threads for the baselines")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
     p.add_argument("--warmup", type=int, default=8, help="warm-up requests (not measured) before the runs")
@@ -85,7 +87,7 @@ def run_server(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest], s
     from tests.bench.server import serve_app, served_model_name
     from tests.bench.workload import chat_body
 
-    with serve_app(ckpt, max_images=args.images_max, overrides=args.app_args) as url:
+    with serve_app(ckpt, max_images=args.images_max, overrides={"dtype": args.dtype, **args.app_args}) as url:
         model = served_model_name(url)
         _say(f"server up at {url} (model {model!r}); {len(warm)} warm-up request(s)")
         # Short but complete requests, a few at once, so the batched paths and each image size are warm too.
@@ -107,7 +109,7 @@ def run_in_process(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest
                    sets: dict[int, list[BenchRequest]], runs: dict, records: dict) -> None:
     from tests.bench.inprocess import InProcess
 
-    runner = InProcess(ckpt, args.baseline_threads)
+    runner = InProcess(ckpt, args.baseline_threads, dtype=args.dtype)
     runner.run([dataclasses.replace(r, output_len=min(8, r.output_len)) for r in warm], min(4, len(warm)))
     for c, requests in sets.items():
         results, wall = runner.run(requests, c)
@@ -120,7 +122,7 @@ def run_baselines(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest]
                   runs: dict, records: dict, checks: dict) -> None:
     from tests.bench.baselines import HFRunner, run_one_at_a_time, run_static_batches
 
-    runner = HFRunner(ckpt, args.baseline_threads)
+    runner = HFRunner(ckpt, args.baseline_threads, dtype=args.dtype)
     probe = warm + [r for rs in sets.values() for r in rs]
     pair = [probe[0], next((r for r in probe[1:] if len(r.images) != len(probe[0].images)), probe[-1])]
     problem = runner.self_check(pair) if len(probe) > 1 else None
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
           f"torch {machine['torch']}  transformers {machine['transformers']}  ray {machine['ray']}")
     print(f"checkpoint: hidden {shape['hidden_size']}, {shape['num_layers']} layers, {shape['num_heads']} heads "
           f"({shape['num_kv_heads']} kv), ffn {shape['intermediate_size']}, vision {shape['vision_embed_dim']}x"
-          f"{shape['vision_depth']}, max_pixels {shape['max_pixels']}: {shape['parameters']:,} parameters")
+          f"{shape['vision_depth']}, max_pixels {shape['max_pixels']}: {shape['parameters']:,} parameters, {args.dtype}")
     print(f"workload: {workload}; SLOs TTFT <= {args.slo_ttft_ms:.0f} ms, TPOT <= {args.slo_tpot_ms:.0f} ms")
     print(report.format_tables(runs, args.concurrencies, mode))
     for name, value in checks.items():
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path, png_path = out_dir / f"bench-{stamp}.json", out_dir / f"bench-{stamp}.png"
     report.write_json(json_path, payload)
     report.plot(png_path, runs, f"{machine['date']} {machine['cpu']} ({machine['cores']} cores), {mode}, "
-                                f"in {args.input_len}+images, out ~{args.output_len}")
+                                f"in {args.input_len}+images, out ~{args.output_len}, {args.dtype}")
     print(f"\nwrote {json_path} and {png_path}")
     return status
 
