@@ -212,7 +212,7 @@ class Engine:
 
     def _step(self, chunks: list[Chunk]) -> None:
         model, bs = self.model, self.config.block_size
-        chunks = sorted(chunks, key=lambda c: c.n != 1)  # one-token chunks first, as BatchMeta wants
+        chunks = sorted(chunks, key=lambda c: (c.n != 1, c.start))  # one-token chunks first, shortest context first
         embeds, positions = self._inputs(chunks)  # (T, D), (3, T)
         meta = BatchMeta.build([ChunkSpec(c.seq.block_ids, c.start, c.n) for c in chunks], bs, self.device)
         hidden = model(embeds, positions, self.cache, meta)  # (T, D)
