@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install browser checkpoint serve test bench bench-prefix bench-encoder bench-colocated soak clean
+.PHONY: install browser checkpoint serve test bench bench-prefix bench-encoder bench-kernels bench-colocated soak clean
 
 install: $(STAMP)
 
@@ -48,6 +48,10 @@ bench-prefix: $(STAMP)
 # The encoder tier alone: ViT images/s, preprocessing against transformers, embedding transfer, base64.
 bench-encoder: $(STAMP)
 	$(PY) -m tests.bench.encoder $(BENCH_ARGS)
+
+# The engine's CPU hot spots against what they replaced: decode attention, and OpenMP teams of the worker thread.
+bench-kernels: $(STAMP)
+	$(PY) -m tests.bench.kernels $(BENCH_ARGS)
 
 # Encoders on their own replicas against an encoder colocated in the LLM replica, same resources and requests
 # (BENCH_ARGS="--images 1,2,4,8": a sweep over images per request, plotted to bench_results/colocated-*.png).

@@ -5,9 +5,9 @@ by one through `scaled_dot_product_attention`. The index tensors and masks are b
 every layer.
 
 NOTE: decode attention is written out (two batched matmuls and a float32 softmax) rather than calling
-`scaled_dot_product_attention` with a mask: on CPU, torch 2.13's masked SDPA for one query is about 10x slower in
-bfloat16 and somewhat slower in float32 (tests/bench/attention.py measures it). The query heads that share a KV
-head are one matrix, so the KV is never repeated for GQA.
+`scaled_dot_product_attention` with a mask: on CPU, torch 2.13's masked SDPA for one query is about 4x slower in
+bfloat16 and a little slower in float32 (`make bench-kernels` measures it). The query heads that share a KV head
+are one matrix, so the KV is never repeated for GQA.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ every thread that ever runs a parallel region. Once the teams hold more threads 
 stops spinning between parallel regions (GOMP_SPINCOUNT's documented "more OpenMP threads than available CPUs"
 case: 100 spins), so each of the thousands of small ops in a decode step waits for a futex wake-up. The engine's
 worker ran about twice as slowly at batch 1 when the replica's loading thread also had a team
-(`python -m tests.bench.threads` measures it). So the replica sets one thread process-wide
+(`make bench-kernels` measures it). So the replica sets one thread process-wide
 (`torch.set_num_threads(1)`: no other thread forms a team) and the worker alone takes N, through the per-thread
 setters of OpenMP (`omp_set_num_threads`) and MKL (`mkl_set_num_threads_local`).
 """
