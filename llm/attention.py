@@ -113,7 +113,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         else:  # query i (at position start + i) sees keys 0 .. start + i
             km = kb.index_select(1, ctx).view(nkv, -1, hd)[:, : start + n]  # (nkv, S, hd)
             vm = vb.index_select(1, ctx).view(nkv, -1, hd)[:, : start + n]
-            mask = torch.arange(start + n, device=q.device)[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]
+            keys, queries = torch.arange(start + n, device=q.device), torch.arange(start, start + n, device=q.device)
+            mask = keys[None, :] <= queries[:, None]
             causal = False
         o = F.scaled_dot_product_attention(qm, km.unsqueeze(0), vm.unsqueeze(0), attn_mask=mask, is_causal=causal,
                                            enable_gqa=True)

@@ -88,7 +88,9 @@ class LLMArgs(_Strict):
     stream_interval_ms: float = Field(
         20.0, ge=0.0, description="Tokens of a stream arriving within this interval go out as one message."
     )
-    cpu_threads: int | None = Field(None, ge=1, description="torch threads of the engine's worker on cpu (the replica's other threads use one); default: all cores.")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="torch threads of the engine's worker on cpu (the replica's other threads use one); "
+        "default: all cores.")
 
 
 class EncoderArgs(_Strict):

@@ -84,7 +84,8 @@ def bench_attention(rounds: int, threads: int) -> list[tuple[str, str, float]]:
             finally:
                 attention_module.decode_groups = one_group
 
-        cases = {"masked SDPA, one padded batch (before)": before, "grouped matmuls, one padded batch": current_one_group,
+        cases = {"masked SDPA, one padded batch (before)": before,
+                 "grouped matmuls, one padded batch": current_one_group,
                  "grouped matmuls, length groups (now)": current}
         times: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(rounds):
