@@ -38,8 +38,21 @@ def slow(ray_serve, app_args, tmp_path_factory):
     serve.delete("slow")
 
 
-def _stats(deployment: str) -> dict:
-    return serve.get_deployment_handle(deployment, app_name="slow").stats.remote().result()
+@pytest.fixture(scope="module")
+def queue_app(ray_serve, app_args):
+    """One sequence runs, one waits, and deadlines far away: the queue stays full until the test empties it."""
+    args = {**app_args, "limits": {**app_args["limits"], "request_timeout_s": 120},
+            "encoder": {"cache_gib": 0, "startup_check": False},
+            "llm": {**app_args["llm"], "max_num_seqs": 1, "max_queued_requests": 1}}
+    encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=None, num_replicas=1).bind(args, None)
+    llm = LLM.options(ray_actor_options=SMALL).bind(args, model_factory=SlowLM.load)
+    serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name="queue", route_prefix="/queue")
+    yield f"{ray_serve}/queue"
+    serve.delete("queue")
+
+
+def _stats(deployment: str, app: str = "slow") -> dict:
+    return serve.get_deployment_handle(deployment, app_name=app).stats.remote().result()
 
 
 def _wait_for(condition, timeout_s: float) -> None:
@@ -112,21 +125,36 @@ def test_a_client_that_leaves_cancels_its_queued_images(slow):
     assert [n for _, _, n in forwards(record_dir)[seen:]] == [1]  # only A's image was encoded
 
 
-def test_a_full_engine_queue_is_a_503_that_the_openai_client_retries(slow):
-    url, _ = slow
-    hogs = [threading.Thread(target=httpx.post, args=(f"{url}/v1/chat/completions",),
-                             kwargs={"json": LONG, "timeout": 30}) for _ in range(2)]
+def test_a_full_engine_queue_is_a_503_that_the_openai_client_retries(queue_app):
+    url, release, refused = queue_app, threading.Event(), threading.Event()
+
+    def hog():  # a stream that holds its sequence (running or queued) until released, then leaves
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**LONG, "max_tokens": 900, "stream": True},
+                          timeout=120) as r:
+            for _ in r.iter_lines():
+                if release.is_set():
+                    return
+
+    hogs = [threading.Thread(target=hog) for _ in range(2)]
     hogs[0].start()  # one running...
-    _wait_for(lambda: _stats("LLM")["running"] == 1, 3.0)
-    hogs[1].start()  # ...and one waiting: the queue is full until their deadlines free it
-    _wait_for(lambda: _stats("LLM")["waiting"] == 1, 3.0)
-    r = httpx.post(f"{url}/v1/chat/completions", json={**LONG, "max_tokens": 2}, timeout=30)
+    _wait_for(lambda: _stats("LLM", "queue")["running"] == 1, 60.0)
+    hogs[1].start()  # ...and one waiting: the queue is full until the hogs leave
+    _wait_for(lambda: _stats("LLM", "queue")["waiting"] == 1, 60.0)
+    r = httpx.post(f"{url}/v1/chat/completions", json={**LONG, "max_tokens": 2}, timeout=60)
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
     assert r.json()["error"]["code"] == "overloaded"
-    # The openai client waits Retry-After and tries again; the hogs' deadlines empty the queue meanwhile.
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=10)
-    answer = client.chat.completions.with_raw_response.create(model="qwen2-vl-tiny", max_tokens=2,
-                                                              messages=[{"role": "user", "content": "hi"}])
-    assert answer.retries_taken >= 1 and answer.parse().usage.completion_tokens == 2
-    for hog in hogs:
-        hog.join()
+    # The openai client waits Retry-After and tries again; the hogs leave once its first try was refused.
+    hooks = {"response": [lambda resp: refused.set() if resp.status_code == 503 else None]}
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=10,
+                           http_client=httpx.Client(event_hooks=hooks, timeout=60))
+    answer = []
+    asker = threading.Thread(target=lambda: answer.append(client.chat.completions.with_raw_response.create(
+        model="qwen2-vl-tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])))
+    asker.start()
+    assert refused.wait(60), "the client's first try was not refused"
+    release.set()
+    asker.join(120)
+    assert answer and answer[0].retries_taken >= 1 and answer[0].parse().usage.completion_tokens == 2
+    for h in hogs:
+        h.join(60)
+    _wait_for(lambda: _stats("LLM", "queue")["running"] == 0 and _stats("LLM", "queue")["waiting"] == 0, 60.0)

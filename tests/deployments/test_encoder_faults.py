@@ -139,18 +139,22 @@ def test_scales_up_under_an_image_burst_and_down_after(scaling):
     url, record_dir = scaling
     assert _running("scaling") == 1
     peak, asked_at, scaled_at = 0, None, None
+    stop_at = time.time() + 120  # a cap: the load goes on until a second replica has served, however slow its start
 
-    async def client_loop(client, worker: int, until: float) -> list[int]:
+    async def client_loop(client, worker: int) -> list[int]:
         statuses = []
-        while time.time() < until:
+        while time.time() < stop_at:
             statuses.append((await _post(client, _body(1000 * worker + len(statuses), images=2)))[0])
         return statuses
 
-    async def load(seconds: float):
-        nonlocal peak, asked_at, scaled_at
+    def a_new_replica_served() -> bool:
+        rows = forwards(record_dir)
+        return bool(rows) and any(pid != rows[0][0] for pid, _, _ in rows)
+
+    async def load():
+        nonlocal peak, asked_at, scaled_at, stop_at
         async with httpx.AsyncClient(base_url=url, timeout=90) as client:
-            until = time.time() + seconds
-            tasks = [asyncio.create_task(client_loop(client, w, until)) for w in range(12)]
+            tasks = [asyncio.create_task(client_loop(client, w)) for w in range(12)]
             while not all(t.done() for t in tasks):
                 states = _states("scaling")
                 peak = max(peak, states.get("RUNNING", 0))
@@ -158,11 +162,13 @@ def test_scales_up_under_an_image_burst_and_down_after(scaling):
                     asked_at = time.time()
                 if scaled_at is None and peak >= 2:
                     scaled_at = time.time()
+                if scaled_at is not None and stop_at > time.time() + 2 and a_new_replica_served():
+                    stop_at = time.time() + 2
                 await asyncio.sleep(0.25)
             return [s for t in tasks for s in t.result()]
 
     start = time.time()
-    statuses = asyncio.run(load(15))
+    statuses = asyncio.run(load())
     ended = time.monotonic()
     assert statuses and set(statuses) == {200}, statuses
     rows = forwards(record_dir)
