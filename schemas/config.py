@@ -90,7 +90,7 @@ class LLMArgs(_Strict):
     )
     cpu_threads: int | None = Field(
         None, ge=1, description="torch threads of the engine's worker on cpu (the replica's other threads use one); "
-        "default: all cores.")
+        "default: the CPUs Ray reserved for the replica (its num_cpus).")
 
 
 class EncoderArgs(_Strict):
