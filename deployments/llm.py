@@ -42,7 +42,7 @@ def eos_token_ids(model_dir: str, config: Any) -> set[int]:
 
 
 def reserved_cpus() -> int:
-    """The CPUs Ray reserved for this replica (its `num_cpus`), at least one.
+    """The CPUs Ray reserved for this replica (its `num_cpus`), at least one: Ray's own rule for OMP_NUM_THREADS.
 
     NOTE: the engine's threads spin between ops; more of them than the replica reserved take cores from the
     encoders and the ingress on the same node (on 2 cores, 2 engine threads made the served app 40% slower).
