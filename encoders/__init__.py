@@ -3,7 +3,8 @@
 from encoders.batching import ImageBatcher, Preprocessed
 from encoders.cache import EmbeddingLRU, embedding_key
 from encoders.images import FORMATS, ImageInfo, decode_data_url, image_size, load_rgb, probe_image
-from encoders.llava import LlavaImageProcessing, LlavaVisionEncoder
+from encoders.llava import LlavaVisionEncoder
+from encoders.llava_processing import LlavaImageProcessing
 from encoders.llava_next import LlavaNextImageProcessing, LlavaNextVisionEncoder
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, smart_resize

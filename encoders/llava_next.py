@@ -15,7 +15,8 @@ import torch
 from PIL import Image
 from transformers import AutoConfig
 
-from encoders.llava import LlavaImageProcessing, LlavaVisionEncoder, _image_processor_config
+from encoders.llava import LlavaVisionEncoder
+from encoders.llava_processing import LlavaImageProcessing, _image_processor_config
 from schemas import load_components
 
 

@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 from transformers import AutoConfig
 
-from encoders.llava import LlavaImageProcessing, LlavaVisionEncoder, llava_image_tokens
+from encoders.llava import LlavaVisionEncoder, llava_image_tokens
+from encoders.llava_processing import LlavaImageProcessing
 from encoders.llava_next import LlavaNextImageProcessing, LlavaNextVisionEncoder
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, qwen2_vl_image_tokens

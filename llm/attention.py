@@ -129,7 +129,7 @@ def _gather(rows: torch.Tensor, index: torch.Tensor, buffers: dict[str, torch.Te
     """
     nkv, num_blocks, width = rows.shape
     buf = buffers.get(name)
-    if buf is None or buf.dtype != rows.dtype:  # the first layer: the flat index and the buffer, for all layers
+    if buf is None:  # the first layer of the step: the flat index and the buffer, for all layers
         heads = torch.arange(nkv, device=index.device)[:, None] * num_blocks
         buffers[name + ".index"] = (heads + index[None, :]).flatten()  # (nkv * len(index),)
         buf = buffers[name] = torch.empty(nkv * index.shape[0], width, dtype=rows.dtype, device=rows.device)
