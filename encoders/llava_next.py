@@ -16,7 +16,7 @@ from PIL import Image
 from transformers import AutoConfig
 
 from encoders.llava import LlavaVisionEncoder
-from encoders.llava_processing import LlavaImageProcessing, _image_processor_config
+from encoders.llava_processing import LlavaImageProcessing, _image_processor_config, check_tower_size
 from schemas import load_components
 
 
@@ -107,10 +107,7 @@ class LlavaNextImageProcessing:
                              f"config.json's {config.image_grid_pinpoints}")
         base = crop.size or (crop.shortest_edge, crop.shortest_edge)  # as LlavaNextImageProcessor._preprocess
         processing = cls(crop=crop, image_grid_pinpoints=pinpoints, base_size=base)
-        side = int(config.vision_config.image_size)
-        if crop.out_size != (side, side):
-            h, w = crop.out_size
-            raise ValueError(f"preprocessing gives {w}x{h} tiles but the vision tower takes {side}x{side}")
+        check_tower_size(crop.out_size, config, "tiles")
         return processing
 
     @property

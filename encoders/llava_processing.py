@@ -67,10 +67,7 @@ class LlavaImageProcessing:
         processing = cls.from_config(cfg, patch_size=int(config.vision_config.patch_size),
                                      do_pad=bool(cfg.get("do_pad", False)) and is_llava,
                                      num_extra_tokens=1 if strategy == "full" else 0)
-        side = int(config.vision_config.image_size)
-        if processing.out_size != (side, side):
-            h, w = processing.out_size
-            raise ValueError(f"preprocessing gives {w}x{h} images but the vision tower takes {side}x{side}")
+        check_tower_size(processing.out_size, config, "images")
         return processing
 
     @classmethod
@@ -188,6 +185,14 @@ class LlavaImageProcessing:
             std = np.array(self.image_std, dtype=np.float32).reshape(3, 1, 1)
             x = (x - mean) / std
         return torch.from_numpy(x.reshape(gh * gw, 3 * p * p)), (1, gh, gw)  # (gh*gw, C*p*p)
+
+
+def check_tower_size(out_size: tuple[int, int], config: Any, what: str) -> None:
+    """Preprocessing must give the square the CLIP tower was trained on (config.vision_config.image_size)."""
+    side = int(config.vision_config.image_size)
+    if out_size != (side, side):
+        h, w = out_size
+        raise ValueError(f"preprocessing gives {w}x{h} {what} but the vision tower takes {side}x{side}")
 
 
 def _image_processor_config(model_dir: Path) -> dict[str, Any]:
