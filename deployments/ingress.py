@@ -173,7 +173,7 @@ class Ingress:
     async def _generate(self, req: ChatCompletionRequest, p: Prepared, refs: list[Any], request_id: str):
         streams = [self._events(self.llm.options(stream=True).generate.remote(GenerateRequest(
             f"{request_id}-{i}", p.prompt, p.grids, refs, sampling_params(req, p.max_tokens, i), p.image_keys,
-            p.images if self.encoder is None else [])),
+            p.images if self.encoder is None else [], p.routing_key or None)),
             req.stop) for i in range(req.n)]
         try:
             return streams, list(await asyncio.gather(*(anext(s) for s in streams)))

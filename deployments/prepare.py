@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import AutoConfig
 
 from encoders import decode_data_url, embedding_key, family_of, probe_image
-from llm import build_prompt, load_tokenizer
+from llm import build_prompt, load_tokenizer, template_messages
 from schemas import AppArgs, InvalidRequest, SamplingParams, resolve_max_model_len
 from schemas.openai import ChatCompletionRequest, ImagePart, Message
 
@@ -24,6 +25,7 @@ class Prepared:
     dropped_messages: int = 0
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each image kept
     image_numbers: list[int] = field(default_factory=list)  # its index among the request's images
+    routing_key: str = ""  # the conversation's first turn: which LLM replica holds its prefix (deployments/router.py)
 
 
 @dataclass(slots=True)
@@ -50,6 +52,18 @@ def sampling_params(req: ChatCompletionRequest, max_tokens: int, choice: int) ->
                           top_k=max(req.top_k, 0), seed=seed, presence_penalty=req.presence_penalty,
                           frequency_penalty=req.frequency_penalty, stop_token_ids=frozenset(req.stop_token_ids),
                           ignore_eos=req.ignore_eos, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+
+
+def first_turn_key(first_turn: list[Message], image_keys: list[str]) -> str:
+    """A hash of the system messages and the first user turn, with its images' content keys: the same for every
+    later turn of the conversation (their prompts start with that turn's tokens), different for another one.
+
+    NOTE: hashing the messages stands for hashing the prefix's token ids (the chat template turns the same messages
+    into the same tokens in all families), without templating the first turn a second time."""
+    h = hashlib.blake2b(json.dumps(template_messages(first_turn), sort_keys=True).encode(), digest_size=16)
+    for key in image_keys:
+        h.update(key.encode())
+    return h.hexdigest()
 
 
 class Preparer:
@@ -129,6 +143,8 @@ class Preparer:
                 out.image_sizes.append(image.size)
                 out.image_numbers.append(image.number)
         counts = [im.num_tokens for im in images if im.message < n_system or im.message >= start]
+        out.routing_key = first_turn_key(kept[:n_system + 1],
+                                         [im.key for im in images if im.message < n_system or im.message == start])
         out.prompt = build_prompt(self.tokenizer, kept, self.image_token_id, counts, self.tokens.per_image_ids,
                                   self.tokens.forbidden_ids)
         room = self.max_model_len - len(out.prompt)
@@ -147,4 +163,4 @@ class Preparer:
         return p
 
 
-__all__ = ["Prepared", "Preparer", "image_params", "sampling_params"]
+__all__ = ["Prepared", "Preparer", "first_turn_key", "image_params", "sampling_params"]

@@ -46,6 +46,8 @@ class GenerateRequest:
     image_keys: list[str] = field(default_factory=list)
     # Colocated mode only (`encoder.colocated`): the images' bytes, encoded by the LLM replica itself.
     images: list[bytes] = field(default_factory=list)
+    # A hash of the conversation's first turn: the LLM request router sends every turn to the replica holding it.
+    routing_key: str | None = None
 
     def __post_init__(self) -> None:
         assert len(self.image_grid_thw) == len(self.image_embed_refs) + len(self.images), "one grid per image"

@@ -91,3 +91,16 @@ def test_server_default_policy_applies_when_the_request_names_none(checkpoint):
     assert _prepare(prep, _conversation(6), max_tokens=8).dropped_messages > 0
     with pytest.raises(InvalidRequest):  # the request's own choice wins
         _prepare(prep, _conversation(6), max_tokens=8, context_overflow="error")
+
+
+def test_every_turn_of_a_conversation_has_its_first_turns_routing_key(prep):
+    conversation = _conversation(1)  # system, user, assistant, user
+    turns = [_prepare(prep, conversation[:n], max_tokens=8) for n in (2, 4)]
+    assert turns[0].routing_key == turns[1].routing_key
+    # The system message and the first user turn, images included, make the key; nothing later does.
+    first = conversation[:2]
+    other_text = [first[0], {"role": "user", "content": [first[1]["content"][0], {"type": "text", "text": "hi"}]}]
+    other_image = [first[0], {"role": "user", "content": [_image(5), first[1]["content"][1]]}]
+    other_system = [{"role": "system", "content": "You read."}, first[1]]
+    keys = {_prepare(prep, m, max_tokens=8).routing_key for m in (other_text, other_image, other_system)}
+    assert len(keys) == 3 and turns[0].routing_key not in keys
