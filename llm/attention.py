@@ -40,6 +40,8 @@ class BatchMeta:
     decode: list[DecodeGroup]  # the one-token chunks (rows 0..B1-1), in groups of similar context length
     multi: list[tuple[int, int, int, torch.Tensor | None]]  # (t0, t1, start, context blocks or None if start 0)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the step's gather buffers, shared by the layers
+    chunks: list[ChunkSpec] = field(default_factory=list)  # what it was built from (other tensor-parallel ranks
+    block_size: int = 0                                     # build their own from these: llm/parallel.py)
 
     @classmethod
     def build(cls, chunks: list[ChunkSpec], block_size: int, device: torch.device) -> BatchMeta:
@@ -65,7 +67,7 @@ class BatchMeta:
             ctx = blocks[: (c.start + c.n - 1) // block_size + 1].to(device) if c.start > 0 else None
             multi.append((t0, t0 + c.n, c.start, ctx))
             t0 += c.n
-        return cls(torch.cat(slot_parts).to(device), decode, multi)
+        return cls(torch.cat(slot_parts).to(device), decode, multi, chunks=chunks, block_size=block_size)
 
 
 def decode_groups(num_blocks: list[int], slack: float = 0.3, min_slack: int = 8) -> list[tuple[int, int]]:

@@ -25,6 +25,7 @@ from llm.attention import BatchMeta, ChunkSpec
 from llm.block_pool import BlockPool
 from llm.merge import merge_image_embeds
 from llm.model import Qwen2LM
+from llm.parallel import RankFailure
 from llm.positions import linear_positions, mrope_positions
 from llm.sampling import make_generator, sample
 from llm.scheduler import Chunk, Scheduler
@@ -78,6 +79,8 @@ class Engine:
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._queued = 0  # in the inbox or waiting; read on the event loop, approximate is fine
         self._ids = itertools.count()
+        self.dead: BaseException | None = None  # set when a tensor-parallel rank is lost: the replica must restart
+        self._closing = False
         threading.Thread(target=self._loop, name="llm-engine", daemon=True).start()
 
     def stats(self) -> dict[str, float]:
@@ -85,6 +88,11 @@ class Engine:
         return {"waiting": s.num_waiting + self._inbox.qsize(), "running": len(s.running),
                 "kv_usage": self.pool.usage, "prefix_hits": self.pool.hits, "prefix_queries": self.pool.queries,
                 "preemptions": s.num_preemptions, "cancelled": s.num_cancelled, **self.counts}
+
+    def close(self) -> None:
+        """Stop the worker after its current step (and the other tensor-parallel ranks with it)."""
+        self._closing = True
+        self._inbox.put(None)
 
     def drain_timings(self) -> tuple[list[float], list[float]]:
         """(queue times, inter-token times) recorded since the last call."""
@@ -134,6 +142,8 @@ class Engine:
                 seq.cancelled.set()
 
         seq = self._sequence(inp, emit)
+        if self.dead is not None:
+            raise self._dead_error()
         if self._queued >= self.config.max_queued:
             raise Overloaded(f"the engine queue is full ({self._queued} requests waiting)")
         self._queued += 1
@@ -171,20 +181,47 @@ class Engine:
         if self.config.cpu_threads is not None:
             threads = set_thread_intra_op_threads(self.config.cpu_threads)
             logger.info("engine worker: %d torch threads", threads)
-        while True:
-            self._take_inbox(block=not self.scheduler.running and not self.scheduler.waiting)
+        keepalive = getattr(self.model, "keepalive", None)  # tensor-parallel: the other ranks wait on us
+        while not self._closing:
+            idle = not self.scheduler.running and not self.scheduler.waiting
+            self._take_inbox(block=idle)
             chunks = self.scheduler.schedule()
-            if not chunks:
-                continue
             try:
+                if not chunks:
+                    if idle and keepalive is not None:
+                        keepalive()
+                    continue
                 with torch.inference_mode():
                     self._step(chunks)
+            except RankFailure as e:  # the ranks are out of step for good: fail everything, serve nothing more
+                return self._die(e)
             except Exception as e:  # a fault in a step fails the sequences in it; the engine keeps serving
                 logger.exception("engine step failed for %d sequences", len(chunks))
                 for c in chunks:
                     c.seq.emit(e)
                     self.scheduler.finish(c.seq)
                     self.counts["failed"] += 1
+        if (close := getattr(self.model, "close", None)) is not None:
+            try:
+                close()
+            except RankFailure:  # the other ranks are gone already
+                pass
+
+    def _dead_error(self) -> Overloaded:
+        return Overloaded(f"this LLM replica lost a tensor-parallel rank and is restarting ({self.dead})",
+                          retry_after_s=5)
+
+    def _die(self, e: RankFailure) -> None:
+        logger.error("engine stopped: %s", e)
+        self.dead = e
+        error = self._dead_error()
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            seq.emit(error)
+            self.counts["failed"] += 1
+        while True:  # whatever still arrives fails at once, so that no request waits for a step that never comes
+            item = self._inbox.get()
+            if item is not None:
+                item.emit(error)
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -227,7 +264,7 @@ class Engine:
                 self.queue_times.append(now - c.seq.arrived_at)
         if not sampling:
             return
-        logits = model.logits(hidden[[row for _, row in sampling]])  # (B, V)
+        logits = model.logits(hidden, [row for _, row in sampling])  # (B, V)
         seqs = [c.seq for c, _ in sampling]
         for s in seqs:
             if s.params.has_penalties and s.output_counts is None:

@@ -17,6 +17,7 @@ from transformers import AutoConfig
 
 from llm.attention import BatchMeta, paged_attention
 from llm.kv_cache import KVCache
+from llm.parallel import TPGroup, check_divisible
 from schemas import load_components
 
 
@@ -111,14 +112,33 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class Attention(nn.Module):
-    def __init__(self, c: TextConfig):
+class RowParallelLinear(nn.Module):
+    """nn.Linear over this rank's slice of the input features: the ranks' partial products are summed (one
+    all-reduce), then the bias is added once. With one rank it is nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
         super().__init__()
-        self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))  # (T, out)
+        return y if self.bias is None else y + self.bias
+
+
+class Attention(nn.Module):
+    """This rank's heads: nh / N query heads and nkv / N KV heads (whole GQA groups stay together)."""
+
+    def __init__(self, c: TextConfig, tp: TPGroup):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_heads // tp.world_size, c.num_kv_heads // tp.world_size, c.head_dim
         self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=c.qkv_bias)
         self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.o_bias)
+        self.o_proj = RowParallelLinear(self.nh * self.hd, c.hidden_size, c.o_bias, tp)
 
     def forward(self, x, cos, sin, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         T = x.shape[0]
@@ -132,21 +152,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: TextConfig):
+    def __init__(self, c: TextConfig, tp: TPGroup):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        inter = c.intermediate_size // tp.world_size  # this rank's share of the MLP
+        self.gate_proj = nn.Linear(c.hidden_size, inter, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, inter, bias=c.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, c.hidden_size, c.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: TextConfig):
+    def __init__(self, c: TextConfig, tp: TPGroup):
         super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = MLP(c)
+        self.self_attn = Attention(c, tp)
+        self.mlp = MLP(c, tp)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -156,41 +177,63 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen2LM(nn.Module):
-    """The decoder of any TextConfig: Qwen2 (Qwen2-VL) or Llama (LLaVA); the biases and RoPE follow the config."""
+    """The decoder of any TextConfig: Qwen2 (Qwen2-VL) or Llama (LLaVA); the biases and RoPE follow the config.
 
-    def __init__(self, c: TextConfig):
+    With `tp` of N ranks it is one rank's shard (llm/parallel.py): its heads, its share of the MLP and of the
+    vocabulary in lm_head; only rank 0 has the embedding table."""
+
+    def __init__(self, c: TextConfig, tp: TPGroup = TPGroup()):
         super().__init__()
-        self.config = c
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        check_divisible(c.num_heads, c.num_kv_heads, c.intermediate_size, tp.world_size)
+        self.config, self.tp = c, tp
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if tp.rank == 0 else None
+        self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = nn.Linear(c.hidden_size, tp.rows(c.vocab_size), bias=False)
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Qwen2LM:
-        """Reads only the language model, its embedding table and lm_head (never the vision weights)."""
+    def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        tp: TPGroup = TPGroup()) -> Qwen2LM:
+        """Reads only the language model, its embedding table and lm_head (never the vision weights); with `tp`,
+        only this rank's slices of them."""
         c = TextConfig.from_pretrained(model_dir)
-        parts = load_components(model_dir, {"text", "lm_head"})
+        check_divisible(c.num_heads, c.num_kv_heads, c.intermediate_size, tp.world_size)
+
+        def index(component: str, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+            if component == "lm_head":
+                return tp.index("lm_head.weight", shape)
+            if name == "embed_tokens.weight" and tp.rank > 0:  # only rank 0 embeds; a tied lm_head is a slice of it
+                return tp.index("lm_head.weight", shape) if c.tie_word_embeddings else None
+            return tp.index(name, shape)
+
+        parts = load_components(model_dir, {"text", "lm_head"}, index=index if tp.world_size > 1 else None)
         state = dict(parts["text"])
         lm_head = parts["lm_head"].get("weight")
         if lm_head is None and not c.tie_word_embeddings:
             raise ValueError(f"{model_dir}: no lm_head.weight and tie_word_embeddings is false")
-        state["lm_head.weight"] = lm_head if lm_head is not None else state["embed_tokens.weight"]
+        if lm_head is None:  # tied: rank 0 holds the whole table and slices it; the others read only their slice
+            table = state["embed_tokens.weight"] if tp.rank == 0 else state.pop("embed_tokens.weight")
+            lm_head = table[tp.index("lm_head.weight", tuple(table.shape))] if tp.rank == 0 else table
+        rows = tp.rows(c.vocab_size)
+        state["lm_head.weight"] = F.pad(lm_head, (0, 0, 0, rows - lm_head.shape[0]))  # (V / N, D), the last padded
         with torch.device("meta"):
-            model = cls(c)
+            model = cls(c, tp)
         model.load_state_dict(state, strict=True, assign=True)
         model.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim))
         return model.to(device=device, dtype=dtype).eval()
 
     def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c, p = self.config, self.lm_head.weight
-        return KVCache.allocate(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, p.device, p.dtype)
+        nkv = c.num_kv_heads // self.tp.world_size  # this rank's KV heads
+        return KVCache.allocate(c.num_layers, num_blocks, block_size, nkv, c.head_dim, p.device, p.dtype)
 
     def kv_bytes_per_token(self) -> int:
+        """Of this rank's shard: the cache budget is per device."""
         c = self.config
-        return KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.lm_head.weight.dtype)
+        nkv = c.num_kv_heads // self.tp.world_size
+        return KVCache.bytes_per_token(c.num_layers, nkv, c.head_dim, self.lm_head.weight.dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids.to(self.embed_tokens.weight.device))  # (T, D)
@@ -203,8 +246,10 @@ class Qwen2LM(nn.Module):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], meta)
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (B, V)
+    def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """Of the rows `rows` of hidden (all of them if None); one rank's: llm/parallel.py gathers them."""
+        assert self.tp.world_size == 1, "ParallelLM.logits gathers the vocabulary slices of the ranks"
+        return self.lm_head(hidden if rows is None else hidden[rows]).float()  # (B, V)
 
 
-__all__ = ["Qwen2LM", "RMSNorm", "TextConfig", "rope_cos_sin"]
+__all__ = ["Qwen2LM", "RMSNorm", "RowParallelLinear", "TextConfig", "rope_cos_sin"]

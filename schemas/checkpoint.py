@@ -13,6 +13,7 @@ Each replica reads only the tensors of its own components, so the other weights 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -69,8 +70,14 @@ def _shards(model_dir: Path) -> dict[Path, list[str] | None]:
     return {f: None for f in files}
 
 
-def load_components(model_dir: str | Path, components: set[Component]) -> dict[Component, dict[str, torch.Tensor]]:
-    """Read only the tensors of `components`, keyed by their name inside the component."""
+# (component, name inside it, full shape) -> the slice of the tensor to read, or None to skip it.
+Index = Callable[[Component, str, tuple[int, ...]], "tuple[slice, ...] | None"]
+
+
+def load_components(model_dir: str | Path, components: set[Component],
+                    index: Index | None = None) -> dict[Component, dict[str, torch.Tensor]]:
+    """Read only the tensors of `components`, keyed by their name inside the component; with `index`, only the
+    slice of each that it names (a tensor-parallel rank's shard: the rest is never read from disk)."""
     out: dict[Component, dict[str, torch.Tensor]] = {c: {} for c in components}
     for path, keys in _shards(Path(model_dir)).items():
         if keys is not None and not any((s := split_key(k)) and s[0] in components for k in keys):
@@ -78,9 +85,16 @@ def load_components(model_dir: str | Path, components: set[Component]) -> dict[C
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 split = split_key(key)
-                if split is not None and split[0] in components:
+                if split is None or split[0] not in components:
+                    continue
+                if index is None:
                     out[split[0]][split[1]] = f.get_tensor(key)
+                    continue
+                part = f.get_slice(key)
+                where = index(split[0], split[1], tuple(part.get_shape()))
+                if where is not None:
+                    out[split[0]][split[1]] = part[where]
     return out
 
 
-__all__ = ["Component", "load_components", "split_key"]
+__all__ = ["Component", "Index", "load_components", "split_key"]

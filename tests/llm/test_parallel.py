@@ -1,0 +1,116 @@
+"""Tensor parallelism without Ray: each rank's shard, and two gloo ranks (this process and a child) giving the same
+greedy tokens as one rank and as transformers; a rank that dies fails the engine's requests, never hangs them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from llm import Qwen2LM
+from llm.attention import BatchMeta, ChunkSpec
+from llm.parallel import ParallelLM, TPGroup, init_process_group, serve_rank
+from schemas import Overloaded
+from tests.helpers import free_port
+from tests.llm.reference import collect, make_engine, reference_generate, request_for
+
+CPU = torch.device("cpu")
+
+
+def _follow(checkpoint: str, init_method: str) -> None:
+    """Rank 1 of 2, in a child process."""
+    torch.set_num_threads(1)
+    init_process_group(1, 2, init_method, CPU, timeout_s=60)
+    serve_rank(Qwen2LM.from_pretrained(checkpoint, tp=TPGroup(1, 2)))
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def two_ranks(checkpoint):
+    """(rank 0's ParallelLM in this process, the rank-1 child process)."""
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    child = mp.get_context("spawn").Process(target=_follow, args=(str(checkpoint), init_method), daemon=True)
+    child.start()
+    init_process_group(0, 2, init_method, CPU, timeout_s=60)
+    try:
+        yield ParallelLM(Qwen2LM.from_pretrained(checkpoint, tp=TPGroup(0, 2)), TPGroup(0, 2)), child
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(30)
+        dist.destroy_process_group()
+
+
+def test_each_rank_reads_only_its_slices(checkpoint, model):
+    c = model.config
+    for rank in (0, 1):
+        shard = Qwen2LM.from_pretrained(checkpoint, tp=TPGroup(rank, 2))
+        attn, mlp = shard.layers[0].self_attn, shard.layers[0].mlp
+        heads, kv, inter = slice(rank * c.num_heads // 2 * c.head_dim, (rank + 1) * c.num_heads // 2 * c.head_dim), \
+            slice(rank * c.num_kv_heads // 2 * c.head_dim, (rank + 1) * c.num_kv_heads // 2 * c.head_dim), \
+            slice(rank * c.intermediate_size // 2, (rank + 1) * c.intermediate_size // 2)
+        full_attn, full_mlp = model.layers[0].self_attn, model.layers[0].mlp
+        torch.testing.assert_close(attn.q_proj.weight, full_attn.q_proj.weight[heads], rtol=0, atol=0)
+        torch.testing.assert_close(attn.q_proj.bias, full_attn.q_proj.bias[heads], rtol=0, atol=0)
+        torch.testing.assert_close(attn.k_proj.weight, full_attn.k_proj.weight[kv], rtol=0, atol=0)
+        torch.testing.assert_close(attn.o_proj.weight, full_attn.o_proj.weight[:, heads], rtol=0, atol=0)
+        torch.testing.assert_close(mlp.up_proj.weight, full_mlp.up_proj.weight[inter], rtol=0, atol=0)
+        torch.testing.assert_close(mlp.down_proj.weight, full_mlp.down_proj.weight[:, inter], rtol=0, atol=0)
+        half = -(-c.vocab_size // 2)
+        torch.testing.assert_close(shard.lm_head.weight, model.lm_head.weight[rank * half:(rank + 1) * half],
+                                   rtol=0, atol=0)
+        assert (shard.embed_tokens is None) == (rank == 1)  # rank 0 embeds for everyone
+        assert shard.new_cache(4, 16).k.shape[1] == c.num_kv_heads // 2  # the KV cache follows the heads
+
+
+def test_a_split_that_does_not_divide_is_refused(checkpoint):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
+        Qwen2LM.from_pretrained(checkpoint, tp=TPGroup(0, 3))
+
+
+def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(checkpoint, reference, model, vision, two_ranks):
+    parallel, _ = two_ranks
+    parallel.new_cache(64, 16)
+    inp, ref = request_for(checkpoint, reference, vision, [(64, 48)], seed=3, prefix=[11, 12, 13])
+    ids = torch.tensor(inp.prompt_token_ids)
+    with torch.inference_mode():  # one prefill through both: the logits agree to float32 rounding
+        embeds = model.embed(ids)
+        positions = torch.arange(len(ids)).expand(3, -1)
+        meta = lambda: BatchMeta.build([ChunkSpec(list(range(8)), 0, len(ids))], 16, CPU)  # noqa: E731
+        one = model.logits(model(embeds, positions, model.new_cache(64, 16), meta()), [len(ids) - 1])
+        cache = parallel.local.new_cache(64, 16)
+        two = parallel.logits(parallel(embeds, positions, cache, meta()), [len(ids) - 1])
+    torch.testing.assert_close(two, one, rtol=1e-4, atol=1e-4)
+
+    # Mixed batches through the engine, images included: transformers' tokens exactly.
+    requests = [request_for(checkpoint, reference, vision, sizes, seed=i, prefix=list(range(3, 4 + 2 * i)))
+                for i, sizes in enumerate([[], [(64, 48)], [(30, 200), (120, 60)]])]
+    engine = make_engine(parallel, reference, max_num_batched_tokens=64, num_blocks=64)
+
+    async def together():
+        return await asyncio.gather(*(collect(engine, inp) for inp, _ in requests))
+
+    for (inp, ref), (ours, _) in zip(requests, asyncio.run(together()), strict=True):
+        assert ours == reference_generate(reference, ref, max_new_tokens=inp.sampling.max_tokens)
+    engine.close()
+
+
+def test_a_dead_rank_fails_requests_and_stops_the_engine(checkpoint, reference, vision, two_ranks):
+    parallel, child = two_ranks
+    engine = make_engine(parallel, reference, num_blocks=64)
+    inp, _ = request_for(checkpoint, reference, vision, [], seed=1, prefix=[5, 6, 7])
+    assert len(asyncio.run(collect(engine, inp))[0]) == inp.sampling.max_tokens
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(10)
+    deadline = time.monotonic() + 90  # the idle engine's keepalive finds the dead rank without a request
+    while engine.dead is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert engine.dead is not None
+    with pytest.raises(Overloaded, match="lost a tensor-parallel rank"):
+        asyncio.run(collect(engine, inp))
