@@ -1,0 +1,137 @@
+"""Two LLM replicas behind the prefix-affinity router: every turn of a conversation finds its earlier turns in the
+prefix cache of the replica it lands on (per-replica metrics), and unrelated requests spread over both replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from deployments import LLM, Encoder, Ingress
+from deployments.prepare import Preparer
+from schemas import AppArgs
+from schemas.openai import ChatCompletionRequest
+from tests.helpers import data_url, make_image
+
+pytestmark = pytest.mark.e2e
+APP = "route"
+SMALL = {"num_cpus": 0.1}
+# NOTE: max_imbalance above the 8 conversations in flight: even if they all hash to one replica, none is sent away
+# for load (tests/deployments/test_router.py covers that fallback).
+ROUTER = RequestRouterConfig(request_router_class="deployments.router:PrefixAffinityRouter",
+                             request_router_kwargs={"max_imbalance": 16})
+
+
+@pytest.fixture(scope="module")
+def routed(ray_serve, app_args):
+    args = {**app_args, "encoder": {"startup_check": False}}
+    llm = LLM.options(num_replicas=2, ray_actor_options={"num_cpus": 0.5}, request_router_config=ROUTER).bind(args)
+    encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=1, autoscaling_config=None).bind(args, None)
+    serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name=APP, route_prefix=f"/{APP}")
+    yield f"{ray_serve}/{APP}"
+    serve.delete(APP)
+
+
+def _per_replica(port: int, name: str) -> dict[str, float]:
+    """One series of the LLM deployment of this app, by replica."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels.get("application") == APP and s.labels.get("deployment") == "LLM":
+                out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
+    return out
+
+
+def _grown(port: int, before: dict[str, dict[str, float]], want: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per-replica growth of each series since `before`, once the sums reach `want` (metrics arrive every second)."""
+    deadline, grown = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:
+        now = {name: _per_replica(port, name) for name in want}
+        grown = {name: {r: v - before[name].get(r, 0.0) for r, v in now[name].items()} for name in want}
+        if all(sum(grown[name].values()) >= n for name, n in want.items()):
+            break
+        time.sleep(0.5)
+    return grown
+
+
+def _conversation(i: int) -> list[list[dict]]:
+    """Three turns' messages; an image in the first. The system message differs from the first token on, so no
+    KV block is shared between conversations: every prefix hit comes from the conversation's own earlier turns."""
+    image = {"type": "image_url", "image_url": {"url": data_url(make_image(224, 168, seed=100 + i))}}
+    messages = [{"role": "system", "content": f"{i} is your number. You look at pictures."},
+                {"role": "user", "content": [image, {"type": "text", "text": f"What is in picture {i}?"}]}]
+    turns = [list(messages)]
+    for t in (2, 3):
+        messages += [{"role": "assistant", "content": f"Answer {t - 1}."},
+                     {"role": "user", "content": f"Tell me more, part {t}."}]
+        turns.append(list(messages))
+    return turns
+
+
+def _blocks(prep: Preparer, turns: list[list[dict]]) -> tuple[int, int]:
+    """(blocks looked up, blocks of each turn's prompt that the turn before computed), over the turns."""
+    bs = prep.args.llm.block_size
+    prompts = [prep.prepare(ChatCompletionRequest(messages=m), {}).prompt for m in turns]
+    queries = sum((len(p) - 1) // bs for p in prompts)
+    shared = 0
+    for prev, cur in zip(prompts, prompts[1:]):
+        common = next((k for k, (a, b) in enumerate(zip(prev, cur)) if a != b), min(len(prev), len(cur)))
+        shared += common // bs
+    return queries, shared
+
+
+def test_turns_of_a_conversation_land_on_the_replica_with_their_prefix(routed, app_args, metrics_port):
+    conversations = [_conversation(i) for i in range(8)]
+    prep = Preparer(AppArgs.model_validate(app_args))
+    queries, shared = map(sum, zip(*(_blocks(prep, c) for c in conversations)))
+    names = ("ray_vlm_prefix_cache_hits_total", "ray_vlm_prefix_cache_queries_total")
+    before = {name: _per_replica(metrics_port, name) for name in names}
+
+    async def talk(client: httpx.AsyncClient, turns: list[list[dict]]) -> None:
+        for messages in turns:  # one turn after the other, as a user would
+            body = {"messages": messages, "max_tokens": 2, "temperature": 0}
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+
+    async def main():
+        async with httpx.AsyncClient(base_url=routed, timeout=120) as client:
+            await asyncio.gather(*(talk(client, c) for c in conversations))
+
+    asyncio.run(main())
+    grown = _grown(metrics_port, before, {names[0]: shared, names[1]: queries})
+    hits, looked_up = grown[names[0]], grown[names[1]]
+    rates = {r[-6:]: f"{hits.get(r, 0):.0f}/{n:.0f}" for r, n in looked_up.items()}
+    print(f"prefix-cache hits/lookups by replica: {rates}; shared blocks {shared} of {queries}")
+    assert sum(looked_up.values()) == queries
+    # Every later turn found all of its conversation's earlier blocks; a turn sent to the other replica finds
+    # none, so routing at random would come short by about half of them.
+    assert sum(hits.values()) == shared, rates
+
+
+def test_unrelated_requests_spread_over_both_replicas(routed, metrics_port):
+    name = "ray_serve_deployment_request_counter_total"
+    before = {name: _per_replica(metrics_port, name)}
+    n = 40
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        body = {"messages": [{"role": "user", "content": f"Question number {i}: why?"}], "max_tokens": 1}
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+
+    async def main():
+        async with httpx.AsyncClient(base_url=routed, timeout=120) as client:
+            for start in range(0, n, 8):
+                await asyncio.gather(*(one(client, i) for i in range(start, start + 8)))
+
+    asyncio.run(main())
+    counts = _grown(metrics_port, before, {name: n})[name]
+    print(f"requests by replica: { {r[-6:]: int(c) for r, c in counts.items()} }")
+    # Hashed keys split like fair coins: below 8 of 40 on one replica has odds of about 4e-5; one replica for
+    # everything fails at once.
+    assert sum(counts.values()) == n and len(counts) == 2 and min(counts.values()) >= 8, counts
