@@ -10,7 +10,10 @@ from deployments.cache import EmbeddingCache
 from deployments.encoder import Encoder
 from deployments.ingress import Ingress
 from deployments.llm import LLM
+from deployments.tp import llm_placement
 from encoders import family_of
+from llm import TextConfig
+from llm.parallel import check_divisible
 from schemas import AppArgs
 
 
@@ -18,8 +21,15 @@ def build_app(args: dict[str, Any]) -> Application:
     """Validated here, once, so a bad config fails at deploy time with the field named, not in a replica."""
     app_args = AppArgs.model_validate(args)
     family_of(app_args.model, app_args.family)  # an unsupported checkpoint fails here, listing the supported ones
+    tp = app_args.llm.tensor_parallel_size
+    text = TextConfig.from_pretrained(app_args.model)
+    try:
+        check_divisible(text.num_heads, text.num_kv_heads, text.intermediate_size, tp)
+    except ValueError as e:
+        raise ValueError(f"llm.tensor_parallel_size: {e}") from None
     plain = app_args.model_dump()
+    llm = LLM.options(**llm_placement(tp, app_args.device)).bind(plain)  # GPUs checked, ranks packed on one node
     if app_args.encoder.colocated:  # no encoder tier: the LLM replica encodes the images itself
-        return Ingress.bind(None, LLM.bind(plain), plain)
+        return Ingress.bind(None, llm, plain)
     # NOTE: bound even with cache_gib 0 (then unused), so that serve_config.yaml's entry for it always applies.
-    return Ingress.bind(Encoder.bind(plain, EmbeddingCache.bind(plain)), LLM.bind(plain), plain)
+    return Ingress.bind(Encoder.bind(plain, EmbeddingCache.bind(plain)), llm, plain)

@@ -17,8 +17,10 @@ from transformers import AutoConfig, GenerationConfig
 
 from deployments.http import observe, root_cause
 from deployments.metrics import EncoderMetrics, LLMMetrics
+from deployments.tp import COLLECTIVE_TIMEOUT_S, Ranks
 from encoders import EmbeddingLRU, EncoderRunner, family_of
 from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, num_kv_blocks
+from llm.parallel import ParallelLM, TPGroup, init_process_group
 from schemas import AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, TokenChunk, resolve_device, resolve_dtype
 from schemas import resolve_max_model_len
 
@@ -65,7 +67,13 @@ class LLM:
         if device == "cpu":  # NOTE: one thread process-wide, the cores for the engine's worker alone (llm/threads.py)
             cpu_threads = llm_args.cpu_threads or reserved_cpus()
             torch.set_num_threads(1)
-        model = (model_factory or Qwen2LM.from_pretrained)(self.args.model, device=device, dtype=dtype)
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device is cuda but this LLM replica has no GPU: set its ray_actor_options num_gpus: 1")
+        self.ranks: Ranks | None = None
+        if (tp := llm_args.tensor_parallel_size) > 1:
+            model = self._start_ranks(tp, device, dtype)
+        else:
+            model = (model_factory or Qwen2LM.from_pretrained)(self.args.model, device=device, dtype=dtype)
         max_model_len = resolve_max_model_len(llm_args.max_model_len, model.config.max_position_embeddings)
         num_blocks = num_kv_blocks(
             model.kv_bytes_per_token(), block_size=llm_args.block_size, max_model_len=max_model_len,
@@ -87,10 +95,30 @@ class LLM:
             self.vision = EncoderRunner(self.args.model, self.args.encoder, device=device, dtype=dtype,
                                         on_batch=EncoderMetrics().on_batch, family=self.args.family)
             self.vision_cache = EmbeddingLRU(int(self.args.encoder.cache_gib * (1 << 30)))
-        logger.info("llm ready: %s on %s (%s, %s engine threads), context %d, KV cache %d tokens (%.2f GiB)%s",
-                    self.args.model, device, dtype, cpu_threads or "default", max_model_len,
-                    num_blocks * llm_args.block_size, self.engine.cache.nbytes / (1 << 30),
-                    ", encoder colocated" if self.vision else "")
+        logger.info("llm ready: %s on %s (%s, %s engine threads, %d tensor-parallel ranks), context %d, KV cache %d "
+                    "tokens (%.2f GiB per rank)%s", self.args.model, device, dtype, cpu_threads or "default",
+                    llm_args.tensor_parallel_size, max_model_len, num_blocks * llm_args.block_size,
+                    self.engine.cache.nbytes / (1 << 30), ", encoder colocated" if self.vision else "")
+
+    def _start_ranks(self, world_size: int, device: str, dtype: torch.dtype) -> ParallelLM:
+        """This replica is rank 0 of `world_size`; the others are actors in its placement group (deployments/tp.py)."""
+        group, shard = TPGroup(0, world_size), []
+
+        def join(init_method: str) -> None:
+            init_process_group(0, world_size, init_method, torch.device(device, 0) if device == "cuda"
+                               else torch.device("cpu"), COLLECTIVE_TIMEOUT_S)
+            shard.append(Qwen2LM.from_pretrained(self.args.model, device=device, dtype=dtype, tp=group))
+
+        self.ranks = Ranks(world_size, device)
+        self.ranks.start(self.args.model, device, str(dtype).removeprefix("torch."), self.args.llm.cpu_threads, join)
+        return ParallelLM(shard[0], group)
+
+    def check_health(self) -> None:
+        """Serve restarts a replica whose engine stopped or whose tensor-parallel rank ended."""
+        if self.engine.dead is not None:
+            raise RuntimeError(f"the engine stopped: {self.engine.dead}")
+        if self.ranks is not None:
+            self.ranks.check()
 
     async def _fetch_embeds(self, refs: list[Any]) -> list[torch.Tensor]:
         for ref in refs:  # invariant: the ingress passes references, never embeddings

@@ -91,6 +91,9 @@ class LLMArgs(_Strict):
     cpu_threads: int | None = Field(
         None, ge=1, description="torch threads of the engine's worker on cpu (the replica's other threads use one); "
         "default: the CPUs Ray reserved for the replica (its num_cpus).")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="Ranks (one GPU each) that one LLM replica's model is split over, packed on one "
+        "node: attention heads, the MLP and the KV cache are sharded; it must divide the heads and KV heads.")
 
 
 class EncoderArgs(_Strict):
