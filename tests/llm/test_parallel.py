@@ -69,6 +69,41 @@ def test_each_rank_reads_only_its_slices(checkpoint, model):
         assert shard.new_cache(4, 16).k.shape[1] == c.num_kv_heads // 2  # the KV cache follows the heads
 
 
+def test_a_rank_reads_no_more_than_its_shard_from_disk(checkpoint, monkeypatch):
+    import schemas.checkpoint as ckpt
+
+    read = []
+
+    class Recording:  # safe_open, counting the elements that leave the file
+        def __init__(self, *args, **kwargs):
+            self.f = ckpt_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, key):
+            read.append(t := self.inner.get_tensor(key))
+            return t
+
+        def get_slice(self, key):
+            part = self.inner.get_slice(key)
+            return type("Part", (), {"get_shape": part.get_shape,
+                                     "__getitem__": lambda _, i: read.append(t := part[i]) or t})()
+
+    ckpt_open = ckpt.safe_open
+    monkeypatch.setattr(ckpt, "safe_open", Recording)
+    shard = Qwen2LM.from_pretrained(checkpoint, tp=TPGroup(1, 2))
+    held = sum(p.numel() for p in shard.parameters())
+    assert sum(t.numel() for t in read) == held  # every element read is one this rank holds (no padding here)
+
+
 def test_a_split_that_does_not_divide_is_refused(checkpoint):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
         Qwen2LM.from_pretrained(checkpoint, tp=TPGroup(0, 3))
