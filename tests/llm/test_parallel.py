@@ -7,12 +7,16 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from demo.build_tiny import build_checkpoint
+from demo.tiny_llava import build_llava_checkpoint
 from llm import Qwen2LM
 from llm.attention import BatchMeta, ChunkSpec
 from llm.parallel import ParallelLM, TPGroup, init_process_group, serve_rank
@@ -23,28 +27,70 @@ from tests.llm.reference import collect, make_engine, reference_generate, reques
 CPU = torch.device("cpu")
 
 
-def _follow(checkpoint: str, init_method: str) -> None:
-    """Rank 1 of 2, in a child process."""
+def _follow(checkpoint: str, init_method: str, rank: int, world_size: int) -> None:
+    """Rank 1..N-1, in a child process."""
     torch.set_num_threads(1)
-    init_process_group(1, 2, init_method, CPU, timeout_s=60)
-    serve_rank(Qwen2LM.from_pretrained(checkpoint, tp=TPGroup(1, 2)))
+    init_process_group(rank, world_size, init_method, CPU, timeout_s=60)
+    serve_rank(Qwen2LM.from_pretrained(checkpoint, tp=TPGroup(rank, world_size)))
     dist.destroy_process_group()
+
+
+@contextmanager
+def ranks(checkpoint, world_size: int) -> Iterator[tuple[ParallelLM, list]]:
+    """(rank 0's ParallelLM in this process, the child processes of ranks 1..N-1)."""
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    spawn = mp.get_context("spawn")
+    children = [spawn.Process(target=_follow, args=(str(checkpoint), init_method, r, world_size), daemon=True)
+                for r in range(1, world_size)]
+    for child in children:
+        child.start()
+    init_process_group(0, world_size, init_method, CPU, timeout_s=60)
+    try:
+        group = TPGroup(0, world_size)
+        yield ParallelLM(Qwen2LM.from_pretrained(checkpoint, tp=group), group), children
+    finally:
+        for child in children:
+            if child.is_alive():
+                child.kill()
+            child.join(30)
+        dist.destroy_process_group()
 
 
 @pytest.fixture
 def two_ranks(checkpoint):
-    """(rank 0's ParallelLM in this process, the rank-1 child process)."""
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    child = mp.get_context("spawn").Process(target=_follow, args=(str(checkpoint), init_method), daemon=True)
-    child.start()
-    init_process_group(0, 2, init_method, CPU, timeout_s=60)
-    try:
-        yield ParallelLM(Qwen2LM.from_pretrained(checkpoint, tp=TPGroup(0, 2)), TPGroup(0, 2)), child
-    finally:
-        if child.is_alive():
-            child.kill()
-        child.join(30)
-        dist.destroy_process_group()
+    with ranks(checkpoint, 2) as (parallel, children):
+        yield parallel, children[0]
+
+
+@pytest.fixture(scope="module")
+def odd_checkpoint(tmp_path_factory):
+    """6 heads, 3 KV heads, tied embeddings: three ranks, and a vocabulary (1088) that 3 does not divide."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "odd", seed=2, hidden_size=48, num_heads=6,
+                            num_kv_heads=3, intermediate_size=96, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def llava_checkpoint(tmp_path_factory):
+    return build_llava_checkpoint(tmp_path_factory.mktemp("llava") / "hub")
+
+
+@pytest.mark.parametrize(("name", "world_size"), [("odd_checkpoint", 3), ("llava_checkpoint", 2)])
+def test_ranks_give_the_logits_of_one(request, name, world_size):
+    """Tied embeddings and a short last vocabulary slice (Qwen2), no biases and 1-D RoPE (Llama)."""
+    checkpoint = request.getfixturevalue(name)
+    whole = Qwen2LM.from_pretrained(checkpoint)
+    ids = torch.tensor([5, 9, 11, 13, 2, 7, 30, 31, 40, 41, 3])
+    positions = torch.arange(len(ids)).expand(3, -1)
+    meta = lambda: BatchMeta.build([ChunkSpec(list(range(4)), 0, len(ids))], 16, CPU)  # noqa: E731
+    with torch.inference_mode():
+        expected = whole.logits(whole(whole.embed(ids), positions, whole.new_cache(8, 16), meta()))
+        with ranks(checkpoint, world_size) as (parallel, _):
+            parallel.new_cache(8, 16)
+            cache = parallel.local.new_cache(8, 16)
+            ours = parallel.logits(parallel(parallel.embed(ids), positions, cache, meta()), list(range(len(ids))))
+            parallel.close()
+    assert ours.shape == expected.shape == (len(ids), whole.config.vocab_size)
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_each_rank_reads_only_its_slices(checkpoint, model):
