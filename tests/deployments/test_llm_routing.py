@@ -14,6 +14,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments import LLM, Encoder, Ingress
 from deployments.prepare import Preparer
+from deployments.router import PrefixAffinityRouter
 from schemas import AppArgs
 from schemas.openai import ChatCompletionRequest
 from tests.helpers import data_url, make_image
@@ -23,8 +24,7 @@ APP = "route"
 SMALL = {"num_cpus": 0.1}
 # NOTE: max_imbalance above the 8 conversations in flight: even if they all hash to one replica, none is sent away
 # for load (tests/deployments/test_router.py covers that fallback).
-ROUTER = RequestRouterConfig(request_router_class="deployments.router:PrefixAffinityRouter",
-                             request_router_kwargs={"max_imbalance": 16})
+ROUTER = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs={"max_imbalance": 16})
 
 
 @pytest.fixture(scope="module")
