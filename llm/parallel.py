@@ -82,14 +82,25 @@ def _broadcast(obj: object) -> object:
 
 
 class RankFailure(RuntimeError):
-    """A collective with the other ranks failed: a rank died or hung. The replica cannot serve any more."""
+    """A step of the ranks failed (a rank died, hung, or raised): they are out of step for good."""
+
+
+def _abort() -> None:
+    """Leave the group, which closes its connections: the other ranks' pending collectives fail at once instead
+    of waiting out the timeout."""
+    try:
+        dist.destroy_process_group()
+    except Exception:  # already gone
+        pass
 
 
 def _collective(fn):
+    """Rank 0 runs a step's part; any failure in it, a collective's or a local one, leaves the ranks out of step."""
     try:
         return fn()
-    except (RuntimeError, dist.DistBackendError) as e:  # gloo: a peer's socket closed, or the timeout passed
-        raise RankFailure(f"tensor-parallel collective failed: {e}") from e
+    except Exception as e:  # gloo: a peer's socket closed, or the timeout passed; or e.g. out of memory here
+        _abort()
+        raise RankFailure(f"tensor-parallel step failed: {e}") from e
 
 
 class ParallelLM:
@@ -144,23 +155,25 @@ def gather_logits(local, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor 
 
 
 def serve_rank(local) -> None:
-    """Ranks 1..N-1: run what rank 0 broadcasts until it says stop (a failed collective raises)."""
+    """Ranks 1..N-1: run what rank 0 broadcasts until it says stop. Any failure leaves the group (so that rank 0's
+    collectives fail at once) and raises."""
     device, dtype = local.lm_head.weight.device, local.lm_head.weight.dtype
     cache = hidden = None
-    with torch.inference_mode():
-        while True:
-            op = _broadcast(None)
-            if op[0] == "forward":
-                _, chunks, block_size, positions, num_tokens = op
-                inputs_embeds = torch.empty(num_tokens, local.config.hidden_size, dtype=dtype, device=device)
-                dist.broadcast(inputs_embeds, src=0)  # (T, D): rank 0's embeddings, images merged
-                hidden = local(inputs_embeds, positions, cache, BatchMeta.build(chunks, block_size, device))
-            elif op[0] == "logits":
-                gather_logits(local, hidden[op[1]], local.config.vocab_size)
-            elif op[0] == "cache":
-                cache = local.new_cache(op[1], op[2])
-            elif op[0] == "stop":
-                return
+    try:
+        with torch.inference_mode():
+            while (op := _broadcast(None))[0] != "stop":
+                if op[0] == "forward":
+                    _, chunks, block_size, positions, num_tokens = op
+                    inputs_embeds = torch.empty(num_tokens, local.config.hidden_size, dtype=dtype, device=device)
+                    dist.broadcast(inputs_embeds, src=0)  # (T, D): rank 0's embeddings, images merged
+                    hidden = local(inputs_embeds, positions, cache, BatchMeta.build(chunks, block_size, device))
+                elif op[0] == "logits":
+                    gather_logits(local, hidden[op[1]], local.config.vocab_size)
+                elif op[0] == "cache":
+                    cache = local.new_cache(op[1], op[2])
+    except BaseException:
+        _abort()
+        raise
 
 
 __all__ = ["ParallelLM", "RankFailure", "TPGroup", "check_divisible", "gather_logits", "init_process_group",

@@ -19,7 +19,7 @@ from demo.build_tiny import build_checkpoint
 from demo.tiny_llava import build_llava_checkpoint
 from llm import Qwen2LM
 from llm.attention import BatchMeta, ChunkSpec
-from llm.parallel import ParallelLM, TPGroup, init_process_group, serve_rank
+from llm.parallel import ParallelLM, RankFailure, TPGroup, init_process_group, serve_rank
 from schemas import Overloaded
 from tests.helpers import free_port
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
@@ -53,7 +53,8 @@ def ranks(checkpoint, world_size: int) -> Iterator[tuple[ParallelLM, list]]:
             if child.is_alive():
                 child.kill()
             child.join(30)
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a failed step has left the group already
+            dist.destroy_process_group()
 
 
 @pytest.fixture
@@ -195,3 +196,21 @@ def test_a_dead_rank_fails_requests_and_stops_the_engine(checkpoint, reference, 
     assert engine.dead is not None
     with pytest.raises(Overloaded, match="lost a tensor-parallel rank"):
         asyncio.run(collect(engine, inp))
+
+
+def test_a_failed_step_on_rank_0_releases_the_other_ranks_at_once(checkpoint, two_ranks):
+    parallel, child = two_ranks
+    parallel.new_cache(8, 16)
+    ids = torch.tensor([5, 6, 7])
+    meta = BatchMeta.build([ChunkSpec([0], 0, 3)], 16, CPU)
+
+    def broken(*args):
+        raise torch.OutOfMemoryError("no memory for this step")
+
+    parallel.local.forward = broken  # the other rank is already inside the step, waiting on an all-reduce
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match="no memory for this step"):
+        parallel(parallel.embed(ids), torch.arange(3).expand(3, -1), parallel.local.new_cache(8, 16), meta)
+    child.join(30)
+    elapsed = time.monotonic() - started
+    assert child.exitcode not in (None, 0) and elapsed < 30, elapsed  # not the 60 s collective timeout
