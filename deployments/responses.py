@@ -12,7 +12,8 @@ from deployments.http import error_body, sse
 from llm import GroundingTokens, TextDelta, parse_boxes
 from schemas import FinishReason, InvalidRequest, TokenLogprob
 from schemas.openai import (Box, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChoiceLogprobs,
-                            ChunkChoice, Delta, ResponseMessage, TokenLogprobOut, TopLogprob, Usage)
+                            ChunkChoice, Delta, PromptTokensDetails, ResponseMessage, TokenLogprobOut, TopLogprob,
+                            Usage)
 
 
 BoxesOf = Callable[[list[int]], list[Box] | None]  # a choice's token ids -> its boxes
@@ -84,9 +85,11 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
 
     def add(self, delta: TextDelta) -> None:
         self.text += delta.text
+        self.num_cached_tokens = delta.num_cached_tokens or self.num_cached_tokens
         self.token_ids += delta.token_ids
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
@@ -95,7 +98,10 @@ class ChoiceState:
 
 def _usage(n_prompt: int, choices: list[ChoiceState]) -> Usage:
     n_completion = sum(len(c.token_ids) for c in choices)
-    return Usage(prompt_tokens=n_prompt, completion_tokens=n_completion, total_tokens=n_prompt + n_completion)
+    # NOTE: the n choices share one prompt, counted once; its cached part is the first choice's.
+    cached = PromptTokensDetails(cached_tokens=choices[0].num_cached_tokens if choices else 0)
+    return Usage(prompt_tokens=n_prompt, completion_tokens=n_completion, total_tokens=n_prompt + n_completion,
+                 prompt_tokens_details=cached)
 
 
 def pixel_boxes(token_ids: list[int], marks: GroundingTokens | None, tokenizer: PreTrainedTokenizerBase,

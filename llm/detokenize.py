@@ -73,6 +73,7 @@ class TextDelta:
     token_ids: list[int]
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None
+    num_cached_tokens: int | None = None  # on a choice's first delta: its prompt tokens from the prefix cache
 
 
 class OutputProcessor:
@@ -87,7 +88,7 @@ class OutputProcessor:
             text += self.stop.feed(self.detok.flush())
             text += self.stop.flush()
         finish = "stop" if self.stop.stopped else chunk.finish_reason
-        return TextDelta(text, chunk.token_ids, finish, chunk.logprobs)
+        return TextDelta(text, chunk.token_ids, finish, chunk.logprobs, chunk.num_cached_tokens)
 
 
 __all__ = ["IncrementalDetokenizer", "OutputProcessor", "StopMatcher", "TextDelta"]

@@ -166,6 +166,8 @@ class Engine:
                     chunk.finish_reason = item.finish_reason
                     if item.logprobs is not None:
                         chunk.logprobs = (chunk.logprobs or []) + item.logprobs
+                    if item.num_cached_tokens is not None:
+                        chunk.num_cached_tokens = item.num_cached_tokens
                 if chunk.token_ids:  # tokens made before a fault still reach the client
                     last_yield = time.monotonic()
                     yield chunk
@@ -281,7 +283,8 @@ class Engine:
             p = seq.params
             stop_ids = p.stop_token_ids if p.ignore_eos else p.stop_token_ids | self.eos_token_ids
             finish = "stop" if token in stop_ids else "length" if seq.num_generated >= p.max_tokens else None
-            seq.emit(TokenChunk([token], finish, [lp] if lp is not None else None))
+            seq.emit(TokenChunk([token], finish, [lp] if lp is not None else None,
+                                seq.num_cached if seq.num_generated == 1 else None))
             if finish is not None:
                 self.scheduler.finish(seq)
                 self.counts["finished"] += 1

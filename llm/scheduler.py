@@ -76,6 +76,8 @@ class Scheduler:
         seq.block_ids = hits + self.pool.allocate(need)
         seq.block_hashes = hashes[: len(hits)]
         seq.num_computed = cached
+        if seq.num_cached is None:  # a preempted sequence readmitted keeps what its first admission found
+            seq.num_cached = cached
         return Chunk(seq, cached, n)
 
     def _reserve(self, seq: Sequence, n_tokens: int) -> bool:

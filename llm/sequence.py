@@ -32,6 +32,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
     num_computed: int = 0  # tokens whose KV is in the cache
+    num_cached: int | None = None  # prompt tokens found in the prefix cache when first admitted
     output_counts: torch.Tensor | None = None  # (V,) generated-token counts, for penalties
     arrived_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # first step with this sequence in it

@@ -68,6 +68,7 @@ class TokenChunk:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    num_cached_tokens: int | None = None  # on the first chunk: prompt tokens whose KV came from the prefix cache
 
 
 __all__ = ["FinishReason", "GenerateRequest", "SamplingParams", "TokenChunk", "TokenLogprob"]

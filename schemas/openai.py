@@ -111,10 +111,15 @@ def _completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV the LLM replica found in its prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class TopLogprob(BaseModel):
@@ -230,6 +235,7 @@ __all__ = [
     "Message",
     "ModelCard",
     "ModelList",
+    "PromptTokensDetails",
     "ResponseMessage",
     "TextPart",
     "TokenLogprobOut",

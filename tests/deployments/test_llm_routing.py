@@ -74,36 +74,42 @@ def _conversation(i: int) -> list[list[dict]]:
     return turns
 
 
-def _blocks(prep: Preparer, turns: list[list[dict]]) -> tuple[int, int]:
-    """(blocks looked up, blocks of each turn's prompt that the turn before computed), over the turns."""
+def _blocks(prep: Preparer, turns: list[list[dict]]) -> tuple[int, list[int]]:
+    """(blocks looked up over the turns, blocks of each turn's prompt that the turn before computed)."""
     bs = prep.args.llm.block_size
     prompts = [prep.prepare(ChatCompletionRequest(messages=m), {}).prompt for m in turns]
-    queries = sum((len(p) - 1) // bs for p in prompts)
-    shared = 0
+    shared = [0]
     for prev, cur in zip(prompts, prompts[1:]):
         common = next((k for k, (a, b) in enumerate(zip(prev, cur)) if a != b), min(len(prev), len(cur)))
-        shared += common // bs
-    return queries, shared
+        shared.append(common // bs)
+    return sum((len(p) - 1) // bs for p in prompts), shared
 
 
 def test_turns_of_a_conversation_land_on_the_replica_with_their_prefix(routed, app_args, metrics_port):
     conversations = [_conversation(i) for i in range(8)]
     prep = Preparer(AppArgs.model_validate(app_args))
-    queries, shared = map(sum, zip(*(_blocks(prep, c) for c in conversations)))
+    blocks = [_blocks(prep, c) for c in conversations]
+    queries, shared = sum(q for q, _ in blocks), sum(sum(s) for _, s in blocks)
     names = ("ray_vlm_prefix_cache_hits_total", "ray_vlm_prefix_cache_queries_total")
     before = {name: _per_replica(metrics_port, name) for name in names}
 
-    async def talk(client: httpx.AsyncClient, turns: list[list[dict]]) -> None:
+    async def talk(client: httpx.AsyncClient, turns: list[list[dict]]) -> list[int]:
+        cached = []
         for messages in turns:  # one turn after the other, as a user would
             body = {"messages": messages, "max_tokens": 2, "temperature": 0}
             r = await client.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        return cached
 
     async def main():
         async with httpx.AsyncClient(base_url=routed, timeout=120) as client:
-            await asyncio.gather(*(talk(client, c) for c in conversations))
+            return await asyncio.gather(*(talk(client, c) for c in conversations))
 
-    asyncio.run(main())
+    cached = asyncio.run(main())
+    # Each answer says how much of its prompt came from the cache (OpenAI's usage.prompt_tokens_details).
+    bs = prep.args.llm.block_size
+    assert cached == [[n * bs for n in s] for _, s in blocks]
     grown = _grown(metrics_port, before, {names[0]: shared, names[1]: queries})
     hits, looked_up = grown[names[0]], grown[names[1]]
     rates = {r[-6:]: f"{hits.get(r, 0):.0f}/{n:.0f}" for r, n in looked_up.items()}

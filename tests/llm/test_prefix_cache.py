@@ -25,6 +25,18 @@ def test_second_turn_reuses_the_first_turns_blocks(checkpoint, reference, model,
     assert out2 == reference_generate(reference, ref2, max_new_tokens=12)
 
 
+def test_the_first_chunk_tells_the_prompt_tokens_found_cached(checkpoint, reference, model, vision):
+    engine = make_engine(model, reference, block_size=4, num_blocks=256)
+    inp, _ = request_for(checkpoint, reference, vision, [(64, 48)], seed=5, prefix=list(range(3, 20)))
+
+    async def cached() -> list[int | None]:
+        return [chunk.num_cached_tokens async for chunk in engine.generate(inp)]
+
+    first, again = asyncio.run(cached()), asyncio.run(cached())
+    assert first[0] == 0 and again[0] == (len(inp.prompt_token_ids) - 1) // 4 * 4  # all but the last token's block
+    assert all(n is None for n in first[1:] + again[1:])
+
+
 def test_same_tokens_different_image_is_not_a_hit(checkpoint, reference, model, vision):
     engine = make_engine(model, reference, block_size=4, num_blocks=256)
     a, ref_a = request_for(checkpoint, reference, vision, [(64, 48)], seed=2, prefix=[3, 4, 5, 6])
