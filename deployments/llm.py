@@ -11,12 +11,14 @@ from typing import Any
 import ray
 import torch
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.exceptions import (ActorUnavailableError, NodeDiedError, ObjectLostError, RayActorError,
                             TaskCancelledError, WorkerCrashedError)
 from transformers import AutoConfig, GenerationConfig
 
 from deployments.http import observe, root_cause
 from deployments.metrics import EncoderMetrics, LLMMetrics
+from deployments.router import PrefixAffinityRouter
 from deployments.tp import COLLECTIVE_TIMEOUT_S, Ranks
 from encoders import EmbeddingLRU, EncoderRunner, family_of
 from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, num_kv_blocks
@@ -55,7 +57,10 @@ def reserved_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-@serve.deployment(name="LLM", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=256)
+# NOTE: the router is set here, not in serve_config.yaml: `serve deploy` imports a class path named in the YAML on
+# the client, where `deployments` is not importable; the YAML can still override its kwargs.
+@serve.deployment(name="LLM", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=256,
+                  request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter))
 class LLM:
     def __init__(self, args: dict[str, Any], model_factory: Callable[..., Qwen2LM] | None = None):
         self.args = AppArgs.model_validate(args)
