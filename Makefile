@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install browser checkpoint serve test bench bench-prefix bench-encoder bench-kernels bench-colocated soak clean
+.PHONY: install browser checkpoint serve test bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated soak clean
 
 install: $(STAMP)
 
@@ -52,6 +52,10 @@ bench-encoder: $(STAMP)
 # The engine's CPU hot spots against what they replaced: decode attention, and OpenMP teams of the worker thread.
 bench-kernels: $(STAMP)
 	$(PY) -m tests.bench.kernels $(BENCH_ARGS)
+
+# One decode step on one rank against two tensor-parallel gloo ranks (tests/bench/tp.py).
+bench-tp: $(STAMP)
+	$(PY) -m tests.bench.tp $(BENCH_ARGS)
 
 # Encoders on their own replicas against an encoder colocated in the LLM replica, same resources and requests
 # (BENCH_ARGS="--images 1,2,4,8": a sweep over images per request, plotted to bench_results/colocated-*.png).
