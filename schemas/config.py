@@ -145,6 +145,18 @@ class AppArgs(_Strict):
     llm: LLMArgs = Field(default_factory=LLMArgs, description="Language-model replica settings.")
     auth: AuthArgs = Field(default_factory=AuthArgs, description="API keys and CORS at the ingress.")
     image_urls: ImageURLArgs = Field(default_factory=ImageURLArgs, description="http(s) and file:// image URLs.")
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, le=64, description="Shorthand for llm.tensor_parallel_size (the two may not disagree).")
+
+    @model_validator(mode="after")
+    def _one_tensor_parallel_size(self) -> AppArgs:
+        tp, llm_tp = self.tensor_parallel_size, self.llm.tensor_parallel_size
+        if tp is not None and "tensor_parallel_size" in self.llm.model_fields_set and tp != llm_tp:
+            raise ValueError(f"tensor_parallel_size={tp} and llm.tensor_parallel_size={llm_tp} disagree; set one")
+        if tp is not None:
+            self.llm.tensor_parallel_size = tp
+        self.tensor_parallel_size = self.llm.tensor_parallel_size
+        return self
 
     @field_validator("model")
     @classmethod

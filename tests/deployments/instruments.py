@@ -1,4 +1,5 @@
-"""Test instruments: an encoder whose outputs record who deserializes them, and a decoder that fails on cue."""
+"""Test instruments: an encoder whose outputs record who deserializes them, a decoder that fails on cue, and a
+reader of one app's per-replica metrics."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import os
 import time
 from pathlib import Path
 
+import httpx
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from encoders import Qwen2VLVisionEncoder
 from llm import Qwen2LM
@@ -75,6 +78,17 @@ class SlowEncoder:
 
     def encode(self, images):
         return self.forward([self.preprocess(im) for im in images])
+
+
+def per_replica(port: int, app: str, name: str, deployment: str = "LLM") -> dict[str, float]:
+    """One Prometheus series of one deployment of `app`, summed by replica (Ray's metrics endpoint at `port`)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels.get("application") == app and s.labels.get("deployment") == deployment:
+                out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
+    return out
 
 
 def forwards(record_dir: str | Path) -> list[tuple[int, float, int]]:

@@ -8,7 +8,6 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -17,6 +16,7 @@ from deployments.prepare import Preparer
 from deployments.router import PrefixAffinityRouter
 from schemas import AppArgs
 from schemas.openai import ChatCompletionRequest
+from tests.deployments.instruments import per_replica
 from tests.helpers import data_url, make_image
 
 pytestmark = pytest.mark.e2e
@@ -38,14 +38,7 @@ def routed(ray_serve, app_args):
 
 
 def _per_replica(port: int, name: str) -> dict[str, float]:
-    """One series of the LLM deployment of this app, by replica."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and s.labels.get("application") == APP and s.labels.get("deployment") == "LLM":
-                out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
-    return out
+    return per_replica(port, APP, name)
 
 
 def _grown(port: int, before: dict[str, dict[str, float]], want: dict[str, float]) -> dict[str, dict[str, float]]:

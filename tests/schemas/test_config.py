@@ -45,3 +45,13 @@ def test_device_dtype_and_context_resolution():
     assert resolve_max_model_len(None, 4096) == 4096 and resolve_max_model_len(None, 131072) == 32768
     with pytest.raises(ValueError, match="exceeds the checkpoint's 4096"):
         resolve_max_model_len(8192, 4096)
+
+
+def test_tensor_parallel_size_at_the_top_or_under_llm(checkpoint):
+    model = str(checkpoint)
+    assert AppArgs.model_validate({"model": model, "tensor_parallel_size": 2}).llm.tensor_parallel_size == 2
+    assert AppArgs.model_validate({"model": model, "llm": {"tensor_parallel_size": 2}}).tensor_parallel_size == 2
+    dumped = AppArgs.model_validate({"model": model, "tensor_parallel_size": 4}).model_dump()
+    assert AppArgs.model_validate(dumped).llm.tensor_parallel_size == 4  # what the replicas re-validate
+    with pytest.raises(ValidationError, match="tensor_parallel_size=2 and llm.tensor_parallel_size=4 disagree"):
+        AppArgs.model_validate({"model": model, "tensor_parallel_size": 2, "llm": {"tensor_parallel_size": 4}})
