@@ -112,3 +112,22 @@ def test_max_imbalance_must_be_positive():
     router = PrefixAffinityRouter(deployment_id=LLM_ID, handle_source=DeploymentHandleSource.UNKNOWN)
     with pytest.raises(ValueError, match="at least 1, got 0"):
         router.initialize_state(max_imbalance=0)
+
+
+def test_calls_that_share_an_internal_request_id_each_get_their_replica():
+    """The n generate calls of one chat request inherit its internal_request_id; each must get the replica chosen
+    for it (Serve's own matching by that id leaves all but one waiting forever)."""
+    async def main():
+        router = PrefixAffinityRouter(deployment_id=LLM_ID, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state()
+        calls = [_pending(_generate("k")) for _ in range(3)]  # same internal_request_id "r"
+        for call in calls:
+            router._pending_requests_to_fulfill.append(call)
+            router._add_pending_request_to_indices(call)
+        replicas = _replicas(3)
+        for i in (1, 2, 0):
+            router._fulfill_next_pending_request(replicas[i], calls[i].metadata)
+            assert calls[i].future.done() and calls[i].future.result() is replicas[i]
+        assert all(c.future.done() for c in calls)
+
+    asyncio.run(main())
