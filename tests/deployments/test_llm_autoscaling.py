@@ -40,7 +40,7 @@ def test_text_load_scales_the_llm_up_and_down(scaling, metrics_port):
     stop_at, peak = time.monotonic() + 150, 0  # a cap: the load goes on until a second replica has served
 
     def both_served() -> bool:
-        served = per_replica(metrics_port, APP, "vlm_prefix_cache_queries_total")
+        served = per_replica(metrics_port, APP, "ray_vlm_inter_token_latency_seconds_count")
         return sum(v > 0 for v in served.values()) >= 2
 
     async def worker(client: httpx.AsyncClient, w: int) -> list[int]:
