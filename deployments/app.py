@@ -22,11 +22,12 @@ def build_app(args: dict[str, Any]) -> Application:
     app_args = AppArgs.model_validate(args)
     family_of(app_args.model, app_args.family)  # an unsupported checkpoint fails here, listing the supported ones
     tp = app_args.llm.tensor_parallel_size
-    text = TextConfig.from_pretrained(app_args.model)
-    try:
-        check_divisible(text.num_heads, text.num_kv_heads, text.intermediate_size, tp)
-    except ValueError as e:
-        raise ValueError(f"llm.tensor_parallel_size: {e}") from None
+    if tp > 1:  # the heads and the MLP must split evenly over the ranks
+        text = TextConfig.from_pretrained(app_args.model)
+        try:
+            check_divisible(text.num_heads, text.num_kv_heads, text.intermediate_size, tp)
+        except ValueError as e:
+            raise ValueError(f"llm.tensor_parallel_size: {e}") from None
     plain = app_args.model_dump()
     llm = LLM.options(**llm_placement(tp, app_args.device)).bind(plain)  # GPUs checked, ranks packed on one node
     if app_args.encoder.colocated:  # no encoder tier: the LLM replica encodes the images itself

@@ -188,6 +188,7 @@ class Engine:
             idle = not self.scheduler.running and not self.scheduler.waiting
             self._take_inbox(block=idle)
             chunks = self.scheduler.schedule()
+            self._queued = self.scheduler.num_waiting  # the admitted are no longer queued, even during a long step
             try:
                 if not chunks:
                     if idle and keepalive is not None:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import ray
 
+from deployments import build_app
 from deployments.tp import check_gpus, llm_placement
 from tests.deployments.parity import CASES, MAX_TOKENS, assert_greedy_equals_reference, deployed, openai_messages
 
@@ -66,7 +67,7 @@ def test_a_killed_rank_restarts_the_replica_without_hanging_a_request(tp_client,
     assert_greedy_equals_reference(tp_client, checkpoint, reference, CASES["one_image"])
 
 
-def test_placement_packs_the_ranks_and_checks_the_gpus():
+def test_placement_packs_the_ranks_and_checks_the_gpus(ray_serve):  # a cluster with no GPUs
     assert llm_placement(1, "cpu") == {}
     assert llm_placement(2, "cpu") == {"placement_group_bundles": [{"CPU": 1}] * 2,
                                        "placement_group_strategy": "STRICT_PACK"}
@@ -75,3 +76,9 @@ def test_placement_packs_the_ranks_and_checks_the_gpus():
         check_gpus(4, [2, 2])
     with pytest.raises(ValueError, match="needs 2 GPUs on one node"):
         llm_placement(2, "cuda")  # this cluster has none
+
+
+def test_a_size_that_does_not_split_the_model_fails_at_build(app_args):
+    with pytest.raises(ValueError, match="llm.tensor_parallel_size: tensor_parallel_size=3 does not divide the "
+                                         "model's 4 attention heads"):
+        build_app({**app_args, "llm": {"tensor_parallel_size": 3}})

@@ -4,6 +4,8 @@ cancellation, the queue bound, faults."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -123,6 +125,29 @@ def test_queue_bound_gives_overloaded(model, reference):
             await anext(engine.generate(_seq([5], max_tokens=1)))
         first.cancel()
         assert (await second)[1] == "length"
+
+    asyncio.run(scenario())
+
+
+def test_an_admitted_sequence_frees_its_queue_place_during_its_first_step(model, reference):
+    """Queue bound 1: while the first sequence's (slow) first step runs, a second one may wait; it is not refused."""
+    engine = make_engine(model, reference, max_queued=1, max_num_seqs=1, max_model_len=4096, num_blocks=300)
+    real_step, first_step = engine._step, threading.Event()
+
+    def slow(chunks):
+        if not first_step.is_set():
+            first_step.set()
+            time.sleep(1.0)
+        real_step(chunks)
+
+    engine._step = slow
+
+    async def scenario():
+        first = asyncio.create_task(collect(engine, _seq([5], max_tokens=2)))
+        while not first_step.is_set():
+            await asyncio.sleep(0.01)
+        assert (await collect(engine, _seq([6], max_tokens=1)))[1] == "length"  # waited, then ran
+        await first
 
     asyncio.run(scenario())
 
