@@ -69,6 +69,9 @@ class Ranks:
 
     def __init__(self, world_size: int, device: str):
         pg = get_current_placement_group()
+        if pg is not None and len(pg.bundle_specs) < world_size:
+            raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} placement_group_bundles (one per "
+                             f"rank, rank 0 in the first), but the LLM deployment has {len(pg.bundle_specs)}")
         if pg is None:
             logger.warning("LLM replica has no placement group: its %d tensor-parallel ranks may land on other "
                            "nodes (build_app sets placement_group_bundles; was it overridden?)", world_size)

@@ -82,3 +82,11 @@ def test_a_size_that_does_not_split_the_model_fails_at_build(app_args):
     with pytest.raises(ValueError, match="llm.tensor_parallel_size: tensor_parallel_size=3 does not divide the "
                                          "model's 4 attention heads"):
         build_app({**app_args, "llm": {"tensor_parallel_size": 3}})
+
+
+def test_too_few_bundles_for_the_ranks_is_said_plainly(monkeypatch):
+    import deployments.tp as tp
+
+    monkeypatch.setattr(tp, "get_current_placement_group", lambda: type("PG", (), {"bundle_specs": [{"CPU": 1}] * 2}))
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 needs 4 placement_group_bundles .* has 2"):
+        tp.Ranks(4, "cpu")
