@@ -116,7 +116,7 @@ class LLM:
 
         self.ranks = Ranks(world_size, device)
         self.ranks.start(self.args.model, device, str(dtype).removeprefix("torch."), self.args.llm.cpu_threads, join)
-        return ParallelLM(shard[0], group)
+        return ParallelLM(shard[0])
 
     def check_health(self) -> None:
         """Serve restarts a replica whose engine stopped or whose tensor-parallel rank ended."""

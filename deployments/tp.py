@@ -29,8 +29,8 @@ class Rank:
         self.group = TPGroup(rank, world_size)
         self.model: Qwen2LM | None = None
 
-    def ready(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+    def ready(self) -> None:
+        """Answers once the actor is placed and constructed."""
 
     def setup(self, model_dir: str, device: str, dtype: str, init_method: str, cpu_threads: int) -> None:
         """Join the process group and load this rank's shard (rank 0 does the same meanwhile)."""
@@ -45,7 +45,6 @@ class Rank:
 
     def serve(self) -> None:
         """Follow rank 0 until it stops; returns (or raises) only when this rank is done for."""
-        done = threading.Event()
         error: list[BaseException] = []
 
         def loop() -> None:  # a thread of our own, so that only it gets the OpenMP team (llm/threads.py)
@@ -55,11 +54,10 @@ class Rank:
                 serve_rank(self.model)
             except BaseException as e:
                 error.append(e)
-            finally:
-                done.set()
 
-        threading.Thread(target=loop, name=f"tp-rank-{self.group.rank}", daemon=True).start()
-        done.wait()
+        thread = threading.Thread(target=loop, name=f"tp-rank-{self.group.rank}", daemon=True)
+        thread.start()
+        thread.join()
         if error:
             raise error[0]
 
@@ -75,7 +73,7 @@ class Ranks:
         if pg is None:
             logger.warning("LLM replica has no placement group: its %d tensor-parallel ranks may land on other "
                            "nodes (build_app sets placement_group_bundles; was it overridden?)", world_size)
-        self.actors = []
+        self.actors, self.cpus = [], []  # ranks 1..N-1, and the CPUs each reserved
         for rank in range(1, world_size):
             if pg is not None:
                 spec = pg.bundle_specs[rank]
@@ -85,8 +83,8 @@ class Ranks:
             else:
                 options = {"num_cpus": 1, "num_gpus": 1 if device == "cuda" else 0}
             self.actors.append(Rank.options(**options).remote(rank, world_size))
+            self.cpus.append(max(1, int(options["num_cpus"])))
         self.loops: list[ray.ObjectRef] = []
-        self.cpus = [int(pg.bundle_specs[r].get("CPU", 1)) if pg else 1 for r in range(1, world_size)]
 
     def start(self, model_dir: str, device: str, dtype: str, cpu_threads: int | None, join_rank0) -> None:
         """All ranks join and load their shards; then the others enter their loops. `join_rank0(init_method)`
@@ -94,7 +92,7 @@ class Ranks:
         default the CPUs of its bundle."""
         ray.get([a.ready.remote() for a in self.actors])  # placed and alive before anyone waits on a rendezvous
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
-        setups = [a.setup.remote(model_dir, device, dtype, init_method, cpu_threads or max(cpus, 1))
+        setups = [a.setup.remote(model_dir, device, dtype, init_method, cpu_threads or cpus)
                   for a, cpus in zip(self.actors, self.cpus, strict=True)]
         join_rank0(init_method)
         ray.get(setups)

@@ -235,7 +235,6 @@ class Engine:
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
-        self._queued = self.scheduler.num_waiting
 
     def _inputs(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings and positions of the batch; decode tokens (generated text) in one lookup."""

@@ -184,7 +184,6 @@ class Qwen2LM(nn.Module):
 
     def __init__(self, c: TextConfig, tp: TPGroup = TPGroup()):
         super().__init__()
-        check_divisible(c.num_heads, c.num_kv_heads, c.intermediate_size, tp.world_size)
         self.config, self.tp = c, tp
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if tp.rank == 0 else None
         self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_layers))

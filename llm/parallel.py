@@ -107,9 +107,9 @@ class ParallelLM:
     """Rank 0's view of a tensor-parallel model: the engine calls it like `Qwen2LM`; each call first tells the
     other ranks what to run."""
 
-    def __init__(self, local, group: TPGroup):
-        assert group.rank == 0 and dist.is_initialized(), "rank 0 drives the others"
-        self.local, self.group = local, group
+    def __init__(self, local):
+        assert local.tp.rank == 0 and dist.is_initialized(), "rank 0 drives the others"
+        self.local = local
         self.config, self.lm_head = local.config, local.lm_head
 
     def new_cache(self, num_blocks: int, block_size: int):

@@ -44,7 +44,7 @@ def _case(checkpoint: str, dtype: str, world_size: int, threads: int | None, rou
         mp.get_context("spawn").Process(target=_follow, args=(checkpoint, dtype, init_method), daemon=True).start()
         init_process_group(0, 2, init_method, CPU, timeout_s=300)
         group = TPGroup(0, 2)
-        model = ParallelLM(Qwen2LM.from_pretrained(checkpoint, dtype=getattr(torch, dtype), tp=group), group)
+        model = ParallelLM(Qwen2LM.from_pretrained(checkpoint, dtype=getattr(torch, dtype), tp=group))
     cache = model.new_cache(3000, BS)
     times: dict[int, list[float]] = {1: [], 32: []}
     for _ in range(rounds):

@@ -47,7 +47,7 @@ def ranks(checkpoint, world_size: int) -> Iterator[tuple[ParallelLM, list]]:
     init_process_group(0, world_size, init_method, CPU, timeout_s=60)
     try:
         group = TPGroup(0, world_size)
-        yield ParallelLM(Qwen2LM.from_pretrained(checkpoint, tp=group), group), children
+        yield ParallelLM(Qwen2LM.from_pretrained(checkpoint, tp=group)), children
     finally:
         for child in children:
             if child.is_alive():
