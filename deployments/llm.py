@@ -103,7 +103,7 @@ class LLM:
         logger.info("llm ready: %s on %s (%s, %s engine threads, %d tensor-parallel ranks), context %d, KV cache %d "
                     "tokens (%.2f GiB per rank)%s", self.args.model, device, dtype, cpu_threads or "default",
                     llm_args.tensor_parallel_size, max_model_len, num_blocks * llm_args.block_size,
-                    self.engine.cache.nbytes / (1 << 30), ", encoder colocated" if self.vision else "")
+                    self.engine.runner.cache.nbytes / (1 << 30), ", encoder colocated" if self.vision else "")
 
     def _start_ranks(self, world_size: int, device: str, dtype: torch.dtype) -> ParallelLM:
         """This replica is rank 0 of `world_size`; the others are actors in its placement group (deployments/tp.py)."""

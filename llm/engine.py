@@ -1,9 +1,9 @@
-"""The generation engine: continuous batching over a paged KV cache, on one worker thread.
+"""The generation engine: requests in, token chunks out, and the worker loop between them.
 
-The async side (`generate`) validates a request, queues it (bounded), and streams `TokenChunk`s back,
+The async side (`generate`) checks a request (llm/sequence.py), queues it (bounded), and streams `TokenChunk`s back,
 coalescing tokens that arrive within `stream_interval_s` so a busy replica sends fewer, larger messages.
-The worker loops: schedule a step (decodes + prefill chunks + admissions), run one forward pass over all of
-it, sample every sequence that completed its tokens, and hand each its new token. Closing a stream cancels the
+The worker loops: the scheduler picks a step (decodes + prefill chunks + admissions), the model runner runs it and
+samples, and the engine applies the stop rules and hands each sequence its new token. Closing a stream cancels the
 sequence; its blocks are free at the next step.
 """
 
@@ -16,34 +16,20 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
 
-from llm.attention import BatchMeta, ChunkSpec
 from llm.block_pool import BlockPool
-from llm.merge import merge_image_embeds
-from llm.model import Qwen2LM
+from llm.model_runner import ModelRunner, Sampled
 from llm.parallel import RankFailure
-from llm.positions import linear_positions, mrope_positions
-from llm.sampling import make_generator, sample
 from llm.scheduler import Chunk, Scheduler
-from llm.sequence import Sequence
+from llm.sequence import Sequence, SequenceInput, make_sequence
 from llm.threads import set_thread_intra_op_threads
-from schemas import InvalidRequest, Overloaded, SamplingParams, TokenChunk
+from schemas import Overloaded, TokenChunk
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class SequenceInput:
-    request_id: str
-    prompt_token_ids: list[int]
-    image_grid_thw: list[tuple[int, int, int]]
-    image_embeds: list[torch.Tensor]  # one (num_image_tokens, D) per image
-    sampling: SamplingParams
-    image_keys: list[str] | None = None  # content keys for prefix reuse; None: the prompt is not shared
 
 
 @dataclass(slots=True)
@@ -67,8 +53,7 @@ class Engine:
                  eos_token_ids: set[int]):
         self.model, self.config = model, config
         self.image_token_id, self.merge_size, self.eos_token_ids = image_token_id, merge_size, frozenset(eos_token_ids)
-        self.device = model.lm_head.weight.device
-        self.cache = model.new_cache(config.num_blocks, config.block_size)
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size)
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.counts = {"finished": 0, "failed": 0, "steps": 0}  # written by the worker only
@@ -76,7 +61,9 @@ class Engine:
         # `drain_timings` takes them (deque appends and pops are thread-safe; bounded if nobody drains).
         self.queue_times: deque[float] = deque(maxlen=65536)
         self.inter_token_times: deque[float] = deque(maxlen=65536)
-        self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Sequence | None] = queue.SimpleQueue()
+        # Each live stream's sink, by seq_id: the stream adds and removes its own; the worker emits through it.
+        self._sinks: dict[int, Callable[[TokenChunk | BaseException], None]] = {}
         self._queued = 0  # in the inbox or waiting; read on the event loop, approximate is fine
         self._ids = itertools.count()
         self.dead: BaseException | None = None  # set when a tensor-parallel rank is lost: the replica must restart
@@ -99,39 +86,6 @@ class Engine:
         return ([self.queue_times.popleft() for _ in range(len(self.queue_times))],
                 [self.inter_token_times.popleft() for _ in range(len(self.inter_token_times))])
 
-    def _sequence(self, inp: SequenceInput, emit) -> Sequence:
-        n_prompt, n_max, limit = len(inp.prompt_token_ids), inp.sampling.max_tokens, self.config.max_model_len
-        if n_prompt == 0:
-            raise InvalidRequest("the prompt is empty")
-        if n_prompt + n_max > limit:
-            raise InvalidRequest(f"{n_prompt} prompt tokens + max_tokens {n_max} exceed the context length of {limit}",
-                                 param="max_tokens", code="context_length_exceeded")
-        ids = torch.tensor(inp.prompt_token_ids, dtype=torch.long)  # (P,)
-        positions, rope_delta = (linear_positions(ids) if self.model.config.mrope_section is None  # 1-D RoPE LM
-                                 else mrope_positions(ids, self.image_token_id, inp.image_grid_thw, self.merge_size))
-        is_mm = ids == self.image_token_id
-        counts = [int(e.shape[0]) for e in inp.image_embeds]  # tokens per image: its embedding rows
-        if self.model.config.mrope_section is not None:  # M-RoPE positions follow the grid: the rows must too
-            for i, (grid, n) in enumerate(zip(inp.image_grid_thw, counts, strict=True)):
-                expected = grid[0] * grid[1] * grid[2] // self.merge_size**2
-                if n != expected:
-                    raise ValueError(f"image {i}: {n} embedding rows for a grid of {expected} tokens")
-        image_embeds = torch.cat(inp.image_embeds) if inp.image_embeds else None
-        n_mm = int(is_mm.sum())
-        if sum(counts) != n_mm:  # counted on the CPU ids
-            raise ValueError(f"{sum(counts)} image embeddings for {n_mm} placeholder tokens")
-        starts = is_mm.nonzero().flatten().tolist()
-        spans, k = [], 0
-        for i, n in enumerate(counts):
-            if starts[k + n - 1] != starts[k] + n - 1:
-                raise ValueError(f"the {n} placeholder tokens of image {i} are not one contiguous run")
-            # No key: a unique one, so that this prompt's image blocks never match another's.
-            key = inp.image_keys[i] if inp.image_keys else f"unshared-{inp.request_id}-{i}"
-            spans.append((starts[k], starts[k] + n, key))
-            k += n
-        return Sequence(next(self._ids), inp.request_id, list(inp.prompt_token_ids), n_prompt, positions, rope_delta,
-                        is_mm, image_embeds, spans, inp.sampling, emit, make_generator(inp.sampling, self.device))
-
     async def generate(self, inp: SequenceInput) -> AsyncIterator[TokenChunk]:
         loop, out = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -141,12 +95,15 @@ class Engine:
             except RuntimeError:  # the event loop is gone: nobody is listening
                 seq.cancelled.set()
 
-        seq = self._sequence(inp, emit)
+        seq = make_sequence(inp, next(self._ids), max_model_len=self.config.max_model_len,
+                            image_token_id=self.image_token_id, merge_size=self.merge_size,
+                            mrope=self.model.config.mrope_section is not None, device=self.runner.device)
         if self.dead is not None:
             raise self._dead_error()
         if self._queued >= self.config.max_queued:
             raise Overloaded(f"the engine queue is full ({self._queued} requests waiting)")
         self._queued += 1
+        self._sinks[seq.seq_id] = emit
         self._inbox.put(seq)
         last_yield = 0.0
         try:
@@ -176,6 +133,7 @@ class Engine:
                 if chunk.finish_reason is not None:
                     return
         finally:
+            self._sinks.pop(seq.seq_id, None)
             seq.cancelled.set()  # a consumer that went away frees the sequence at the next step
             self._inbox.put(None)  # wake the worker if it sleeps
 
@@ -201,7 +159,7 @@ class Engine:
             except Exception as e:  # a fault in a step fails the sequences in it; the engine keeps serving
                 logger.exception("engine step failed for %d sequences", len(chunks))
                 for c in chunks:
-                    c.seq.emit(e)
+                    self._emit(c.seq, e)
                     self.scheduler.finish(c.seq)
                     self.counts["failed"] += 1
         if (close := getattr(self.model, "close", None)) is not None:
@@ -219,12 +177,12 @@ class Engine:
         self.dead = e
         error = self._dead_error()
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            seq.emit(error)
+            self._emit(seq, error)
             self.counts["failed"] += 1
         while True:  # whatever still arrives fails at once, so that no request waits for a step that never comes
             item = self._inbox.get()
             if item is not None:
-                item.emit(error)
+                self._emit(item, error)
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -236,27 +194,13 @@ class Engine:
         except queue.Empty:
             pass
 
-    def _inputs(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embeddings and positions of the batch; decode tokens (generated text) in one lookup."""
-        n_dec = next((i for i, c in enumerate(chunks) if c.n != 1 or c.start < c.seq.prompt_len), len(chunks))
-        embeds, positions = [], []
-        if n_dec:
-            dec = chunks[:n_dec]
-            embeds.append(self.model.embed(torch.tensor([c.seq.token_ids[c.start] for c in dec])))
-            positions.append(torch.tensor([c.start + c.seq.rope_delta for c in dec]).expand(3, -1))
-        for c in chunks[n_dec:]:
-            embeds.append(c.seq.embed_chunk(self.model.embed, c.start, c.start + c.n, merge_image_embeds))
-            positions.append(c.seq.positions(c.start, c.start + c.n))
-        return torch.cat(embeds), torch.cat(positions, dim=1)
+    def _emit(self, seq: Sequence, item: TokenChunk | BaseException) -> None:
+        if (sink := self._sinks.get(seq.seq_id)) is not None:  # None: its stream has ended, nobody listens
+            sink(item)
 
     def _step(self, chunks: list[Chunk]) -> None:
-        model, bs = self.model, self.config.block_size
         chunks = sorted(chunks, key=lambda c: (c.n != 1, c.start))  # one-token chunks first, shortest context first
-        embeds, positions = self._inputs(chunks)  # (T, D), (3, T)
-        meta = BatchMeta.build([ChunkSpec(c.seq.block_ids, c.start, c.n) for c in chunks], bs, self.device)
-        hidden = model(embeds, positions, self.cache, meta)  # (T, D)
-        ends = list(itertools.accumulate(c.n for c in chunks))
-        sampling = [(c, end - 1) for c, end in zip(chunks, ends, strict=True) if c.completes]
+        sampled = self.runner.run(chunks)
         self.counts["steps"] += 1
         now = time.monotonic()
         for c in chunks:
@@ -264,30 +208,24 @@ class Engine:
             if c.seq.scheduled_at is None:
                 c.seq.scheduled_at = now
                 self.queue_times.append(now - c.seq.arrived_at)
-        if not sampling:
-            return
-        logits = model.logits(hidden, [row for _, row in sampling])  # (B, V)
-        seqs = [c.seq for c, _ in sampling]
-        for s in seqs:
-            if s.params.has_penalties and s.output_counts is None:
-                s.output_counts = torch.zeros(logits.shape[-1], device=logits.device)
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                  [s.output_counts for s in seqs])
-        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
-            seq.token_ids.append(token)
-            if seq.last_token_at is not None:
-                self.inter_token_times.append(now - seq.last_token_at)
-            seq.last_token_at = now
-            if seq.output_counts is not None:
-                seq.output_counts[token] += 1
-            p = seq.params
-            stop_ids = p.stop_token_ids if p.ignore_eos else p.stop_token_ids | self.eos_token_ids
-            finish = "stop" if token in stop_ids else "length" if seq.num_generated >= p.max_tokens else None
-            seq.emit(TokenChunk([token], finish, [lp] if lp is not None else None,
-                                seq.num_cached if seq.num_generated == 1 else None))
-            if finish is not None:
-                self.scheduler.finish(seq)
-                self.counts["finished"] += 1
+        for s in sampled:
+            self._append(s, now)
+
+    def _append(self, s: Sampled, now: float) -> None:
+        """The stop rules: a stop token (EOS unless ignored) or max_tokens ends the sequence."""
+        seq, token = s.seq, s.token
+        seq.token_ids.append(token)
+        if seq.last_token_at is not None:
+            self.inter_token_times.append(now - seq.last_token_at)
+        seq.last_token_at = now
+        p = seq.params
+        stop_ids = p.stop_token_ids if p.ignore_eos else p.stop_token_ids | self.eos_token_ids
+        finish = "stop" if token in stop_ids else "length" if seq.num_generated >= p.max_tokens else None
+        self._emit(seq, TokenChunk([token], finish, [s.logprob] if s.logprob is not None else None,
+                                   seq.num_cached if seq.num_generated == 1 else None))
+        if finish is not None:
+            self.scheduler.finish(seq)
+            self.counts["finished"] += 1
 
 
-__all__ = ["Engine", "EngineConfig", "SequenceInput"]
+__all__ = ["Engine", "EngineConfig"]
