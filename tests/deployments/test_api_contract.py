@@ -9,7 +9,6 @@ import json
 import random
 from pathlib import Path
 
-import httpx
 import pytest
 
 from demo.scenes import make_item
