@@ -134,6 +134,9 @@ class TokenLogprobOut(TopLogprob):
 
 class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprobOut]
+    # NOTE: required by OpenAI's schema (nullable), like the message's refusal: typed clients generated from
+    # it reject a body without it. We never refuse, so it is always null.
+    refusal: None = None
 
 
 class Box(BaseModel):
@@ -150,6 +153,7 @@ class Box(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    refusal: None = None  # required by OpenAI's schema (nullable); always null: no refusals here
     # Extension: boxes parsed out of a grounding answer (absent when there are none).
     boxes: list[Box] | None = Field(None, exclude_if=lambda v: not v)
 

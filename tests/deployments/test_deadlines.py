@@ -15,6 +15,7 @@ import pytest
 from ray import serve
 
 from deployments import LLM, Encoder, Ingress
+from tests.api_schema import assert_valid
 from tests.deployments.instruments import SlowEncoder, SlowLM, forwards
 from tests.helpers import data_url, make_image
 
@@ -76,6 +77,7 @@ def test_a_request_past_its_deadline_is_a_408_and_frees_its_sequence(slow):
     r = httpx.post(f"{url}/v1/chat/completions", json=LONG, timeout=30)
     assert r.status_code == 408, r.text
     assert DEADLINE_S <= time.monotonic() - started < DEADLINE_S + 2
+    assert_valid("ErrorResponse", r.json())
     error = r.json()["error"]
     assert error["code"] == "request_timeout" and f"deadline of {DEADLINE_S:g} s" in error["message"]
     _wait_for(lambda: _stats("LLM")["cancelled"] == before["cancelled"] + 1, 1.0)
@@ -90,6 +92,9 @@ def test_a_stream_past_its_deadline_ends_with_an_error_event(slow):
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert any(json.loads(e)["choices"][0]["delta"].get("content") for e in events[1:-2])  # tokens came first
+    for e in events[:-2]:
+        assert_valid("CreateChatCompletionStreamResponse", json.loads(e))
+    assert_valid("ErrorResponse", json.loads(events[-2]))
     assert json.loads(events[-2])["error"]["code"] == "request_timeout"
     _wait_for(lambda: _stats("LLM")["cancelled"] == before["cancelled"] + 1, 1.0)
     assert _stats("LLM")["running"] == 0
@@ -101,6 +106,7 @@ def test_a_slow_encoder_gives_a_408_and_the_encode_is_cancelled(slow):
     body = {"messages": [{"role": "user", "content": [*_images(1), {"type": "text", "text": "hi"}]}], "max_tokens": 2}
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 408, r.text
+    assert_valid("ErrorResponse", r.json())
     _wait_for(lambda: _stats("Encoder")["cancelled"] == before + 1, 2.0)
     _wait_for(lambda: len(forwards(record_dir)) == seen + 1, ENCODE_S)  # the forward it was in runs out
 
@@ -142,6 +148,7 @@ def test_a_full_engine_queue_is_a_503_that_the_openai_client_retries(queue_app):
     _wait_for(lambda: _stats("LLM", "queue")["waiting"] == 1, 60.0)
     r = httpx.post(f"{url}/v1/chat/completions", json={**LONG, "max_tokens": 2}, timeout=60)
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
+    assert_valid("ErrorResponse", r.json())
     assert r.json()["error"]["code"] == "overloaded"
     # The openai client waits Retry-After and tries again; the hogs leave once its first try was refused.
     hooks = {"response": [lambda resp: refused.set() if resp.status_code == 503 else None]}

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests.api_schema import assert_valid
 from tests.helpers import data_url, image_bytes, make_image
 from tests.security.image_server import image_server
 
@@ -162,6 +163,7 @@ def test_bad_input_is_a_clear_error(case, stream, client, server, image_root):
     body, status, kind, param, code, fragment = _cases(*server, image_root)[case]
     r = _post(client, {**body, "stream": stream} if isinstance(body, dict) else body)
     assert r.status_code == status, r.text
+    assert_valid("ErrorResponse", r.json())  # OpenAI's published schema (tests/api_schema)
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["type"], error["param"]) == (kind, param) and fragment in error["message"], error
