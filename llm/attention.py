@@ -88,54 +88,65 @@ def decode_groups(num_blocks: list[int], slack: float = 0.3, min_slack: int = 8)
     return groups[::-1]
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
-    """q (T, nh, hd), k/v (T, nkv, hd); caches (nkv, num_blocks, block_size, hd) -> (T, nh, hd)."""
-    nkv, hd = k.shape[1], k.shape[2]
-    k_cache.view(nkv, -1, hd).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.view(nkv, -1, hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, meta: BatchMeta,
+                    scale: float) -> torch.Tensor:
+    """q (T, nh, hd); kv (T, 2 * nkv, hd): the new tokens' keys then values; kv_cache (2 * nkv, num_blocks,
+    block_size, hd): keys of the nkv heads, then their values -> (T, nh, hd). The new keys and values go into the
+    cache in one write; a step's gathers read keys and values of all heads in one index_select."""
+    two_nkv, hd = kv.shape[1], kv.shape[2]
+    nkv = two_nkv // 2
+    kv_cache.view(two_nkv, -1, hd).index_copy_(1, meta.slot_mapping, kv.transpose(0, 1))
     # NOTE: blocks as rows of a 3-D view: index_select copies whole rows, several times faster on CPU than
     # gathering from the 4-D tensor (or token by token).
-    kb, vb = k_cache.flatten(2), v_cache.flatten(2)  # (nkv, num_blocks, block_size * hd)
-    out = torch.empty_like(q)
+    rows = kv_cache.flatten(2)  # (2 * nkv, num_blocks, block_size * hd)
+    single = len(meta.decode) == 1 and meta.decode[0].i1 - meta.decode[0].i0 == q.shape[0]
+    out = None if single else torch.empty_like(q)
     for gi, group in enumerate(meta.decode):
         n, g = group.i1 - group.i0, q.shape[1] // nkv
-        ks = _gather(kb, group.blocks, meta.buffers, f"k{gi}").view(nkv, n, -1, hd)  # (nkv, n, S, hd)
-        vs = _gather(vb, group.blocks, meta.buffers, f"v{gi}").view(nkv, n, -1, hd)
+        kvs = _gather(rows, group.blocks, meta.buffers, f"kv{gi}").view(two_nkv, n, -1, hd)  # (2nkv, n, S, hd)
+        ks, vs = kvs[:nkv], kvs[nkv:]
         qs = q[group.i0:group.i1].view(n, nkv, g, hd).transpose(0, 1)  # (nkv, n, g, hd): a KV head's g query heads
-        scores = torch.matmul(qs, ks.transpose(-1, -2)).float() * hd**-0.5 + group.bias  # (nkv, n, g, S)
-        o = torch.matmul(scores.softmax(-1).to(vs.dtype), vs)  # (nkv, n, g, hd)
-        out[group.i0:group.i1] = o.transpose(0, 1).reshape(n, nkv * g, hd)
+        scores = torch.matmul(qs, ks.transpose(-1, -2))  # (nkv, n, g, S)
+        if scale != 1.0:
+            scores = scores * scale
+        probs = torch.softmax(scores.add_(group.bias), -1) if scores.dtype == torch.float32 else \
+            torch.softmax(scores.float().add_(group.bias), -1).to(vs.dtype)
+        o = torch.matmul(probs, vs).transpose(0, 1)  # (n, nkv, g, hd)
+        if single:
+            return o.reshape(n, nkv * g, hd)
+        out[group.i0:group.i1] = o.reshape(n, nkv * g, hd)
+    if out is None:
+        out = torch.empty_like(q)
     for t0, t1, start, ctx in meta.multi:
         qm = q[t0:t1].transpose(0, 1).unsqueeze(0)  # (1, nh, n, hd)
         n = t1 - t0
         if ctx is None:  # nothing cached before this chunk: plain causal attention over the chunk itself
-            km, vm = k[t0:t1].transpose(0, 1), v[t0:t1].transpose(0, 1)  # (nkv, n, hd)
+            km, vm = kv[t0:t1, :nkv].transpose(0, 1), kv[t0:t1, nkv:].transpose(0, 1)  # (nkv, n, hd)
             mask, causal = None, True
         else:  # query i (at position start + i) sees keys 0 .. start + i
-            km = kb.index_select(1, ctx).view(nkv, -1, hd)[:, : start + n]  # (nkv, S, hd)
-            vm = vb.index_select(1, ctx).view(nkv, -1, hd)[:, : start + n]
+            kvm = rows.index_select(1, ctx).view(two_nkv, -1, hd)[:, : start + n]  # (2nkv, S, hd)
+            km, vm = kvm[:nkv], kvm[nkv:]
             keys, queries = torch.arange(start + n, device=q.device), torch.arange(start, start + n, device=q.device)
             mask = keys[None, :] <= queries[:, None]
             causal = False
         o = F.scaled_dot_product_attention(qm, km.unsqueeze(0), vm.unsqueeze(0), attn_mask=mask, is_causal=causal,
-                                           enable_gqa=True)
+                                           enable_gqa=True, scale=scale)
         out[t0:t1] = o.squeeze(0).transpose(0, 1)  # (n, nh, hd)
     return out
 
 
 def _gather(rows: torch.Tensor, index: torch.Tensor, buffers: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """rows (nkv, num_blocks, R)[:, index] -> (nkv, len(index), R), into a buffer every layer of the step reuses.
+    """rows (H, num_blocks, R)[:, index] -> (H, len(index), R), into a buffer every layer of the step reuses.
 
     One index_select over the heads' blocks as rows of a 2-D view: faster on CPU than selecting along dim 1.
     """
-    nkv, num_blocks, width = rows.shape
+    heads, num_blocks, width = rows.shape
     buf = buffers.get(name)
     if buf is None:  # the first layer of the step: the flat index and the buffer, for all layers
-        heads = torch.arange(nkv, device=index.device)[:, None] * num_blocks
-        buffers[name + ".index"] = (heads + index[None, :]).flatten()  # (nkv * len(index),)
-        buf = buffers[name] = torch.empty(nkv * index.shape[0], width, dtype=rows.dtype, device=rows.device)
-    return torch.index_select(rows.view(-1, width), 0, buffers[name + ".index"], out=buf).view(nkv, -1, width)
+        offsets = torch.arange(heads, device=index.device)[:, None] * num_blocks
+        buffers[name + ".index"] = (offsets + index[None, :]).flatten()  # (heads * len(index),)
+        buf = buffers[name] = torch.empty(heads * index.shape[0], width, dtype=rows.dtype, device=rows.device)
+    return torch.index_select(rows.view(-1, width), 0, buffers[name + ".index"], out=buf).view(heads, -1, width)
 
 
 __all__ = ["BatchMeta", "ChunkSpec", "DecodeGroup", "decode_groups", "paged_attention"]

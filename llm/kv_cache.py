@@ -10,15 +10,23 @@ import torch
 @dataclass(slots=True)
 class KVCache:
     # Head-major: a gather of blocks along dim 2 gives each KV head's keys as one contiguous (tokens, hd) matrix
-    # per sequence, the layout the attention matmuls want (llm/attention.py).
-    k: torch.Tensor  # (L, nkv, num_blocks, block_size, hd)
-    v: torch.Tensor  # (L, nkv, num_blocks, block_size, hd)
+    # per sequence, the layout the attention matmuls want (llm/attention.py). Keys and values of a layer share one
+    # tensor (keys of the nkv heads, then their values), so a step writes both, and gathers both, in one op.
+    kv: torch.Tensor  # (L, 2 * nkv, num_blocks, block_size, hd)
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype) -> KVCache:
-        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
-        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+        shape = (num_layers, 2 * num_kv_heads, num_blocks, block_size, head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype))
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[:, : self.kv.shape[1] // 2]  # (L, nkv, num_blocks, block_size, hd)
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, self.kv.shape[1] // 2 :]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -26,15 +34,15 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return self.k.shape[2]
+        return self.kv.shape[2]
 
     @property
     def block_size(self) -> int:
-        return self.k.shape[3]
+        return self.kv.shape[3]
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.kv.nbytes
 
 
 def num_kv_blocks(bytes_per_token: int, *, block_size: int, max_model_len: int, device: torch.device,

@@ -1,6 +1,7 @@
 """A compact Qwen2 / Llama decoder (Qwen2-VL's and LLaVA's language models) over a flat (T, D) token layout.
 
-The module names match the checkpoint's (`layers.0.self_attn.q_proj`, ...), so weights load by name.
+The module names match the checkpoint's (`layers.0.self_attn.o_proj`, ...), so weights load by name; q/k/v and
+gate/up are fused at load (llm/layers.py says how).
 With `mrope_section=None` the same code is a plain 1-D RoPE decoder; Llama differs from Qwen2 only in which
 projections have biases (Qwen2: q/k/v; Llama: `attention_bias` for q/k/v/o, `mlp_bias` for the MLP).
 """
@@ -15,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 
-from llm.attention import BatchMeta, paged_attention
+from llm.attention import BatchMeta
 from llm.kv_cache import KVCache
+from llm.layers import DecoderLayer, RMSNorm, Rotary, interleave_rope_rows
 from llm.parallel import TPGroup, check_divisible
 from schemas import load_components
 
@@ -84,98 +86,6 @@ class TextConfig:
         )
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section: tuple[int, ...] | None):
-    """positions (3, T) -> cos, sin (T, head_dim); M-RoPE takes each frequency band from its own axis (t, h, w)."""
-    freqs = positions[..., None].float() * inv_freq  # (3, T, hd/2)
-    if mrope_section is None:
-        freqs = freqs[0]  # (T, hd/2)
-    else:
-        freqs = torch.cat([band[i % 3] for i, band in enumerate(freqs.split(list(mrope_section), -1))], -1)  # (T, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
-    return emb.cos(), emb.sin()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class RowParallelLinear(nn.Module):
-    """nn.Linear over this rank's slice of the input features: the ranks' partial products are summed (one
-    all-reduce), then the bias is added once. With one rank it is nn.Linear."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
-        super().__init__()
-        self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))  # (T, out)
-        return y if self.bias is None else y + self.bias
-
-
-class Attention(nn.Module):
-    """This rank's heads: nh / N query heads and nkv / N KV heads (whole GQA groups stay together)."""
-
-    def __init__(self, c: TextConfig, tp: TPGroup):
-        super().__init__()
-        self.nh, self.nkv, self.hd = c.num_heads // tp.world_size, c.num_kv_heads // tp.world_size, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.qkv_bias)
-        self.o_proj = RowParallelLinear(self.nh * self.hd, c.hidden_size, c.o_bias, tp)
-
-    def forward(self, x, cos, sin, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.nh, self.hd)  # (T, nh, hd)
-        k = self.k_proj(x).view(T, self.nkv, self.hd)  # (T, nkv, hd)
-        v = self.v_proj(x).view(T, self.nkv, self.hd)  # (T, nkv, hd)
-        cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)  # (T, 1, hd)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        out = paged_attention(q, k, v, k_cache, v_cache, meta)  # (T, nh, hd)
-        return self.o_proj(out.reshape(T, self.nh * self.hd))  # (T, D)
-
-
-class MLP(nn.Module):
-    def __init__(self, c: TextConfig, tp: TPGroup):
-        super().__init__()
-        inter = c.intermediate_size // tp.world_size  # this rank's share of the MLP
-        self.gate_proj = nn.Linear(c.hidden_size, inter, bias=c.mlp_bias)
-        self.up_proj = nn.Linear(c.hidden_size, inter, bias=c.mlp_bias)
-        self.down_proj = RowParallelLinear(inter, c.hidden_size, c.mlp_bias, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, c: TextConfig, tp: TPGroup):
-        super().__init__()
-        self.self_attn = Attention(c, tp)
-        self.mlp = MLP(c, tp)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: BatchMeta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class Qwen2LM(nn.Module):
     """The decoder of any TextConfig: Qwen2 (Qwen2-VL) or Llama (LLaVA); the biases and RoPE follow the config.
 
@@ -189,8 +99,7 @@ class Qwen2LM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, tp.rows(c.vocab_size), bias=False)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary: Rotary | None = None  # built on the model's device by from_pretrained
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -219,9 +128,10 @@ class Qwen2LM(nn.Module):
         state["lm_head.weight"] = F.pad(lm_head, (0, 0, 0, rows - lm_head.shape[0]))  # (V / N, D), the last padded
         with torch.device("meta"):
             model = cls(c, tp)
-        model.load_state_dict(state, strict=True, assign=True)
-        model.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim))
-        return model.to(device=device, dtype=dtype).eval()
+        model.load_state_dict(fuse_projections(state, c.num_layers, c.head_dim), strict=True, assign=True)
+        model = model.to(device=device, dtype=dtype).eval()
+        model.rotary = Rotary(c.head_dim, c.rope_theta, c.max_position_embeddings, c.mrope_section, device)
+        return model
 
     def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c, p = self.config, self.lm_head.weight
@@ -239,10 +149,11 @@ class Qwen2LM(nn.Module):
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: BatchMeta) -> torch.Tensor:
         """A flat batch of chunks: inputs_embeds (T, D), positions (3, T) -> final hidden states (T, D)."""
-        cos, sin = rope_cos_sin(positions.to(self.inv_freq.device), self.inv_freq, self.config.mrope_section)
-        x = inputs_embeds
+        attn = self.layers[0].self_attn
+        cis = self.rotary.step(positions.to(self.lm_head.weight.device), attn.nh, attn.nkv)  # once per step
+        x = inputs_embeds.clone()  # the residual stream, summed in place by the layers
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], meta)
+            x = layer(x, self.rotary, cis, cache.kv[i], meta)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
@@ -251,4 +162,21 @@ class Qwen2LM(nn.Module):
         return self.lm_head(hidden if rows is None else hidden[rows]).float()  # (B, V)
 
 
-__all__ = ["Qwen2LM", "RMSNorm", "RowParallelLinear", "TextConfig", "rope_cos_sin"]
+def fuse_projections(state: dict[str, torch.Tensor], num_layers: int, head_dim: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's q/k/v and gate/up tensors (whole, or this rank's slices) as the fused qkv_proj and
+    gate_up_proj, q and k rows interleaved per head for the complex RoPE (llm/layers.py)."""
+    out = dict(state)
+    for i in range(num_layers):
+        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            if f"{a}q_proj.{kind}" in out:
+                q, k, v = (out.pop(f"{a}{n}_proj.{kind}") for n in "qkv")
+                out[f"{a}qkv_proj.{kind}"] = torch.cat([interleave_rope_rows(q, head_dim),
+                                                        interleave_rope_rows(k, head_dim), v])
+            if f"{m}gate_proj.{kind}" in out:
+                out[f"{m}gate_up_proj.{kind}"] = torch.cat([out.pop(f"{m}gate_proj.{kind}"),
+                                                            out.pop(f"{m}up_proj.{kind}")])
+    return out
+
+
+__all__ = ["Qwen2LM", "TextConfig", "fuse_projections"]

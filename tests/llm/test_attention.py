@@ -34,8 +34,8 @@ def test_mixed_decode_and_prefill_equal_per_sequence_attention(dtype):
     assert len(decode_groups([s // BS + 1 for s in decode_lens])) > 1
     lengths = [s + 1 for s in decode_lens] + [a + n for a, n in prefill]
     num_blocks = sum(-(-n // BS) for n in lengths) + 4
-    k_cache = torch.zeros(NKV, num_blocks, BS, HD, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
+    kv_cache = torch.zeros(2 * NKV, num_blocks, BS, HD, dtype=dtype)  # keys of the NKV heads, then their values
+    k_cache, v_cache = kv_cache[:NKV], kv_cache[NKV:]
     free = list(range(num_blocks))
     rng.shuffle(free)  # blocks scattered through the pool
     full_k = [torch.randn(n, NKV, HD, dtype=dtype) for n in lengths]
@@ -51,7 +51,8 @@ def test_mixed_decode_and_prefill_equal_per_sequence_attention(dtype):
         new_k.append(full_k[i][start:])
         new_v.append(full_v[i][start:])
     meta = BatchMeta.build(chunks, BS, torch.device("cpu"))
-    out = paged_attention(torch.cat(q_rows), torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, meta)
+    kv = torch.cat([torch.cat(new_k), torch.cat(new_v)], dim=1)  # (T, 2 * NKV, HD)
+    out = paged_attention(torch.cat(q_rows), kv, kv_cache, meta, scale=HD**-0.5)
     row, tol = 0, 1e-5 if dtype == torch.float32 else 2e-2
     for i, c in enumerate(chunks):
         expected = _reference(q_rows[i].float(), full_k[i].float(), full_v[i].float(), c.start)

@@ -38,7 +38,7 @@ def test_llava_prefill_logits_match_transformers(ckpt):
         x = merge_image_embeds(model.embed(ids), ids == image_token_id, image_embeds)
         ours = model.logits(run_chunks(model, x, positions, [5, 20, 21]))  # chunks cut through the images
     assert rope_delta == 0
-    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours, expected, atol=5e-4, rtol=1e-4)  # fused ops round differently: test_model.py
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
 
 
@@ -70,7 +70,7 @@ def test_llama_with_biases_and_its_own_head_dim_matches_transformers(tied, tmp_p
     with torch.no_grad():
         expected = reference(input_ids=ids[None]).logits[0]
         ours = model.logits(run_chunks(model, model.embed(ids), linear_positions(ids)[0], [7, 8]))
-    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours, expected, atol=5e-4, rtol=1e-4)  # fused ops round differently: test_model.py
 
 
 def test_mistral_has_no_biases_and_matches_transformers(tmp_path):
@@ -86,7 +86,7 @@ def test_mistral_has_no_biases_and_matches_transformers(tmp_path):
     with torch.no_grad():
         expected = reference(input_ids=ids[None]).logits[0]
         ours = model.logits(run_chunks(model, model.embed(ids), linear_positions(ids)[0], [7, 8]))
-    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours, expected, atol=5e-4, rtol=1e-4)  # fused ops round differently: test_model.py
     MistralConfig(hidden_size=32, num_attention_heads=2, sliding_window=4096).save_pretrained(tmp_path / "windowed")
     with pytest.raises(ValueError, match="sliding-window attention \\(window 4096\\)"):
         TextConfig.from_pretrained(tmp_path / "windowed")

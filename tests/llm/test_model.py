@@ -7,6 +7,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from encoders import Qwen2VLVisionEncoder
 from llm import BatchMeta, ChunkSpec, Qwen2LM, merge_image_embeds, mrope_positions
+from llm.model import fuse_projections
 from tests.helpers import make_image
 
 
@@ -48,7 +49,9 @@ def test_prefill_logits_match_transformers(checkpoint, reference):
     with torch.no_grad():
         x = merge_image_embeds(model.embed(ids), ids == image_token_id, torch.cat(embeds))
         ours = model.logits(run_chunks(model, x, positions, []))
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    # NOTE: fused projections and the complex RoPE round differently from transformers' separate ops: float32
+    # noise of a few 1e-5 of the logits' scale (std ~8 here); the argmax below must not move.
+    torch.testing.assert_close(ours, ref, atol=5e-4, rtol=1e-4)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
@@ -69,6 +72,8 @@ def test_both_layouts_load_the_same_language_model(checkpoint, legacy_checkpoint
         assert torch.equal(hub[name], legacy[name]), name
     ref = {f"{k}": v for k, v in reference.model.language_model.state_dict().items()}
     ref["lm_head.weight"] = reference.lm_head.weight
+    c = reference.config.text_config
+    ref = fuse_projections(ref, c.num_hidden_layers, c.hidden_size // c.num_attention_heads)  # our fused layout
     assert set(hub) == set(ref)  # the language model, its embeddings and lm_head; no vision weights
     for name, tensor in hub.items():
         assert torch.equal(tensor, ref[name]), name

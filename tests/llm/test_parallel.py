@@ -103,11 +103,15 @@ def test_each_rank_reads_only_its_slices(checkpoint, model):
             slice(rank * c.num_kv_heads // 2 * c.head_dim, (rank + 1) * c.num_kv_heads // 2 * c.head_dim), \
             slice(rank * c.intermediate_size // 2, (rank + 1) * c.intermediate_size // 2)
         full_attn, full_mlp = model.layers[0].self_attn, model.layers[0].mlp
-        torch.testing.assert_close(attn.q_proj.weight, full_attn.q_proj.weight[heads], rtol=0, atol=0)
-        torch.testing.assert_close(attn.q_proj.bias, full_attn.q_proj.bias[heads], rtol=0, atol=0)
-        torch.testing.assert_close(attn.k_proj.weight, full_attn.k_proj.weight[kv], rtol=0, atol=0)
+        full_qkv, full_gu = model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.gate_up_proj
+        nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim  # the fused rows: q, then k, then v
+        for part in ("weight", "bias"):
+            whole = getattr(full_qkv, part)
+            q, k, v = whole[:nq], whole[nq:nq + nk], whole[nq + nk:]
+            torch.testing.assert_close(getattr(attn.qkv_proj, part), torch.cat([q[heads], k[kv], v[kv]]), rtol=0, atol=0)
         torch.testing.assert_close(attn.o_proj.weight, full_attn.o_proj.weight[:, heads], rtol=0, atol=0)
-        torch.testing.assert_close(mlp.up_proj.weight, full_mlp.up_proj.weight[inter], rtol=0, atol=0)
+        gate, up = full_gu.weight.chunk(2)
+        torch.testing.assert_close(mlp.gate_up_proj.weight, torch.cat([gate[inter], up[inter]]), rtol=0, atol=0)
         torch.testing.assert_close(mlp.down_proj.weight, full_mlp.down_proj.weight[:, inter], rtol=0, atol=0)
         half = -(-c.vocab_size // 2)
         torch.testing.assert_close(shard.lm_head.weight, model.lm_head.weight[rank * half:(rank + 1) * half],
