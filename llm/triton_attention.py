@@ -137,6 +137,23 @@ def default_num_splits(batch_size: int, num_kv_heads: int, max_blocks_per_seq: i
     return max(1, min(_next_power_of_2(want), 16, _next_power_of_2(max_blocks_per_seq)))
 
 
+def split_config(cache_dtype: torch.dtype, group: int, head_dim: int, block_size: int, num_splits: int) -> dict:
+    """_split_kernel's compile-time arguments and launch options (tests compile the same for sm_90 on CPU)."""
+    head_dim_p2 = max(16, _next_power_of_2(head_dim))  # tl.dot wants every dimension >= 16
+    return dict(GROUP=group, GROUP_P2=max(16, _next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
+                BLOCK_SIZE=block_size, BLOCK_N=_BLOCK_N, NUM_SPLITS=num_splits,
+                PRECISION="ieee" if cache_dtype == torch.float32 else "tf32",
+                # NOTE: from ptxas's register counts for sm_90, not from timings (no GPU yet): with 4 warps a
+                # 128-wide head tile takes over 200 registers a thread and spills in float32; with 8 warps no case
+                # tried spills more than 8 bytes. Retune on a GPU.
+                num_warps=8 if head_dim_p2 >= 128 else 4, num_stages=2)
+
+
+def combine_config(head_dim: int, block_size: int, num_splits: int) -> dict:
+    return dict(HEAD_DIM=head_dim, HEAD_DIM_P2=max(16, _next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
+                NUM_SPLITS=num_splits, SPLITS_P2=_next_power_of_2(num_splits))
+
+
 def _next_power_of_2(n: int) -> int:  # triton.next_power_of_2, for when triton is missing
     return 1 << max(0, n - 1).bit_length()
 
@@ -158,24 +175,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1, "head_dim must be contiguous"
     assert block_tables.dtype == context_lens.dtype == torch.int32, (block_tables.dtype, context_lens.dtype)
     assert block_tables.stride(-1) == 1 and context_lens.is_contiguous()
-    group = nh // nkv
     num_splits = max_splits or default_num_splits(B, nkv, block_tables.shape[1], q.device)
     f32 = dict(device=q.device, dtype=torch.float32)
     # The splits' partials: running max and sum of exponentials (B, nh, S), unnormalised output (B, nh, S, hd).
     m_i, l_i = torch.empty(B, nh, num_splits, **f32), torch.empty(B, nh, num_splits, **f32)
     acc = torch.empty(B, nh, num_splits, hd, **f32)
-    head_dim_p2 = max(16, triton.next_power_of_2(hd))  # tl.dot wants every dimension >= 16
     _split_kernel[(B, nkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, m_i, l_i, acc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), HEAD_DIM=hd, HEAD_DIM_P2=head_dim_p2,
-        BLOCK_SIZE=block_size, BLOCK_N=_BLOCK_N, NUM_SPLITS=num_splits,
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32")
+        **split_config(k_cache.dtype, nh // nkv, hd, block_size, num_splits))
     out = torch.empty_like(q)  # (B, nh, hd)
-    _combine_kernel[(B, nh)](context_lens, m_i, l_i, acc, out, out.stride(0), out.stride(1), HEAD_DIM=hd,
-                             HEAD_DIM_P2=head_dim_p2, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-                             SPLITS_P2=triton.next_power_of_2(num_splits))
+    _combine_kernel[(B, nh)](context_lens, m_i, l_i, acc, out, out.stride(0), out.stride(1),
+                             **combine_config(hd, block_size, num_splits))
     return out
 
 

@@ -9,15 +9,18 @@ they are skipped, and one test runs the child and reports its result.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from llm import triton_attention
-from llm.triton_attention import default_num_splits, paged_decode_attention_reference
+from llm.triton_attention import combine_config, default_num_splits, paged_decode_attention_reference, split_config
 
 LENS = [1, 15, 16, 17, 100, 257]  # around block edges (block_size 16), and 17 blocks for the longest
 needs_triton = pytest.mark.skipif(triton_attention.triton is None, reason="triton is not installed")
@@ -133,6 +136,45 @@ def test_default_num_splits_depends_on_shapes_only():
     assert default_num_splits(1, 2, 2, cpu) == 2  # never more splits than a sequence has blocks
     assert default_num_splits(64, 8, 64, cpu) == 1  # a large batch fills the device without splitting
     assert all(s & (s - 1) == 0 for s in (default_num_splits(b, 2, 100, cpu) for b in range(1, 70)))
+
+
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32"}
+
+
+def compile_for_h100(kernel, pointers: dict, constexprs: dict):
+    """Compile as a launch on an H100 would (sm_90), down to a cubin with the ptxas bundled with triton; no GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
+    signature = {name: ("*" + TYPES[pointers[name]] if name in pointers else "fp32" if name == "scale" else "i32")
+                 for name in kernel.arg_names if name not in constexprs}
+    signature |= {name: "constexpr" for name in constexprs}
+    source = ASTSource(kernel, signature, constexprs)
+    return triton_attention.triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,group,hd,block_size,splits", [
+    (torch.bfloat16, 4, 128, 16, 8), (torch.float32, 8, 128, 16, 8), (torch.float16, 7, 80, 32, 5)])
+def test_kernels_compile_for_h100_without_spills(dtype, group, hd, block_size, splits):
+    """Where no GPU is lent, this still catches a kernel that would not compile for one, and heavy register spills."""
+    if INTERPRETED:
+        pytest.skip("interpreted kernels do not compile")
+    f32, i32 = torch.float32, torch.int32
+    pointers = dict(q_ptr=dtype, k_ptr=dtype, v_ptr=dtype, block_tables_ptr=i32, context_lens_ptr=i32, m_ptr=f32,
+                    l_ptr=f32, acc_ptr=f32, out_ptr=dtype)
+    split = compile_for_h100(triton_attention._split_kernel, pointers,
+                             split_config(dtype, group, hd, block_size, splits))
+    compile_for_h100(triton_attention._combine_kernel, pointers, combine_config(hd, block_size, splits))
+    cuobjdump = Path(triton_attention.triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(split.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))  # spilled registers live on the stack
+    assert stack <= 16, usage  # a word or two at most; 4 warps spilled hundreds of bytes in float32
 
 
 @pytest.mark.gpu
