@@ -82,7 +82,8 @@ def test_kernel_cases_pass_in_the_triton_interpreter():
         pytest.skip("this is the child")
     env = dict(os.environ, TRITON_INTERPRET="1")
     # --noconftest: the child needs none of the suite's fixtures (checkpoints, Ray), only this file
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "--noconftest", "-k", "in_interpreter"]
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "--noconftest",
+           "-k", "in_interpreter"]
     child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     report = child.stdout[-6000:] + child.stderr[-2000:]
     assert child.returncode == 0, report
