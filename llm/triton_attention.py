@@ -1,0 +1,216 @@
+"""Paged decode attention that reads the KV blocks in place: a Triton kernel for cuda, and its pure-torch reference.
+
+Design (flash-decoding over a paged cache; the GQA grouping as in SGLang's grouped decode kernel,
+sglang/srt/layers/attention/triton_ops/decode_attention.py; the online softmax as in Triton's fused-attention
+tutorial):
+
+- One program per (sequence, KV head, split). It loads its KV head's keys once for the whole GQA group of query
+  heads (nh / nkv of them, padded to at least 16 rows, the smallest `tl.dot` tile), so GQA costs no repeated
+  KV reads. Each key position is looked up through the block table (block = table[t // block_size], slot =
+  t % block_size), so the cache is read where it lies: no gather into a contiguous copy.
+- Split-KV: a sequence's blocks are cut into at most `num_splits` contiguous ranges of whole blocks, one per
+  program, so that a small batch with long contexts still fills the GPU. Each split writes a partial (running
+  max, sum of exponentials, unnormalised accumulator) in float32; a second small kernel, one program per
+  (sequence, query head), rescales and sums the splits that were written.
+- No value-dependent grid: the grids are (B, nkv, num_splits) and (B, nh) whatever the context lengths are, and
+  num_splits comes from shapes alone; each program derives its range from context_lens inside the kernel (a
+  short sequence leaves its later splits empty: they exit at once, and the combine, doing the same arithmetic,
+  skips them). So the launch needs no host sync (no max(context_lens)) and is CUDA-graph safe: a replay with
+  other lengths, block tables or queries in the same buffers runs the same grid.
+- The null block: block-table padding points at block 0, and free blocks may hold anything (NaN included).
+  Every position >= context_len is masked in the loads themselves (masked lanes read 0 and never touch memory)
+  and its score is set to -inf before the softmax, so nothing past a sequence's context enters the arithmetic.
+- Arithmetic in float32: loads are upcast before any math. Triton's interpreter (TRITON_INTERPRET=1, the CPU
+  tests) cannot compute in bfloat16 (it multiplies the bit patterns), and on a GPU the upcast costs nothing in
+  accuracy: a 16-bit input is exact in tf32, so a tf32 `tl.dot` gives exact products with a float32 sum. A float32
+  cache uses ieee dots, so cuda float32 matches CPU float32.
+
+The reference (`paged_decode_attention_reference`) gathers the blocks and runs a masked float32 softmax; it is the
+tests' oracle and the fallback where the kernel cannot run (CPU without the interpreter, or triton missing).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch does not bring triton: the reference still works
+    triton = None
+
+# NOTE: read once, at the same moment triton.jit reads it to decide whether the kernels below are interpreted.
+_INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET", "0") == "1"
+_BLOCK_N = 32  # keys per loop step; any block_size works because each key finds its block through the table
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, m_ptr, l_ptr, acc_ptr, scale,
+                      stride_qb, stride_qh, stride_kh, stride_kb, stride_kt, stride_vh, stride_vb, stride_vt,
+                      stride_tb, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+        b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        num_heads = tl.num_programs(1) * GROUP
+        context_len = tl.load(context_lens_ptr + b)
+        # Splits own whole blocks; _combine_kernel repeats this arithmetic to know which splits were written.
+        # NOTE: (a + n - 1) // n rather than tl.cdiv: a jit helper call costs milliseconds in the interpreter.
+        blocks_per_split = ((context_len + BLOCK_SIZE - 1) // BLOCK_SIZE + NUM_SPLITS - 1) // NUM_SPLITS
+        start = split * blocks_per_split * BLOCK_SIZE
+        end = tl.minimum(start + blocks_per_split * BLOCK_SIZE, context_len)
+        if start < end:  # a short context leaves the later splits empty: they exit at once and write nothing
+            rows = tl.arange(0, GROUP_P2)  # the group's query heads, padded to a dot-sized tile
+            heads = kv_head * GROUP + rows
+            is_head = rows < GROUP
+            dims = tl.arange(0, HEAD_DIM_P2)
+            is_dim = dims < HEAD_DIM  # head_dim 80 and the like: padded to a power of two, masked
+            q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                        mask=is_head[:, None] & is_dim[None, :], other=0.0)
+            q = q.to(tl.float32) * scale  # (GROUP_P2, HEAD_DIM_P2); padding rows are 0: their scores stay finite
+
+            m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
+            l_i = tl.full([GROUP_P2], 0.0, tl.float32)  # tl.full, not tl.zeros: a builtin, no jit call to interpret
+            acc = tl.full([GROUP_P2, HEAD_DIM_P2], 0.0, tl.float32)
+            k_head = k_ptr + kv_head * stride_kh
+            v_head = v_ptr + kv_head * stride_vh
+            for t0 in range(start, end, BLOCK_N):
+                t = t0 + tl.arange(0, BLOCK_N)
+                is_key = t < end
+                block = tl.load(block_tables_ptr + b * stride_tb + t // BLOCK_SIZE, mask=is_key, other=0)
+                block = block.to(tl.int64)  # block * stride overflows int32 in a cache over 2**31 elements
+                slot = t % BLOCK_SIZE
+                # Masked loads: lanes past the context (null block, stale or NaN slots) read 0, not the cache.
+                kt = tl.load(k_head + block[None, :] * stride_kb + slot[None, :] * stride_kt + dims[:, None],
+                             mask=is_dim[:, None] & is_key[None, :], other=0.0)  # (HEAD_DIM_P2, BLOCK_N)
+                scores = tl.dot(q, kt.to(tl.float32), input_precision=PRECISION)  # (GROUP_P2, BLOCK_N)
+                scores = tl.where(is_key[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: every step has at least one key
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(scores - m_new[:, None])  # 0 where masked
+                v = tl.load(v_head + block[:, None] * stride_vb + slot[:, None] * stride_vt + dims[None, :],
+                            mask=is_key[:, None] & is_dim[None, :], other=0.0)  # (BLOCK_N, HEAD_DIM_P2)
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                m_i = m_new
+
+            part = (b * num_heads + heads) * NUM_SPLITS + split  # (GROUP_P2,) index into (B, nh, NUM_SPLITS)
+            tl.store(m_ptr + part, m_i, mask=is_head)
+            tl.store(l_ptr + part, l_i, mask=is_head)
+            tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+                     mask=is_head[:, None] & is_dim[None, :])
+
+    @triton.jit
+    def _combine_kernel(context_lens_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh,
+                        HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+        b, head = tl.program_id(0), tl.program_id(1)
+        num_blocks = (tl.load(context_lens_ptr + b) + BLOCK_SIZE - 1) // BLOCK_SIZE
+        blocks_per_split = tl.maximum((num_blocks + NUM_SPLITS - 1) // NUM_SPLITS, 1)  # as in _split_kernel
+        splits = tl.arange(0, SPLITS_P2)
+        is_split = splits < (num_blocks + blocks_per_split - 1) // blocks_per_split  # the splits that were written
+        dims = tl.arange(0, HEAD_DIM_P2)
+        is_dim = dims < HEAD_DIM
+        part = (b * tl.num_programs(1) + head) * NUM_SPLITS + splits  # (SPLITS_P2,)
+        m_i = tl.load(m_ptr + part, mask=is_split, other=float("-inf"))
+        l_i = tl.load(l_ptr + part, mask=is_split, other=0.0)
+        acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=is_split[:, None] & is_dim[None, :],
+                      other=0.0)  # (SPLITS_P2, HEAD_DIM_P2)
+        # Unwritten splits weigh 0; the where keeps a context of 0 keys (no split written) from -inf - -inf = NaN.
+        weight = tl.where(is_split, tl.exp(m_i - tl.max(m_i, 0)), 0.0)
+        num = tl.sum(weight[:, None] * acc, 0)  # (HEAD_DIM_P2,)
+        den = tl.sum(weight * l_i, 0)
+        out = tl.where(den > 0, num / den, 0.0)
+        tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=is_dim)
+
+
+def default_num_splits(batch_size: int, num_kv_heads: int, max_blocks_per_seq: int, device: torch.device) -> int:
+    """Splits from shapes alone (never from context lengths), so a CUDA graph per batch bucket keeps its grid.
+
+    Aim for about two programs per streaming multiprocessor, as flash-decoding does to fill the GPU at small
+    batch; no more splits than a sequence can have blocks; a power of two, so few kernel variants compile.
+    """
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = -(-2 * sms // (batch_size * num_kv_heads))
+    return max(1, min(_next_power_of_2(want), 16, _next_power_of_2(max_blocks_per_seq)))
+
+
+def split_config(cache_dtype: torch.dtype, group: int, head_dim: int, block_size: int, num_splits: int) -> dict:
+    """_split_kernel's compile-time arguments and launch options (tests compile the same for sm_90 on CPU)."""
+    head_dim_p2 = max(16, _next_power_of_2(head_dim))  # tl.dot wants every dimension >= 16
+    return dict(GROUP=group, GROUP_P2=max(16, _next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
+                BLOCK_SIZE=block_size, BLOCK_N=_BLOCK_N, NUM_SPLITS=num_splits,
+                PRECISION="ieee" if cache_dtype == torch.float32 else "tf32",
+                # NOTE: from ptxas's register counts for sm_90, not from timings (no GPU yet): with 4 warps a
+                # 128-wide head tile takes over 200 registers a thread and spills in float32; with 8 warps no case
+                # tried spills more than 8 bytes. Retune on a GPU.
+                num_warps=8 if head_dim_p2 >= 128 else 4, num_stages=2)
+
+
+def combine_config(head_dim: int, block_size: int, num_splits: int) -> dict:
+    return dict(HEAD_DIM=head_dim, HEAD_DIM_P2=max(16, _next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
+                NUM_SPLITS=num_splits, SPLITS_P2=_next_power_of_2(num_splits))
+
+
+def _next_power_of_2(n: int) -> int:  # triton.next_power_of_2, for when triton is missing
+    return 1 << max(0, n - 1).bit_length()
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           max_splits: int | None = None) -> torch.Tensor:
+    """One query token per sequence against its paged context.
+
+    q (B, nh, hd); k_cache, v_cache (nkv, num_blocks, block_size, hd); block_tables (B, W) int32, padded with the
+    null block 0; context_lens (B,) int32, keys per sequence (>= 1) -> (B, nh, hd) in q's dtype.
+    On a non-cuda device (unless the kernels were built under TRITON_INTERPRET=1) this is the reference.
+    """
+    if triton is None or (q.device.type != "cuda" and not _INTERPRETED):
+        return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, max_splits)
+    B, nh, hd = q.shape
+    nkv, _, block_size, _ = k_cache.shape
+    assert nh % nkv == 0 and k_cache.shape == v_cache.shape and k_cache.shape[-1] == hd, (q.shape, k_cache.shape)
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1, "head_dim must be contiguous"
+    assert block_tables.dtype == context_lens.dtype == torch.int32, (block_tables.dtype, context_lens.dtype)
+    assert block_tables.stride(-1) == 1 and context_lens.is_contiguous()
+    num_splits = max_splits or default_num_splits(B, nkv, block_tables.shape[1], q.device)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    # The splits' partials: running max and sum of exponentials (B, nh, S), unnormalised output (B, nh, S, hd).
+    m_i, l_i = torch.empty(B, nh, num_splits, **f32), torch.empty(B, nh, num_splits, **f32)
+    acc = torch.empty(B, nh, num_splits, hd, **f32)
+    _split_kernel[(B, nkv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, m_i, l_i, acc, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        **split_config(k_cache.dtype, nh // nkv, hd, block_size, num_splits))
+    out = torch.empty_like(q)  # (B, nh, hd)
+    _combine_kernel[(B, nh)](context_lens, m_i, l_i, acc, out, out.stride(0), out.stride(1),
+                             **combine_config(hd, block_size, num_splits))
+    return out
+
+
+def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                     max_splits: int | None = None) -> torch.Tensor:
+    """The same contract in plain torch: gather each sequence's blocks, masked float32 softmax. max_splits is
+    accepted for the common signature and unused."""
+    B, nh, hd = q.shape
+    nkv, _, block_size, _ = k_cache.shape
+    table = block_tables.long()
+    S = table.shape[1] * block_size
+    is_key = torch.arange(S, device=q.device)[None, :] < context_lens[:, None]  # (B, S)
+    # Zero what lies past each context before any arithmetic: the null and free blocks may hold NaN.
+    k = k_cache[:, table].flatten(2, 3).transpose(0, 1).float()  # (B, nkv, S, hd)
+    v = v_cache[:, table].flatten(2, 3).transpose(0, 1).float()
+    k = k.masked_fill(~is_key[:, None, :, None], 0)
+    v = v.masked_fill(~is_key[:, None, :, None], 0)
+    qg = q.float().view(B, nkv, nh // nkv, hd)  # (B, nkv, g, hd): a KV head's group of query heads
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # (B, nkv, g, S)
+    scores = scores.masked_fill(~is_key[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1).masked_fill(~is_key[:, None, None, :], 0)  # a context of 0 keys gives 0, not NaN
+    return torch.matmul(probs, v).view(B, nh, hd).to(q.dtype)  # (B, nh, hd)
+
+
+__all__ = ["default_num_splits", "paged_decode_attention", "paged_decode_attention_reference"]
