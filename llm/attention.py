@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from llm.triton_attention import paged_decode_attention
+
 
 @dataclass(slots=True)
 class ChunkSpec:
@@ -70,6 +72,15 @@ class BatchMeta:
         return cls(torch.cat(slot_parts).to(device), decode, multi, chunks=chunks, block_size=block_size)
 
 
+@dataclass(slots=True)
+class StaticMeta:
+    """A static decode step's attention inputs (llm/decode_step.py): persistent buffers of a fixed batch bucket, so a
+    captured CUDA graph replays them. Padding rows write to, and read only, the null block."""
+    slot_mapping: torch.Tensor  # (B,) cache slot of each row's new token
+    block_tables: torch.Tensor  # (B, W) int32, W = ceil(max_model_len / block_size), padded with the null block
+    context_lens: torch.Tensor  # (B,) int32: keys of each row, its new token included
+
+
 def decode_groups(num_blocks: list[int], slack: float = 0.3, min_slack: int = 8) -> list[tuple[int, int]]:
     """Split sequences into contiguous runs [i0, i1) whose context lengths (in blocks) differ by at most `slack` of
     the run's longest, or `min_slack` blocks. Each run is padded to its longest, so with lengths sorted (the engine
@@ -88,7 +99,7 @@ def decode_groups(num_blocks: list[int], slack: float = 0.3, min_slack: int = 8)
     return groups[::-1]
 
 
-def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, meta: BatchMeta,
+def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, meta: BatchMeta | StaticMeta,
                     scale: float) -> torch.Tensor:
     """q (T, nh, hd); kv (T, 2 * nkv, hd): the new tokens' keys then values; kv_cache (2 * nkv, num_blocks,
     block_size, hd): keys of the nkv heads, then their values -> (T, nh, hd). The new keys and values go into the
@@ -96,6 +107,8 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, m
     two_nkv, hd = kv.shape[1], kv.shape[2]
     nkv = two_nkv // 2
     kv_cache.view(two_nkv, -1, hd).index_copy_(1, meta.slot_mapping, kv.transpose(0, 1))
+    if isinstance(meta, StaticMeta):  # the blocks read in place (Triton on cuda), a static shape for CUDA graphs
+        return paged_decode_attention(q, kv_cache[:nkv], kv_cache[nkv:], meta.block_tables, meta.context_lens, scale)
     # NOTE: blocks as rows of a 3-D view: index_select copies whole rows, several times faster on CPU than
     # gathering from the 4-D tensor (or token by token).
     rows = kv_cache.flatten(2)  # (2 * nkv, num_blocks, block_size * hd)
@@ -149,4 +162,4 @@ def _gather(rows: torch.Tensor, index: torch.Tensor, buffers: dict[str, torch.Te
     return torch.index_select(rows.view(-1, width), 0, buffers[name + ".index"], out=buf).view(heads, -1, width)
 
 
-__all__ = ["BatchMeta", "ChunkSpec", "DecodeGroup", "decode_groups", "paged_attention"]
+__all__ = ["BatchMeta", "ChunkSpec", "DecodeGroup", "StaticMeta", "decode_groups", "paged_attention"]

@@ -43,6 +43,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     stream_interval_s: float = 0.02
     cpu_threads: int | None = None  # CPU: torch threads of the worker thread alone (llm/threads.py); None: leave as is
+    static_decode: bool | None = None  # decode-only steps through llm/decode_step.py; None: on cuda with one rank
+    cuda_graphs: bool | None = None  # replay them as CUDA graphs; None: on cuda with one rank
 
     def __post_init__(self) -> None:
         assert self.num_blocks * self.block_size >= self.max_model_len, "the cache must hold one full sequence"
@@ -53,7 +55,12 @@ class Engine:
                  eos_token_ids: set[int]):
         self.model, self.config = model, config
         self.image_token_id, self.merge_size, self.eos_token_ids = image_token_id, merge_size, frozenset(eos_token_ids)
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size)
+        single_cuda = model.lm_head.weight.device.type == "cuda" and getattr(model, "tp", None) is not None \
+            and model.tp.world_size == 1  # a ParallelLM (several ranks) has no .tp: it runs eagerly
+        graphs = single_cuda if config.cuda_graphs is None else config.cuda_graphs
+        static = graphs or (single_cuda if config.static_decode is None else config.static_decode)
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=config.max_model_len, static_decode=static, cuda_graphs=graphs)
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.counts = {"finished": 0, "failed": 0, "steps": 0}  # written by the worker only

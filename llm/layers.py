@@ -38,32 +38,38 @@ def interleave_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 class Rotary:
-    """RoPE as unit complex numbers, one table row per position (float32 complex, computed as transformers does:
-    cos and sin of position * inv_freq in float32). M-RoPE takes each frequency from its own axis (t, h, w)."""
+    """RoPE as unit complex numbers, one table row per position (cos and sin of position * inv_freq in float32, as
+    transformers computes them), kept as real pairs (P, hd/2, 2). M-RoPE takes each frequency from its own axis."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, mrope_section: tuple[int, ...] | None,
                  device: torch.device | str = "cpu"):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # (hd/2,)
         angles = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq  # (P, hd/2)
-        self.table = torch.polar(torch.ones_like(angles), angles).to(device)  # (P, hd/2) complex64
+        self.table = torch.stack([angles.cos(), angles.sin()], -1).to(device)  # (P, hd/2, 2)
         sections = mrope_section or (head_dim // 2,)
         axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(sections)])  # (hd/2,) which axis
         self.axis, self.freq = axis.to(device), torch.arange(head_dim // 2, device=device)
         self.scale = head_dim**-0.5
 
     def step(self, positions: torch.Tensor, nh: int, nkv: int) -> torch.Tensor:
-        """positions (3, T) -> (T, nh + nkv, hd/2) complex: the queries' rotations (scaled), then the keys'."""
-        cis = self.table[positions[self.axis].T, self.freq]  # (T, hd/2): frequency i at its axis's position
+        """positions (3, T) -> (T, nh + nkv, hd/2, 2): the queries' rotations (scaled), then the keys'."""
+        cis = self.table[positions[self.axis].T, self.freq]  # (T, hd/2, 2): frequency i at its axis's position
         T = cis.shape[0]
-        return torch.cat([(cis * self.scale)[:, None].expand(T, nh, -1), cis[:, None].expand(T, nkv, -1)], 1)
+        return torch.cat([(cis * self.scale)[:, None].expand(T, nh, -1, -1), cis[:, None].expand(T, nkv, -1, -1)], 1)
 
-    def apply_(self, qkv: torch.Tensor, cis: torch.Tensor) -> None:
-        """Rotate the q and k heads of qkv (T, H, hd) in place by cis (T, nh + nkv, hd/2)."""
+    @staticmethod
+    def apply_(qkv: torch.Tensor, cis: torch.Tensor) -> None:
+        """Rotate the q and k heads of qkv (T, H, hd) in place by cis (T, nh + nkv, hd/2, 2)."""
         n = cis.shape[1]
-        if qkv.dtype in (torch.float32, torch.float64):
-            torch.view_as_complex(qkv.unflatten(-1, (-1, 2)))[:, :n].mul_(cis)
+        if torch.compiler.is_compiling():  # Inductor generates no complex code: the same product in real pairs
+            x = qkv[:, :n].unflatten(-1, (-1, 2)).float()  # (T, n, hd/2, 2)
+            c, s = cis[..., 0], cis[..., 1]
+            out = torch.stack([x[..., 0] * c - x[..., 1] * s, x[..., 0] * s + x[..., 1] * c], -1)
+            qkv[:, :n] = out.flatten(-2).to(qkv.dtype)
+        elif qkv.dtype in (torch.float32, torch.float64):  # one complex multiply, in place
+            torch.view_as_complex(qkv.unflatten(-1, (-1, 2)))[:, :n].mul_(torch.view_as_complex(cis))
         else:  # no complex bfloat16: rotate in float32 (as transformers' cos/sin are) and write back
-            qk = torch.view_as_complex(qkv[:, :n].float().unflatten(-1, (-1, 2))).mul_(cis)
+            qk = torch.view_as_complex(qkv[:, :n].float().unflatten(-1, (-1, 2))).mul_(torch.view_as_complex(cis))
             qkv[:, :n] = torch.view_as_real(qk).flatten(-2)
 
 
@@ -96,7 +102,7 @@ class Attention(nn.Module):
     def forward(self, x, rotary: Rotary, cis, kv_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x).view(T, self.nh + 2 * self.nkv, self.hd)  # (T, nh + 2nkv, hd)
-        rotary.apply_(qkv, cis)
+        Rotary.apply_(qkv, cis)
         out = paged_attention(qkv[:, : self.nh], qkv[:, self.nh :], kv_cache, meta, scale=1.0)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, self.nh * self.hd))  # (T, D)
 

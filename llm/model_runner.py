@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from llm.attention import BatchMeta, ChunkSpec
+from llm.decode_step import StaticDecode
 from llm.merge import merge_image_embeds
 from llm.sampling import sample
 from llm.scheduler import Chunk
@@ -24,10 +25,16 @@ class Sampled:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int):
+    """`static_decode`: decode-only steps go through llm/decode_step.py (its cache gets one more block, the null
+    block of padding rows); `cuda_graphs`: and replay captured graphs (cuda only)."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, *, max_num_seqs: int, max_model_len: int,
+                 static_decode: bool, cuda_graphs: bool):
         self.model, self.block_size = model, block_size
         self.device = model.lm_head.weight.device
-        self.cache = model.new_cache(num_blocks, block_size)
+        self.cache = model.new_cache(num_blocks + static_decode, block_size)
+        self.static = StaticDecode(model, self.cache, max_num_seqs, max_model_len, cuda_graphs) \
+            if static_decode else None
 
     def _embed(self, chunk: Chunk) -> torch.Tensor:
         """Input embeddings of the chunk's tokens, image rows merged in: the one merge."""
@@ -52,6 +59,8 @@ class ModelRunner:
     def run(self, chunks: list[Chunk]) -> list[Sampled]:
         """One forward over the chunks (one-token chunks first, shortest context first); a token for each chunk
         that completes its sequence's known tokens."""
+        if self.static is not None and all(c.n == 1 and c.start >= c.seq.prompt_len for c in chunks):
+            return self._decode(chunks)
         embeds, positions = self._inputs(chunks)  # (T, D), (3, T)
         meta = BatchMeta.build([ChunkSpec(c.seq.block_ids, c.start, c.n) for c in chunks], self.block_size,
                                self.device)
@@ -60,9 +69,19 @@ class ModelRunner:
         rows = [(c.seq, end - 1) for c, end in zip(chunks, ends) if c.completes]
         return self._sample(hidden, rows) if rows else []
 
+    def _decode(self, chunks: list[Chunk]) -> list[Sampled]:
+        """A decode-only step through the static buffers (every chunk is one generated token)."""
+        seqs = [c.seq for c in chunks]
+        rows = self.static.prepare([s.token_ids[c.start] for s, c in zip(seqs, chunks)],
+                                   [c.start + s.rope_delta for s, c in zip(seqs, chunks)],
+                                   [s.block_ids for s in seqs], [c.start + 1 for c in chunks])
+        return self._sample_logits(self.static.run(len(chunks), rows), seqs)
+
     def _sample(self, hidden: torch.Tensor, rows: list[tuple[Sequence, int]]) -> list[Sampled]:
-        logits = self.model.logits(hidden, [r for _, r in rows])  # (B, V)
-        seqs = [s for s, _ in rows]
+        return self._sample_logits(self.model.logits(hidden, [r for _, r in rows]), [s for s, _ in rows])
+
+    def _sample_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
+        """logits (B, V) of `seqs`, in order -> their next tokens (one host sync for the batch)."""
         for s in seqs:
             if s.params.has_penalties and s.output_counts is None:
                 s.output_counts = torch.zeros(logits.shape[-1], device=logits.device)
