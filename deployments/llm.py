@@ -88,7 +88,8 @@ class LLM:
             max_model_len=max_model_len, num_blocks=num_blocks, block_size=llm_args.block_size,
             max_num_seqs=llm_args.max_num_seqs, max_num_batched_tokens=llm_args.max_num_batched_tokens,
             max_queued=llm_args.max_queued_requests, enable_prefix_caching=llm_args.enable_prefix_caching,
-            stream_interval_s=llm_args.stream_interval_ms / 1000, cpu_threads=cpu_threads)
+            stream_interval_s=llm_args.stream_interval_ms / 1000, cpu_threads=cpu_threads,
+            cuda_graphs=llm_args.cuda_graphs)
         family = family_of(self.args.model, self.args.family)
         self.engine = Engine(model, engine_config, image_token_id=family.image_tokens(config).placeholder_id,
                              merge_size=family.processing.from_pretrained(self.args.model).merge_size,

@@ -57,7 +57,7 @@ class Engine:
         self.image_token_id, self.merge_size, self.eos_token_ids = image_token_id, merge_size, frozenset(eos_token_ids)
         single_cuda = model.lm_head.weight.device.type == "cuda" and getattr(model, "tp", None) is not None \
             and model.tp.world_size == 1  # a ParallelLM (several ranks) has no .tp: it runs eagerly
-        graphs = single_cuda if config.cuda_graphs is None else config.cuda_graphs
+        graphs = single_cuda if config.cuda_graphs is None else config.cuda_graphs and single_cuda
         static = graphs or (single_cuda if config.static_decode is None else config.static_decode)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, max_num_seqs=config.max_num_seqs,
                                   max_model_len=config.max_model_len, static_decode=static, cuda_graphs=graphs)

@@ -91,6 +91,10 @@ class LLMArgs(_Strict):
     cpu_threads: int | None = Field(
         None, ge=1, description="torch threads of the engine's worker on cpu (the replica's other threads use one); "
         "default: the CPUs Ray reserved for the replica (its num_cpus).")
+    cuda_graphs: bool | None = Field(
+        None, description="On cuda with one rank: decode-only steps replay CUDA graphs captured at start, one per "
+        "batch bucket (false: the same static step, eager); default: on for cuda, off on cpu (where the eager step "
+        "reads only the blocks a batch uses).")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="Ranks (one GPU each) that one LLM replica's model is split over, packed on one "
         "node: attention heads, the MLP and the KV cache are sharded; it must divide the heads and KV heads.")
