@@ -8,6 +8,11 @@
    engine runs it: with the process's loading thread also owning an OpenMP team (before) against the worker
    alone owning one (`llm.threads`). Each case runs in its own process: a thread team cannot be undone.
 
+3. The whole decode step (forward + logits, batches 1, 8 and 32, float32 and bfloat16) with this tree's `llm`
+   against a baseline commit's (`--baseline`, default e422682: before the fused layers), ops per layer and ms,
+   in alternating child processes (tests/bench/step_ab.py). Its last line:
+   `decode step: N ops per layer; bf16 batch 1 A ms (was B); bf16 batch 32 C ms (was D)`.
+
 Medians of repeated timings taken round-robin over the cases, so a burst of other load hits them alike. Prints
 markdown tables with the ratio to the "before" row.
 """
@@ -58,8 +63,9 @@ def bench_attention(rounds: int, threads: int) -> list[tuple[str, str, float]]:
     for dtype in (torch.float32, torch.bfloat16):
         chunks = _decode_batch(32, 90, 450, 3000)
         q, k, v = (torch.randn(32, h, HD, dtype=dtype) for h in (NH, NKV, NKV))
-        head_major = torch.randn(NKV, 3000, BS, HD, dtype=dtype)  # llm.KVCache's layout (one layer)
-        token_major = head_major.permute(1, 2, 0, 3).contiguous()  # (blocks, bs, nkv, hd): the previous layout
+        head_major = torch.randn(2 * NKV, 3000, BS, HD, dtype=dtype)  # llm.KVCache's layout (one layer): keys, values
+        token_major = head_major[:NKV].permute(1, 2, 0, 3).contiguous()  # (blocks, bs, nkv, hd): the previous layout
+        kv = torch.cat([k, v], dim=1)  # (32, 2 * NKV, HD)
         nb = max(c.start for c in chunks) // BS + 1
         table = torch.tensor([c.block_ids + [0] * (nb - len(c.block_ids)) for c in chunks]).flatten()
         starts = torch.tensor([c.start for c in chunks])
@@ -73,7 +79,7 @@ def bench_attention(rounds: int, threads: int) -> list[tuple[str, str, float]]:
 
         def current(meta_chunks=chunks):
             meta = BatchMeta.build(meta_chunks, BS, torch.device("cpu"))
-            return paged_attention(q, k, v, head_major, head_major, meta)
+            return paged_attention(q, kv, head_major, meta, scale=HD**-0.5)
 
         one_group = attention_module.decode_groups
 
@@ -149,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", choices=("teams", "solo"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    p.add_argument("--baseline", default="e422682", help="the commit the decode step is compared with")
+    p.add_argument("--step-rounds", type=int, default=3, help="alternating child runs per tree (decode step)")
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(_forward_case(args.child, Path(args.checkpoint), args.dtype, args.threads, args.rounds)))
@@ -171,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     for dtype, batch, label, ms in rows2:
         before = next(m for d, b, lab, m in rows2 if d == dtype and b == batch and lab.endswith("(before)"))
         print(f"| {dtype} | {batch} | {label} | {ms:.1f} | {before / ms:.2f}x |")
+    from tests.bench.step_ab import baseline_tree, compare, report
+
+    print(f"\n3. Decode step (forward + logits) of the bench checkpoint, this tree against {args.baseline}\n")
+    results = compare(checkpoint, baseline_tree(args.baseline, Path(args.out_dir)), threads=args.threads,
+                      rounds=args.step_rounds, reps=10, dtypes="float32,bfloat16", batches="1,8,32")
+    print("\n".join(report(results, args.baseline)))
     return 0
 
 

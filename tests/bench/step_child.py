@@ -1,0 +1,81 @@
+"""Child of `tests/bench/step_ab.py`: times one decode step (forward + logits + argmax) of the bench checkpoint with
+the `llm` package of the tree given as argv[1] (the current one or a baseline commit's), on a worker thread with
+the threads the engine gives it, and counts the ops it dispatches per layer (views excluded: they move no data).
+Prints one JSON line: {"<dtype> b<batch>": [ms, ops per layer], ...}. Uses only the API both trees share."""
+
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, sys.argv[1])
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from llm import BatchMeta, ChunkSpec, Qwen2LM  # noqa: E402
+from llm.threads import set_thread_intra_op_threads  # noqa: E402
+
+BS, NUM_BLOCKS = 16, 3000
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def _batch(n: int) -> list:
+    """n decode rows with contexts of 90..450 tokens (seeded), blocks scattered through the pool."""
+    rng = random.Random(0)
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    return [ChunkSpec([free.pop() for _ in range(s // BS + 1)], s, 1)
+            for s in sorted(rng.randint(90, 450) for _ in range(n))]
+
+
+def main() -> None:
+    checkpoint, threads, reps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    cases = [(dtype, int(b)) for dtype in sys.argv[5].split(",") for b in sys.argv[6].split(",")]
+    torch.set_num_threads(1)  # as the LLM replica: one thread process-wide, the worker's own team
+    result: dict[str, list[float]] = {}
+
+    def worker() -> None:
+        set_thread_intra_op_threads(threads)
+        for dtype in dict.fromkeys(d for d, _ in cases):
+            model = Qwen2LM.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
+            cache = model.new_cache(NUM_BLOCKS, BS)
+            for b in (b for d, b in cases if d == dtype):
+                chunks = _batch(b)
+                x = torch.randn(b, model.config.hidden_size, dtype=model.lm_head.weight.dtype)
+                pos = torch.tensor([c.start for c in chunks]).expand(3, -1)
+
+                def step():
+                    with torch.inference_mode():
+                        hidden = model(x, pos, cache, BatchMeta.build(chunks, BS, torch.device("cpu")))
+                        return model.logits(hidden).argmax(-1).tolist()
+
+                step()
+                with _Count() as ops:
+                    step()
+                times = []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    step()
+                    times.append(time.perf_counter() - t)
+                result[f"{dtype} b{b}"] = [statistics.median(times) * 1e3, ops.n / model.config.num_layers]
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
