@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from llm import cpu_attention
+from llm.cpu_attention import paged_decode_cpu
 from llm.triton_attention import paged_decode_attention
 
 
@@ -44,14 +46,27 @@ class BatchMeta:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the step's gather buffers, shared by the layers
     chunks: list[ChunkSpec] = field(default_factory=list)  # what it was built from (other tensor-parallel ranks
     block_size: int = 0                                     # build their own from these: llm/parallel.py)
+    # On CPU with llm/cpu_attention.py built: the one-token chunks' block tables (B1, W) int32 and key counts (B1,)
+    # int32, read in place (then `decode` is empty).
+    decode_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, chunks: list[ChunkSpec], block_size: int, device: torch.device) -> BatchMeta:
         """One-token chunks must come first (the engine orders them so, shortest context first)."""
         n_single = next((i for i, c in enumerate(chunks) if c.n != 1), len(chunks))
         assert all(c.n != 1 for c in chunks[n_single:]), "one-token chunks first"
-        slot_parts, multi, decode = [], [], []
-        for i0, i1 in decode_groups([c.start // block_size + 1 for c in chunks[:n_single]]):
+        slot_parts, multi, decode, tables = [], [], [], None
+        if n_single and device.type == "cpu" and cpu_attention.available():
+            single = chunks[:n_single]
+            width = max(c.start // block_size + 1 for c in single)
+            table = torch.tensor([c.block_ids[:width] + [0] * (width - min(width, len(c.block_ids))) for c in single],
+                                 dtype=torch.int32)  # (B1, W)
+            starts = torch.tensor([c.start for c in single])
+            own = table.gather(1, (starts // block_size)[:, None]).flatten().long()  # each token's own block
+            slot_parts.append(own * block_size + starts % block_size)
+            tables = (table, (starts + 1).int())
+        groups = [] if tables is not None else decode_groups([c.start // block_size + 1 for c in chunks[:n_single]])
+        for i0, i1 in groups:
             group = chunks[i0:i1]
             nb = max(c.start for c in group) // block_size + 1  # blocks of the longest context
             table = torch.tensor([c.block_ids[:nb] + [0] * (nb - min(nb, len(c.block_ids))) for c in group])
@@ -69,7 +84,8 @@ class BatchMeta:
             ctx = blocks[: (c.start + c.n - 1) // block_size + 1].to(device) if c.start > 0 else None
             multi.append((t0, t0 + c.n, c.start, ctx))
             t0 += c.n
-        return cls(torch.cat(slot_parts).to(device), decode, multi, chunks=chunks, block_size=block_size)
+        return cls(torch.cat(slot_parts).to(device), decode, multi, chunks=chunks, block_size=block_size,
+                   decode_tables=tables)
 
 
 @dataclass(slots=True)
@@ -112,8 +128,15 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, m
     # NOTE: blocks as rows of a 3-D view: index_select copies whole rows, several times faster on CPU than
     # gathering from the 4-D tensor (or token by token).
     rows = kv_cache.flatten(2)  # (2 * nkv, num_blocks, block_size * hd)
+    out = None
+    if meta.decode_tables is not None:  # CPU: the decode rows read their blocks in place
+        n_single = meta.decode_tables[1].shape[0]
+        dec = paged_decode_cpu(q[:n_single], kv_cache, *meta.decode_tables, scale)  # (B1, nh, hd)
+        if not meta.multi:
+            return dec
+        out = torch.empty_like(q)
+        out[:n_single] = dec
     single = len(meta.decode) == 1 and meta.decode[0].i1 - meta.decode[0].i0 == q.shape[0]
-    out = None if single else torch.empty_like(q)
     for gi, group in enumerate(meta.decode):
         n, g = group.i1 - group.i0, q.shape[1] // nkv
         kvs = _gather(rows, group.blocks, meta.buffers, f"kv{gi}").view(two_nkv, n, -1, hd)  # (2nkv, n, S, hd)
@@ -127,6 +150,8 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, m
         o = torch.matmul(probs, vs).transpose(0, 1)  # (n, nkv, g, hd)
         if single:
             return o.reshape(n, nkv * g, hd)
+        if out is None:
+            out = torch.empty_like(q)
         out[group.i0:group.i1] = o.reshape(n, nkv * g, hd)
     if out is None:
         out = torch.empty_like(q)

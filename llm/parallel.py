@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from llm import cpu_attention
 from llm.attention import BatchMeta
 
 # (parameter name pattern, dim split across ranks); names not listed are whole on every rank.
@@ -158,6 +159,8 @@ def serve_rank(local) -> None:
     """Ranks 1..N-1: run what rank 0 broadcasts until it says stop. Any failure leaves the group (so that rank 0's
     collectives fail at once) and raises."""
     device, dtype = local.lm_head.weight.device, local.lm_head.weight.dtype
+    if device.type == "cpu":
+        cpu_attention.load()  # as rank 0's model runner does
     cache = hidden = None
     try:
         with torch.inference_mode():

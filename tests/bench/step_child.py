@@ -44,6 +44,12 @@ def main() -> None:
     checkpoint, threads, reps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     cases = [(dtype, int(b)) for dtype in sys.argv[5].split(",") for b in sys.argv[6].split(",")]
     torch.set_num_threads(1)  # as the LLM replica: one thread process-wide, the worker's own team
+    try:  # trees with the in-place CPU decode kernel: its model runner builds it at start, so do the same here
+        from llm import cpu_attention
+
+        cpu_attention.load()
+    except ImportError:
+        pass
     result: dict[str, list[float]] = {}
 
     def worker() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llm import BatchMeta, ChunkSpec, paged_attention
+from llm import BatchMeta, ChunkSpec, cpu_attention, paged_attention
 from llm.attention import decode_groups
 
 NKV, GROUP, HD, BS = 2, 3, 8, 4  # 6 query heads on 2 KV heads
@@ -23,8 +23,17 @@ def _reference(q_seq, k_seq, v_seq, start):
     return F.scaled_dot_product_attention(q_seq.transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
 
 
+@pytest.fixture(params=["in-place kernel", "gather"])
+def decode_path(request, monkeypatch):
+    """Decode rows through llm/cpu_attention.py's kernel (built here if need be), or the gather it replaces."""
+    assert cpu_attention.load() is not None, "the CPU kernel must build here (C++ compiler and ninja)"
+    if request.param == "gather":
+        monkeypatch.setattr(cpu_attention, "_module", None)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_decode_and_prefill_equal_per_sequence_attention(dtype):
+def test_mixed_decode_and_prefill_equal_per_sequence_attention(dtype, decode_path):
     rng = random.Random(0)
     torch.manual_seed(0)
     # Decode contexts from 1 to 300 tokens (several length groups), sorted as the engine sorts them; then prefill
@@ -51,6 +60,7 @@ def test_mixed_decode_and_prefill_equal_per_sequence_attention(dtype):
         new_k.append(full_k[i][start:])
         new_v.append(full_v[i][start:])
     meta = BatchMeta.build(chunks, BS, torch.device("cpu"))
+    assert (meta.decode_tables is not None) == (decode_path == "in-place kernel")
     kv = torch.cat([torch.cat(new_k), torch.cat(new_v)], dim=1)  # (T, 2 * NKV, HD)
     out = paged_attention(torch.cat(q_rows), kv, kv_cache, meta, scale=HD**-0.5)
     row, tol = 0, 1e-5 if dtype == torch.float32 else 2e-2
