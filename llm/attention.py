@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from llm import cpu_attention
-from llm.cpu_attention import paged_decode_cpu
+from llm import cpu_kernels
+from llm.cpu_kernels import paged_decode_cpu
 from llm.triton_attention import paged_decode_attention
 
 
@@ -46,7 +46,7 @@ class BatchMeta:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the step's gather buffers, shared by the layers
     chunks: list[ChunkSpec] = field(default_factory=list)  # what it was built from (other tensor-parallel ranks
     block_size: int = 0                                     # build their own from these: llm/parallel.py)
-    # On CPU with llm/cpu_attention.py built: the one-token chunks' block tables (B1, W) int32 and key counts (B1,)
+    # On CPU with llm/cpu_kernels.py built: the one-token chunks' block tables (B1, W) int32 and key counts (B1,)
     # int32, read in place (then `decode` is empty).
     decode_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -56,7 +56,7 @@ class BatchMeta:
         n_single = next((i for i, c in enumerate(chunks) if c.n != 1), len(chunks))
         assert all(c.n != 1 for c in chunks[n_single:]), "one-token chunks first"
         slot_parts, multi, decode, tables = [], [], [], None
-        if n_single and device.type == "cpu" and cpu_attention.available():
+        if n_single and device.type == "cpu" and cpu_kernels.available():
             single = chunks[:n_single]
             width = max(c.start // block_size + 1 for c in single)
             table = torch.tensor([c.block_ids[:width] + [0] * (width - min(width, len(c.block_ids))) for c in single],

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llm import cpu_kernels
 from llm.attention import BatchMeta, paged_attention
 from llm.parallel import TPGroup
 
@@ -26,7 +27,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of the residual stream x (T, D), after adding `delta` to x in place (the residual carried
+        into the norm: one op with the CPU kernels, two without)."""
+        if cpu_kernels.on(x):
+            return cpu_kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        if delta is not None:
+            x.add_(delta)
         return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one op (float32 inside)
 
 
@@ -61,7 +68,9 @@ class Rotary:
     def apply_(qkv: torch.Tensor, cis: torch.Tensor) -> None:
         """Rotate the q and k heads of qkv (T, H, hd) in place by cis (T, nh + nkv, hd/2, 2)."""
         n = cis.shape[1]
-        if torch.compiler.is_compiling():  # Inductor generates no complex code: the same product in real pairs
+        if cpu_kernels.on(qkv):
+            cpu_kernels.rope_(qkv, cis)
+        elif torch.compiler.is_compiling():  # Inductor generates no complex code: the same product in real pairs
             x = qkv[:, :n].unflatten(-1, (-1, 2)).float()  # (T, n, hd/2, 2)
             c, s = cis[..., 0], cis[..., 1]
             out = torch.stack([x[..., 0] * c - x[..., 1] * s, x[..., 0] * s + x[..., 1] * c], -1)
@@ -99,7 +108,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(c.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=c.qkv_bias)
         self.o_proj = RowParallelLinear(self.nh * self.hd, c.hidden_size, c.o_bias, tp)
 
-    def forward(self, x, rotary: Rotary, cis, kv_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+    def forward(self, x, cis, kv_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x).view(T, self.nh + 2 * self.nkv, self.hd)  # (T, nh + 2nkv, hd)
         Rotary.apply_(qkv, cis)
@@ -127,10 +136,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, rotary: Rotary, cis, kv_cache, meta: BatchMeta) -> torch.Tensor:
-        """x (T, D) is the residual stream; the sum is written in place (x is a fresh tensor of the forward)."""
-        x.add_(self.self_attn(self.input_layernorm(x), rotary, cis, kv_cache, meta))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, x, delta, cis, kv_cache, meta: BatchMeta) -> torch.Tensor:
+        """x (T, D) is the residual stream, summed in place (a fresh tensor of the forward); `delta` is the previous
+        layer's MLP output, not yet added (None before the first layer). Returns this layer's MLP output."""
+        attn = self.self_attn(self.input_layernorm(x, delta), cis, kv_cache, meta)
+        return self.mlp(self.post_attention_layernorm(x, attn))
 
 
 __all__ = ["Attention", "DecoderLayer", "MLP", "RMSNorm", "Rotary", "RowParallelLinear", "interleave_rope_rows"]

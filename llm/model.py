@@ -151,10 +151,10 @@ class Qwen2LM(nn.Module):
         """A flat batch of chunks: inputs_embeds (T, D), positions (3, T) -> final hidden states (T, D)."""
         attn = self.layers[0].self_attn
         cis = self.rotary.step(positions.to(self.lm_head.weight.device), attn.nh, attn.nkv)  # once per step
-        x = inputs_embeds.clone()  # the residual stream, summed in place by the layers
+        x, delta = inputs_embeds.clone(), None  # the residual stream, summed in place by the layers
         for i, layer in enumerate(self.layers):
-            x = layer(x, self.rotary, cis, cache.kv[i], meta)
-        return self.norm(x)
+            delta = layer(x, delta, cis, cache.kv[i], meta)
+        return self.norm(x, delta)
 
     def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """Of the rows `rows` of hidden (all of them if None); one rank's: llm/parallel.py gathers them."""

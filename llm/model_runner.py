@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llm import cpu_attention
+from llm import cpu_kernels
 from llm.attention import BatchMeta, ChunkSpec
 from llm.decode_step import StaticDecode
 from llm.merge import merge_image_embeds
@@ -34,7 +34,7 @@ class ModelRunner:
         self.model, self.block_size = model, block_size
         self.device = model.lm_head.weight.device
         if self.device.type == "cpu":
-            cpu_attention.load()  # decode attention in place; built once per machine, loaded in ~1 s after
+            cpu_kernels.load()  # decode attention in place; built once per machine, loaded in ~1 s after
         self.cache = model.new_cache(num_blocks + static_decode, block_size)
         self.static = StaticDecode(model, self.cache, max_num_seqs, max_model_len, cuda_graphs) \
             if static_decode else None

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from llm import cpu_attention
+from llm import cpu_kernels
 from llm.attention import BatchMeta
 
 # (parameter name pattern, dim split across ranks); names not listed are whole on every rank.
@@ -160,7 +160,7 @@ def serve_rank(local) -> None:
     collectives fail at once) and raises."""
     device, dtype = local.lm_head.weight.device, local.lm_head.weight.dtype
     if device.type == "cpu":
-        cpu_attention.load()  # as rank 0's model runner does
+        cpu_kernels.load()  # as rank 0's model runner does
     cache = hidden = None
     try:
         with torch.inference_mode():
