@@ -58,9 +58,10 @@ class Engine:
         single_cuda = model.lm_head.weight.device.type == "cuda" and getattr(model, "tp", None) is not None \
             and model.tp.world_size == 1  # a ParallelLM (several ranks) has no .tp: it runs eagerly
         graphs = single_cuda if config.cuda_graphs is None else config.cuda_graphs and single_cuda
-        static = graphs or (single_cuda if config.static_decode is None else config.static_decode)
+        static = single_cuda if config.static_decode is None else config.static_decode
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, max_num_seqs=config.max_num_seqs,
-                                  max_model_len=config.max_model_len, static_decode=static, cuda_graphs=graphs)
+                                  max_model_len=config.max_model_len, static_decode=static or graphs,
+                                  cuda_graphs=graphs)
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.counts = {"finished": 0, "failed": 0, "steps": 0}  # written by the worker only

@@ -1,9 +1,10 @@
 """The engine's CPU hot spots, each against the way it was done before (`python -m tests.bench.kernels`).
 
 1. Decode attention for one layer over the paged cache, 32 sequences of 90..450 tokens (seeded), the bench
-   checkpoint's heads (8 query heads on 4 KV heads of 64): the previous code (token-major cache, one padded
-   batch, `scaled_dot_product_attention` with a boolean mask and `enable_gqa`) against `llm.paged_attention`
-   (head-major cache, grouped matmuls, length groups) and against it with one padded group.
+   checkpoint's heads (8 query heads on 4 KV heads of 64): the first code (token-major cache, one padded
+   batch, `scaled_dot_product_attention` with a boolean mask and `enable_gqa`) against `llm.paged_attention`'s
+   gather (head-major cache, grouped matmuls, with and without length groups: the path without the C++ kernel)
+   and its in-place C++ kernel (llm/cpu_kernels.cpp).
 2. One forward of the bench checkpoint's decoder (decode steps of 1 and 32 sequences) on a worker thread, as the
    engine runs it: with the process's loading thread also owning an OpenMP team (before) against the worker
    alone owning one (`llm.threads`). Each case runs in its own process: a thread team cannot be undone.
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 from llm import BatchMeta, ChunkSpec, Qwen2LM, paged_attention
 from llm import attention as attention_module
+from llm import cpu_kernels
 from llm.threads import set_thread_intra_op_threads
 
 NH, NKV, HD, BS = 8, 4, 64, 16
@@ -81,18 +83,19 @@ def bench_attention(rounds: int, threads: int) -> list[tuple[str, str, float]]:
             meta = BatchMeta.build(meta_chunks, BS, torch.device("cpu"))
             return paged_attention(q, kv, head_major, meta, scale=HD**-0.5)
 
-        one_group = attention_module.decode_groups
+        one_group, kernels = attention_module.decode_groups, cpu_kernels.load()
 
-        def current_one_group():
-            attention_module.decode_groups = lambda lengths: [(0, len(lengths))] if lengths else []
+        def gather(groups=one_group):  # the path without the C++ kernel (its absence, and cuda's eager path)
+            attention_module.decode_groups, cpu_kernels._module = groups, None
             try:
                 return current()
             finally:
-                attention_module.decode_groups = one_group
+                attention_module.decode_groups, cpu_kernels._module = one_group, kernels
 
         cases = {"masked SDPA, one padded batch (before)": before,
-                 "grouped matmuls, one padded batch": current_one_group,
-                 "grouped matmuls, length groups (now)": current}
+                 "grouped matmuls, one padded batch": lambda: gather(lambda n: [(0, len(n))] if n else []),
+                 "grouped matmuls, length groups (the fallback)": gather,
+                 "in-place C++ kernel (now)": current}
         times: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(rounds):
             for name, fn in cases.items():
