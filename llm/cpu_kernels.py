@@ -1,22 +1,20 @@
 """The engine's CPU kernels (llm/cpu_kernels.cpp), built at replica start: paged decode attention that reads the
 KV blocks in place, and one-op versions of what torch runs as several small ops per layer: the residual add fused
-into RMSNorm, and RoPE. (SiLU-mul stays torch's two ops: its vectorised exp beat a plain C++ loop 2x.) Each rounds where the torch ops it replaces round (to the model's dtype between
-ops), so they compute the same thing; tests hold both paths to transformers.
+into RMSNorm, and RoPE. Each rounds where the torch ops it replaces round (to the model's dtype between ops), so
+they compute the same thing; tests hold both paths to transformers. SiLU-mul stays torch's two ops: torch's
+vectorised exp beat a plain C++ loop (BENCHMARKS.md has what each kernel bought).
 
-Attention:
+Attention: the eager path (llm/attention.py) gathers every decode row's blocks into a contiguous copy, then runs
+two batched matmuls. This kernel reads each key and value once, where it lies: one task per (sequence, KV head)
+on the calling thread's OpenMP team (at::parallel_for), the KV head's keys loaded once for its whole GQA group of
+query heads; scores, a float32 softmax and the weighted sum of values per task, nothing materialised but the
+scores. Keys past a row's context are never read. The idea is vLLM's and SGLang's CPU decode kernels (paged
+attention per sequence and head); the code is ours.
 
-The eager path (llm/attention.py) gathers every decode row's blocks into a contiguous copy, then runs two batched
-matmuls: on the bench checkpoint at batch 32 the gather and the matmuls were half of a decode step. This kernel
-reads each key and value once, where it lies: one task per (sequence, KV head) on the calling thread's OpenMP team
-(at::parallel_for), the KV head's keys loaded once for its whole GQA group of query heads; scores, a float32
-softmax and the weighted sum of values per task, nothing materialised but the scores. Keys past a row's context
-are never read. The idea is vLLM's and SGLang's CPU decode kernels (paged attention per sequence and head); the
-code is ours.
-
-The kernels are compiled with torch's cpp_extension (ninja, the machine's C++ compiler, -O3 -march=native) the first time a
-process asks for it; the build is cached under TORCH_EXTENSIONS_DIR, so later processes load it in about a second.
-Where they cannot be built (no compiler), `load()` says why once and returns None, and the layers keep torch's ops
-(and attention the gather).
+The kernels are compiled with torch's cpp_extension (ninja, the machine's C++ compiler, -O3 -march=native) the
+first time a process asks for them; the build is cached under TORCH_EXTENSIONS_DIR, so later processes load it in
+about a second. Where they cannot be built (no compiler), `load()` says why once and returns None, and the layers
+keep torch's ops (and attention the gather).
 """
 
 from __future__ import annotations
@@ -49,8 +47,8 @@ def load():
 
             t0 = time.monotonic()
             try:
-                _module = build("vlm_cpu_kernels", sources=[str(_SOURCE)],
-                                extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"], verbose=False)
+                flags = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
+                _module = build("vlm_cpu_kernels", sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
                 logger.info("CPU kernels ready in %.1f s", time.monotonic() - t0)
             except Exception as e:  # no compiler, no ninja, no headers: torch's ops still work
                 logger.warning("CPU kernels could not be built (%s); the layers use torch's ops", e)
