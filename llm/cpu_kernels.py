@@ -19,7 +19,9 @@ keep torch's ops (and attention the gather).
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import platform
 import threading
 import time
 from pathlib import Path
@@ -37,6 +39,16 @@ _module: object | None = None
 _tried = False
 
 
+def _cpu_key() -> str:
+    """A short hash of this CPU's instruction-set flags: a build with -march=native is cached per kind of CPU, so a
+    cache shared between machines (a home directory on NFS, an image) never hands one CPU another's build."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
 def load():
     """The compiled module, or None where it cannot be built (said once in the log)."""
     global _module, _tried
@@ -48,7 +60,8 @@ def load():
             t0 = time.monotonic()
             try:
                 flags = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
-                _module = build("vlm_cpu_kernels", sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+                _module = build(f"vlm_cpu_kernels_{_cpu_key()}", sources=[str(_SOURCE)], extra_cflags=flags,
+                                verbose=False)
                 logger.info("CPU kernels ready in %.1f s", time.monotonic() - t0)
             except Exception as e:  # no compiler, no ninja, no headers: torch's ops still work
                 logger.warning("CPU kernels could not be built (%s); the layers use torch's ops", e)
