@@ -13,27 +13,12 @@ import time
 sys.path.insert(0, sys.argv[1])
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from llm import BatchMeta, ChunkSpec, Qwen2LM  # noqa: E402
+from op_count import OpCount  # noqa: E402  (beside this script: tests/bench/op_count.py)
 from llm.threads import set_thread_intra_op_threads  # noqa: E402
 
 BS, NUM_BLOCKS = 16, 3000
-
-
-# Not counted: views move no data, and an allocation is part of the op that fills it (an aten op allocates its
-# output inside, unseen; the CPU kernels' allocations would be seen).
-_ALLOCATIONS = (torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided)
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += not func.is_view and func.overloadpacket not in _ALLOCATIONS
-        return func(*args, **(kwargs or {}))
 
 
 def _batch(n: int) -> list:
@@ -74,7 +59,7 @@ def main() -> None:
 
                 step()
                 kernel_calls = getattr(kernels, "calls", 0)
-                with _Count() as ops:
+                with OpCount() as ops:
                     step()
                 ops.n += getattr(kernels, "calls", 0) - kernel_calls  # the CPU kernels' calls: ops the mode misses
                 times = []

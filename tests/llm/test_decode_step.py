@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llm import BatchMeta, ChunkSpec, cpu_kernels
 from llm.decode_step import StaticDecode, bucket_for, buckets_up_to
+from tests.bench.op_count import OpCount
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
 BS, MAX_LEN = 4, 96
@@ -110,21 +111,6 @@ def test_the_step_has_no_host_sync_and_compiles_to_one_graph(model):
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 
-# Not counted: views move no data, and an allocation is part of the op that fills it (an aten op allocates its
-# output inside, unseen; the CPU kernels' allocations would be seen).
-_ALLOCATIONS = (torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided)
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += not func.is_view and func.overloadpacket not in _ALLOCATIONS
-        return func(*args, **(kwargs or {}))
-
-
 def test_ops_per_layer_in_a_decode_step(model):
     """Ops one decoder layer dispatches in an eager decode step of one sequence: the step's count with both layers
     less its count with the first alone. NOTE: 48 before the fused layers (llm/layers.py says what fused); 12 with
@@ -137,7 +123,7 @@ def test_ops_per_layer_in_a_decode_step(model):
         for n in (2, 1):
             model.layers = layers[:n]
             kernel_calls = cpu_kernels.calls
-            with torch.inference_mode(), _Ops() as ops:
+            with torch.inference_mode(), OpCount() as ops:
                 model(x, pos, model.new_cache(16, BS), BatchMeta.build([ChunkSpec(blocks, 40, 1)], BS, x.device))
             counts.append(ops.n + cpu_kernels.calls - kernel_calls)  # the CPU kernels' calls count as ops too
     finally:
