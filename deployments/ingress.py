@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.auth import Gate
+from deployments.channel import ChannelHub, TokenStream, this_replica
 from deployments.fetch import ImageFetcher
 from deployments.http import error_response, observe, parse, read_json, root_cause
 from deployments.metrics import IngressMetrics
@@ -36,6 +37,7 @@ class Ingress:
     def __init__(self, encoder: DeploymentHandle | None, llm: DeploymentHandle, args: dict[str, Any]):
         self.encoder, self.llm = encoder, llm
         self.args = AppArgs.model_validate(args)
+        self.hub = ChannelHub(llm, this_replica())  # the token channels to the LLM replicas (deployments/channel.py)
         self.prep = Preparer(self.args)
         self.tokenizer, self.max_model_len = self.prep.tokenizer, self.prep.max_model_len
         self.grounding = GroundingTokens.of(self.tokenizer)  # None: this family's answers carry no boxes
@@ -170,10 +172,14 @@ class Ingress:
                     refs[i] = ref
         raise AssertionError("unreachable")
 
+    def _call(self, request: GenerateRequest) -> TokenStream:
+        return TokenStream(self.hub, self.llm.options(stream=True).generate.remote(request), request.request_id)
+
     async def _generate(self, req: ChatCompletionRequest, p: Prepared, refs: list[Any], request_id: str):
-        streams = [self._events(self.llm.options(stream=True).generate.remote(GenerateRequest(
+        channel = self.hub.id if self.args.llm.token_channel else None
+        streams = [self._events(self._call(GenerateRequest(
             f"{request_id}-{i}", p.prompt, p.grids, refs, sampling_params(req, p.max_tokens, i), p.image_keys,
-            p.images if self.encoder is None else [], p.routing_key or None)),
+            p.images if self.encoder is None else [], p.routing_key or None, channel)),
             req.stop) for i in range(req.n)]
         try:
             return streams, list(await asyncio.gather(*(anext(s) for s in streams)))
@@ -181,7 +187,7 @@ class Ingress:
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             raise
 
-    async def _events(self, gen: DeploymentResponseGenerator, stops: list[str]) -> AsyncIterator[TextDelta]:
+    async def _events(self, gen: TokenStream, stops: list[str]) -> AsyncIterator[TextDelta]:
         """One choice's token chunks -> text deltas; a stop string ends it (and cancels its generation)."""
         out, engine_done = OutputProcessor(self.tokenizer, stops), False
         try:
@@ -196,8 +202,7 @@ class Ingress:
             # Frees the LLM's sequence when the client left or a stop string hit. NOT after the engine's own last
             # chunk: cancelling a task that is returning races Ray's bookkeeping of its result (seen crashing
             # the ingress's core worker when results go through plasma).
-            if not engine_done:
-                gen.cancel()
+            gen.close(cancel=not engine_done)
 
     def _log(self, log: dict, choices: list[ChoiceState]) -> None:
         finish = ",".join(str(c.finish_reason) for c in choices)

@@ -16,6 +16,7 @@ from ray.exceptions import (ActorUnavailableError, NodeDiedError, ObjectLostErro
                             TaskCancelledError, WorkerCrashedError)
 from transformers import AutoConfig, GenerationConfig
 
+from deployments.channel import Batch, ChannelOpen, Outbox, Routed, this_replica
 from deployments.http import observe, root_cause
 from deployments.metrics import EncoderMetrics, LLMMetrics
 from deployments.router import PrefixAffinityRouter
@@ -95,6 +96,10 @@ class LLM:
                              merge_size=family.processing.from_pretrained(self.args.model).merge_size,
                              eos_token_ids=eos_token_ids(self.args.model, config))
         self.metrics = LLMMetrics(self.engine.stats, self.engine.drain_timings)
+        self.replica_id = this_replica() if llm_args.token_channel else None  # None: own streams only, no channels
+        self.channels: dict[str, Outbox] = {}  # ingress id -> its open channel here (deployments/channel.py)
+        # Messages sent back to ingress replicas: chunks on generations' own streams, and channel messages
+        self.sent = {"stream_messages": 0, "channel_messages": 0, "channel_generations": 0, "channels_opened": 0}
         self._metrics_task: asyncio.Task | None = None
         self.vision = self.vision_cache = None
         if self.args.encoder.colocated:  # the encoder lives here, sharing this replica's device with the engine
@@ -169,16 +174,53 @@ class LLM:
         return list(await asyncio.gather(*(one(i, data) for i, data in enumerate(images))))
 
     async def stats(self) -> dict[str, float]:
-        return self.engine.stats()
+        return {**self.engine.stats(), **self.sent, "channels_open": len(self.channels)}
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Routed]:
+        """The chunks of one generation; with `request.channel` a `Routed` first, and the chunks through that
+        ingress's channel when it has one open here (deployments/channel.py)."""
         if self._metrics_task is None:  # started on the replica's event loop, which __init__ may not run on
             self._metrics_task = asyncio.create_task(self.metrics.run())
         if request.images:
             embeds = await self._encode_here(request.images, request.image_keys)
         else:
             embeds = await self._fetch_embeds(request.image_embed_refs)
-        seq = SequenceInput(request.request_id, request.prompt_token_ids, request.image_grid_thw, embeds,
+        inp = SequenceInput(request.request_id, request.prompt_token_ids, request.image_grid_thw, embeds,
                             request.sampling, request.image_keys or None)
-        async for chunk in self.engine.generate(seq):
-            yield chunk
+        box = self.channels.get(request.channel) if request.channel and self.replica_id else None
+        if box is None:
+            if request.channel and self.replica_id:
+                yield Routed(self.replica_id, via_channel=False)
+            async for chunk in self.engine.generate(inp):
+                self.sent["stream_messages"] += 1
+                yield chunk
+            return
+        done, sink = box.attach(request.request_id)  # attached before any await: the channel cannot close between
+        try:
+            seq = self.engine.submit(inp, sink)
+        except BaseException:
+            box.detach(request.request_id)
+            raise
+        self.sent["channel_generations"] += 1
+        try:
+            yield Routed(self.replica_id, via_channel=True)
+            await done  # the chunks go out through the channel; this call ends when the last one has
+        finally:
+            box.detach(request.request_id)
+            self.engine.cancel(seq)
+
+    async def channel(self, req: ChannelOpen) -> AsyncIterator[Batch]:
+        """One ingress's token channel: each step's chunks of all its generations here, as one message."""
+        if req.replica_id != self.replica_id:
+            raise RuntimeError(f"a channel for LLM replica {req.replica_id} reached {self.replica_id}")
+        llm_args = self.args.llm
+        box = Outbox(self.replica_id, llm_args.stream_interval_ms / 1000, llm_args.token_channel_idle_s)
+        self.channels[req.ingress_id] = box
+        self.sent["channels_opened"] += 1
+        try:
+            async for batch in box.stream():
+                self.sent["channel_messages"] += 1
+                yield batch
+        finally:
+            if self.channels.get(req.ingress_id) is box:
+                del self.channels[req.ingress_id]

@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from deployments.channel import ChannelOpen
+
 # The idea (route on the prompt's prefix, fall back to load balancing when the load is uneven) is Ray Serve LLM's
 # PrefixCacheAffinityRouter (ray/llm/_internal/serve/routing_policies/prefix_aware); that one keeps a prefix tree
 # in a shared actor. Ours hashes a key the ingress computed, so it needs no shared state at all.
@@ -36,6 +38,14 @@ def rank_replicas(key: str | None, replicas: Sequence[RunningReplica], queue_len
     return [[home], everyone]
 
 
+def pinned_replica(request: PendingRequest | None, replicas: Sequence[RunningReplica]) -> list[RunningReplica] | None:
+    """A token channel (deployments/channel.py) names the replica it is for: that one alone, while it is there
+    (else any: the replica that gets it refuses it, and the ingress opens it again when it needs it)."""
+    if request is None or not request.args or not isinstance(request.args[0], ChannelOpen):
+        return None
+    return [r for r in replicas if r.replica_id.unique_id == request.args[0].replica_id] or list(replicas)
+
+
 def routing_key(request: PendingRequest | None) -> str | None:
     """The `routing_key` of the call's first argument (a GenerateRequest); None for other calls."""
     if request is None or not request.args:
@@ -58,6 +68,8 @@ class PrefixAffinityRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if pending_request is not None:  # NOTE: after all ranks refused, back off; without it a full tier spins
             pending_request.routing_context.should_backoff = True
+        if (pinned := pinned_replica(pending_request, candidate_replicas)) is not None:
+            return [pinned]
         cache = self.replica_queue_len_cache
         queue_lens = {r.replica_id: n for r in candidate_replicas if (n := cache.get(r.replica_id)) is not None}
         return rank_replicas(routing_key(pending_request), candidate_replicas, queue_lens, self.max_imbalance)
@@ -79,4 +91,4 @@ class PrefixAffinityRouter(RequestRouter):
         super()._fulfill_next_pending_request(replica, request_metadata)
 
 
-__all__ = ["PrefixAffinityRouter", "home_replica", "rank_replicas", "routing_key"]
+__all__ = ["PrefixAffinityRouter", "home_replica", "pinned_replica", "rank_replicas", "routing_key"]

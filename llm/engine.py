@@ -1,10 +1,11 @@
 """The generation engine: requests in, token chunks out, and the worker loop between them.
 
-The async side (`generate`) checks a request (llm/sequence.py), queues it (bounded), and streams `TokenChunk`s back,
-coalescing tokens that arrive within `stream_interval_s` so a busy replica sends fewer, larger messages.
-The worker loops: the scheduler picks a step (decodes + prefill chunks + admissions), the model runner runs it and
-samples, and the engine applies the stop rules and hands each sequence its new token. Closing a stream cancels the
-sequence; its blocks are free at the next step.
+The async side (`submit`) checks a request (llm/sequence.py), queues it (bounded), and hands its `TokenChunk`s to a
+sink on the caller's event loop: one callback per step for all the sequences of that loop (the LLM deployment sends
+them on through a per-ingress channel, deployments/channel.py). `generate` is a stream of one sequence's chunks on
+top of it, coalescing tokens that arrive within `stream_interval_s`. The worker loops: the scheduler picks a step
+(decodes + prefill chunks + admissions), the model runner runs it and samples, and the engine applies the stop rules
+and emits each sequence's new token. `cancel` (or closing a stream) frees a sequence's blocks at the next step.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from llm.threads import set_thread_intra_op_threads
 from schemas import Overloaded, TokenChunk
 
 logger = logging.getLogger(__name__)
+
+
+Sink = Callable[[TokenChunk | BaseException], None]
 
 
 @dataclass(slots=True)
@@ -70,8 +74,10 @@ class Engine:
         self.queue_times: deque[float] = deque(maxlen=65536)
         self.inter_token_times: deque[float] = deque(maxlen=65536)
         self._inbox: queue.SimpleQueue[Sequence | None] = queue.SimpleQueue()
-        # Each live stream's sink, by seq_id: the stream adds and removes its own; the worker emits through it.
-        self._sinks: dict[int, Callable[[TokenChunk | BaseException], None]] = {}
+        # Each live stream's event loop and sink, by seq_id: `submit` adds, `cancel` removes (on the event loop);
+        # the worker collects a step's items per loop in `_outgoing` and hands each loop its batch (`_flush`).
+        self._sinks: dict[int, tuple[asyncio.AbstractEventLoop, Sink]] = {}
+        self._outgoing: dict[asyncio.AbstractEventLoop, list[tuple[Sequence, Sink, TokenChunk | BaseException]]] = {}
         self._queued = 0  # in the inbox or waiting; read on the event loop, approximate is fine
         self._ids = itertools.count()
         self.dead: BaseException | None = None  # set when a tensor-parallel rank is lost: the replica must restart
@@ -94,15 +100,11 @@ class Engine:
         return ([self.queue_times.popleft() for _ in range(len(self.queue_times))],
                 [self.inter_token_times.popleft() for _ in range(len(self.inter_token_times))])
 
-    async def generate(self, inp: SequenceInput) -> AsyncIterator[TokenChunk]:
-        loop, out = asyncio.get_running_loop(), asyncio.Queue()
-
-        def emit(item: TokenChunk | BaseException) -> None:
-            try:
-                loop.call_soon_threadsafe(out.put_nowait, item)
-            except RuntimeError:  # the event loop is gone: nobody is listening
-                seq.cancelled.set()
-
+    def submit(self, inp: SequenceInput, sink: Sink) -> Sequence:
+        """Check and queue a sequence; raises `InvalidRequest` or `Overloaded` at once. `sink` is called on the
+        caller's event loop with each `TokenChunk` (the last has a finish reason) or one exception; a step's
+        chunks for all the sequences of one event loop arrive in one callback. `cancel` ends it early."""
+        loop = asyncio.get_running_loop()
         seq = make_sequence(inp, next(self._ids), max_model_len=self.config.max_model_len,
                             image_token_id=self.image_token_id, merge_size=self.merge_size,
                             mrope=self.model.config.mrope_section is not None, device=self.runner.device)
@@ -111,8 +113,20 @@ class Engine:
         if self._queued >= self.config.max_queued:
             raise Overloaded(f"the engine queue is full ({self._queued} requests waiting)")
         self._queued += 1
-        self._sinks[seq.seq_id] = emit
+        self._sinks[seq.seq_id] = (loop, sink)
         self._inbox.put(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Nothing more reaches its sink; its blocks are free at the next step (a no-op once it has finished)."""
+        self._sinks.pop(seq.seq_id, None)
+        seq.cancelled.set()
+        self._inbox.put(None)  # wake the worker if it sleeps
+
+    async def generate(self, inp: SequenceInput) -> AsyncIterator[TokenChunk]:
+        """One sequence's chunks, coalesced to at most one per `stream_interval_s` (first and last at once)."""
+        out: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
+        seq = self.submit(inp, out.put_nowait)
         last_yield = 0.0
         try:
             while True:
@@ -127,12 +141,7 @@ class Engine:
                     if isinstance(item, BaseException):
                         error = item  # the worker sends nothing after an error
                         break
-                    chunk.token_ids += item.token_ids
-                    chunk.finish_reason = item.finish_reason
-                    if item.logprobs is not None:
-                        chunk.logprobs = (chunk.logprobs or []) + item.logprobs
-                    if item.num_cached_tokens is not None:
-                        chunk.num_cached_tokens = item.num_cached_tokens
+                    chunk.merge(item)
                 if chunk.token_ids:  # tokens made before a fault still reach the client
                     last_yield = time.monotonic()
                     yield chunk
@@ -141,9 +150,7 @@ class Engine:
                 if chunk.finish_reason is not None:
                     return
         finally:
-            self._sinks.pop(seq.seq_id, None)
-            seq.cancelled.set()  # a consumer that went away frees the sequence at the next step
-            self._inbox.put(None)  # wake the worker if it sleeps
+            self.cancel(seq)  # a consumer that went away frees the sequence at the next step
 
     def _loop(self) -> None:
         if self.config.cpu_threads is not None:
@@ -162,14 +169,17 @@ class Engine:
                     continue
                 with torch.inference_mode():
                     self._step(chunks)
+                self._flush()
             except RankFailure as e:  # the ranks are out of step for good: fail everything, serve nothing more
                 return self._die(e)
             except Exception as e:  # a fault in a step fails the sequences in it; the engine keeps serving
                 logger.exception("engine step failed for %d sequences", len(chunks))
+                self._outgoing.clear()  # the failed step's tokens: the error goes out instead (after earlier ones)
                 for c in chunks:
                     self._emit(c.seq, e)
                     self.scheduler.finish(c.seq)
                     self.counts["failed"] += 1
+                self._flush()
         if (close := getattr(self.model, "close", None)) is not None:
             try:
                 close()
@@ -184,13 +194,16 @@ class Engine:
         logger.error("engine stopped: %s", e)
         self.dead = e
         error = self._dead_error()
+        self._outgoing.clear()
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self._emit(seq, error)
             self.counts["failed"] += 1
+        self._flush()
         while True:  # whatever still arrives fails at once, so that no request waits for a step that never comes
             item = self._inbox.get()
             if item is not None:
                 self._emit(item, error)
+                self._flush()
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -203,8 +216,23 @@ class Engine:
             pass
 
     def _emit(self, seq: Sequence, item: TokenChunk | BaseException) -> None:
-        if (sink := self._sinks.get(seq.seq_id)) is not None:  # None: its stream has ended, nobody listens
-            sink(item)
+        if (entry := self._sinks.get(seq.seq_id)) is not None:  # None: its stream has ended, nobody listens
+            self._outgoing.setdefault(entry[0], []).append((seq, entry[1], item))
+
+    def _flush(self) -> None:
+        """One callback per event loop for everything the last step emitted (not one per sequence and token)."""
+        outgoing, self._outgoing = self._outgoing, {}
+        for loop, items in outgoing.items():
+            try:
+                loop.call_soon_threadsafe(self._deliver, items)
+            except RuntimeError:  # the event loop is gone: nobody is listening
+                for seq, _, _ in items:
+                    seq.cancelled.set()
+
+    def _deliver(self, items: list[tuple[Sequence, Sink, TokenChunk | BaseException]]) -> None:
+        for seq, sink, item in items:  # on the event loop: a stream cancelled since the step gets nothing more
+            if (entry := self._sinks.get(seq.seq_id)) is not None and entry[1] is sink:
+                sink(item)
 
     def _step(self, chunks: list[Chunk]) -> None:
         chunks = sorted(chunks, key=lambda c: (c.n != 1, c.start))  # one-token chunks first, shortest context first

@@ -86,7 +86,16 @@ class LLMArgs(_Strict):
         True, description="Reuse the KV of a repeated prefix (same tokens, same images) across requests."
     )
     stream_interval_ms: float = Field(
-        20.0, ge=0.0, description="Tokens of a stream arriving within this interval go out as one message."
+        20.0, ge=0.0, description="Tokens arriving within this interval go out as one message (per channel, or per "
+                                  "stream without one)."
+    )
+    token_channel: bool = Field(
+        True, description="Each ingress replica gets each step's tokens of all its streams on one LLM replica as one "
+                          "message (deployments/channel.py); false: one message per stream."
+    )
+    token_channel_idle_s: float = Field(
+        5.0, gt=0.0, description="A channel with no stream for this long closes (a draining replica waits for it); "
+                                 "the first requests after that stream on their own until it is open again."
     )
     cpu_threads: int | None = Field(
         None, ge=1, description="torch threads of the engine's worker on cpu (the replica's other threads use one); "

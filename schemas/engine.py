@@ -48,6 +48,9 @@ class GenerateRequest:
     images: list[bytes] = field(default_factory=list)
     # A hash of the conversation's first turn: the LLM request router sends every turn to the replica holding it.
     routing_key: str | None = None
+    # The calling ingress replica's id: its tokens come through that ingress's per-step channel to the replica
+    # when one is open (deployments/channel.py); None: all through this call's own stream.
+    channel: str | None = None
 
     def __post_init__(self) -> None:
         assert len(self.image_grid_thw) == len(self.image_embed_refs) + len(self.images), "one grid per image"
@@ -69,6 +72,15 @@ class TokenChunk:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     num_cached_tokens: int | None = None  # on the first chunk: prompt tokens whose KV came from the prefix cache
+
+    def merge(self, later: TokenChunk) -> None:
+        """Append a later chunk of the same sequence (coalescing several steps into one message)."""
+        self.token_ids += later.token_ids
+        self.finish_reason = later.finish_reason
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        if later.num_cached_tokens is not None:
+            self.num_cached_tokens = later.num_cached_tokens
 
 
 __all__ = ["FinishReason", "GenerateRequest", "SamplingParams", "TokenChunk", "TokenLogprob"]
