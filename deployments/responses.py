@@ -8,28 +8,59 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from deployments.http import error_body, sse
+from deployments.http import error_body, json_text, sse
 from llm import GroundingTokens, TextDelta, parse_boxes
+from llm.detokenize import decoder
 from schemas import FinishReason, InvalidRequest, TokenLogprob
 from schemas.openai import (Box, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChoiceLogprobs,
-                            ChunkChoice, Delta, PromptTokensDetails, ResponseMessage, TokenLogprobOut, TopLogprob,
-                            Usage)
+                            ChunkChoice, Delta, PromptTokensDetails, ResponseMessage, Usage)
 
 
 BoxesOf = Callable[[list[int]], list[Box] | None]  # a choice's token ids -> its boxes
 
 
-def to_logprobs(tokenizer: PreTrainedTokenizerBase, ids: list[int], lps: list[TokenLogprob] | None):
-    if lps is None:
-        return None
+def logprob_items(tokenizer: PreTrainedTokenizerBase, ids: list[int], lps: list[TokenLogprob]) -> list[dict]:
+    """ChoiceLogprobs.content as plain dicts (TokenLogprobOut's fields, in its order): a token's text as
+    `tokenizer.decode([id])` gives it."""
+    if tokenizer.clean_up_tokenization_spaces:  # decoder() never cleans up
+        decode = tokenizer.decode
+    else:
+        decode = decoder(tokenizer, skip_special_tokens=False)
 
-    def piece(token_id: int, logprob: float) -> TopLogprob:
-        text = tokenizer.decode([token_id])
-        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+    def piece(token_id: int, logprob: float) -> dict:
+        text = decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return ChoiceLogprobs(content=[
-        TokenLogprobOut(**piece(t, lp.logprob).model_dump(), top_logprobs=[piece(i, v) for i, v in lp.top])
-        for t, lp in zip(ids, lps, strict=True)])
+    return [{**piece(t, lp.logprob), "top_logprobs": [piece(i, v) for i, v in lp.top]}
+            for t, lp in zip(ids, lps, strict=True)]
+
+
+def to_logprobs(tokenizer: PreTrainedTokenizerBase, ids: list[int], lps: list[TokenLogprob] | None,
+                ) -> ChoiceLogprobs | None:
+    return None if lps is None else ChoiceLogprobs.model_validate({"content": logprob_items(tokenizer, ids, lps)})
+
+
+class ContentChunks:
+    """The stream's per-token event, a content delta, as SSE text without a pydantic model: the constant head
+    is encoded once per request, the rest with json_text. It writes what model_dump_json of the equivalent
+    ChatCompletionChunk writes (tests/deployments/test_fast_chunks.py compares them)."""
+
+    __slots__ = ("_head",)
+
+    def __init__(self, head: dict):
+        self._head = (f'data: {{"id":{json_text(head["id"])},"object":"chat.completion.chunk",'
+                      f'"created":{json_text(head["created"])},"model":{json_text(head["model"])},'
+                      '"choices":[{"index":')
+
+    def content(self, index: int, text: str, token_ids: list[int] | None = None,
+                logprobs: list[dict] | None = None) -> str:
+        """The event of choice `index`'s `text`; `token_ids` and `logprobs` (logprob_items) when not None."""
+        if token_ids is None and logprobs is None:  # the common case, without the tail
+            return f'{self._head}{index},"delta":{{"content":{json_text(text)}}},"finish_reason":null}}]}}\n\n'
+        tail = "" if logprobs is None else f',"logprobs":{{"content":{json_text(logprobs)},"refusal":null}}'
+        if token_ids is not None:
+            tail += f',"token_ids":{json_text(token_ids)}'
+        return f'{self._head}{index},"delta":{{"content":{json_text(text)}}},"finish_reason":null{tail}}}]}}\n\n'
 
 
 async def interleave(firsts: list[TextDelta], streams: list[AsyncIterator[TextDelta]]):
@@ -92,7 +123,9 @@ class ChoiceState:
         self.num_cached_tokens = delta.num_cached_tokens or self.num_cached_tokens
         self.token_ids += delta.token_ids
         if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += delta.logprobs  # in place: a new list per delta would copy all the earlier ones
         self.finish_reason = delta.finish_reason or self.finish_reason
 
 
@@ -142,17 +175,17 @@ async def sse_stream(req: ChatCompletionRequest, head: dict, prompt: list[int], 
                      ) -> AsyncIterator[str]:
     """role chunk per choice, content chunks, a finish chunk per choice, the usage chunk, then [DONE]."""
     choices = [ChoiceState() for _ in range(req.n)]
-    ids_out = req.return_token_ids
+    ids_out, chunks = req.return_token_ids, ContentChunks(head)
     try:
         for i in range(req.n):
-            yield sse(ChatCompletionChunk(**head, choices=[ChunkChoice(index=i, delta=Delta(role="assistant", content=""))],
-                                          prompt_token_ids=prompt if ids_out and i == 0 else None))
+            role = ChunkChoice(index=i, delta=Delta(role="assistant", content=""))
+            ids = prompt if ids_out and i == 0 else None
+            yield sse(ChatCompletionChunk(**head, choices=[role], prompt_token_ids=ids))
         async for i, delta in events:
             choices[i].add(delta)
             if delta.text or (delta.token_ids and (ids_out or delta.logprobs is not None)):
-                yield sse(ChatCompletionChunk(**head, choices=[ChunkChoice(
-                    index=i, delta=Delta(content=delta.text), token_ids=delta.token_ids if ids_out else None,
-                    logprobs=to_logprobs(tokenizer, delta.token_ids, delta.logprobs))]))
+                lps = None if delta.logprobs is None else logprob_items(tokenizer, delta.token_ids, delta.logprobs)
+                yield chunks.content(i, delta.text, delta.token_ids if ids_out else None, lps)
             if delta.finish_reason is not None:
                 yield sse(ChatCompletionChunk(**head, choices=[ChunkChoice(
                     index=i, delta=Delta(boxes=boxes_of(choices[i].token_ids)), finish_reason=delta.finish_reason)]))
@@ -165,4 +198,5 @@ async def sse_stream(req: ChatCompletionRequest, head: dict, prompt: list[int], 
     yield "data: [DONE]\n\n"
 
 
-__all__ = ["ChoiceState", "completion", "deadline_error", "interleave", "pixel_boxes", "sse_stream", "to_logprobs", "with_deadline"]
+__all__ = ["ChoiceState", "ContentChunks", "completion", "deadline_error", "interleave", "logprob_items", "pixel_boxes",
+           "sse_stream", "to_logprobs", "with_deadline"]

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from schemas import FinishReason, TokenChunk, TokenLogprob
+
+
+def decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`, calling the
+    Rust tokenizer directly where that is all `decode` does (a fast tokenizer whose class keeps transformers'
+    decode): transformers' per-call Python work is most of the cost of decoding a token or two."""
+    cls = type(tokenizer)
+    if (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerFast.decode
+            and cls._decode is PreTrainedTokenizerFast._decode):
+        backend = tokenizer.backend_tokenizer
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)
 
 
 class IncrementalDetokenizer:
@@ -15,28 +30,29 @@ class IncrementalDetokenizer:
     # The prefix/read offsets idea follows text-generation-inference's incremental decoding.
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
+        self._decode = decoder(tokenizer, skip_special_tokens=True)
         self.token_ids: list[int] = []
         self._prefix = 0  # start of the window decoded for context
         self._read = 0  # end of the text already emitted
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        self._prefix_text = ""  # the decoded window token_ids[_prefix:_read], kept while the offsets stay
 
     def add(self, token_ids: list[int]) -> str:
         self.token_ids.extend(token_ids)
-        prefix_text = self._decode(self.token_ids[self._prefix : self._read])
         new_text = self._decode(self.token_ids[self._prefix :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        if len(new_text) > len(self._prefix_text) and not new_text.endswith("\ufffd"):
+            out = new_text[len(self._prefix_text) :]
             self._prefix, self._read = self._read, len(self.token_ids)
-            return new_text[len(prefix_text) :]
+            self._prefix_text = self._decode(self.token_ids[self._prefix : self._read])
+            return out
         return ""
 
     def flush(self) -> str:
         """What is left at the end of the stream, incomplete characters included."""
-        prefix_text = self._decode(self.token_ids[self._prefix : self._read])
         new_text = self._decode(self.token_ids[self._prefix :])
+        out = new_text[len(self._prefix_text) :]
         self._prefix = self._read = len(self.token_ids)
-        return new_text[len(prefix_text) :]
+        self._prefix_text = ""
+        return out
 
 
 class StopMatcher:
@@ -44,23 +60,30 @@ class StopMatcher:
 
     def __init__(self, stops: list[str]):
         self.stops = stops
+        # One search for all the stop strings: the leftmost match of the alternation is the first of them.
+        self._pattern = re.compile("|".join(map(re.escape, stops))) if stops else None
         self._hold = max((len(s) for s in stops), default=1) - 1
         self._buffer = ""
         self.stopped = False
 
     def feed(self, text: str) -> str:
+        """The text that is now safe to send. Only the held-back tail and `text` are searched: the buffer never
+        keeps more than the longest stop string less one character."""
+        if self._pattern is None:
+            return text
         if self.stopped:
             return ""
-        self._buffer += text
-        hits = [i for i in (self._buffer.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self._buffer, self.stopped = self._buffer[: min(hits)], "", True
-            return out
-        cut = len(self._buffer) - self._hold
+        buffer = self._buffer + text
+        hit = self._pattern.search(buffer)
+        if hit is not None:
+            self._buffer, self.stopped = "", True
+            return buffer[: hit.start()]
+        cut = len(buffer) - self._hold
         if cut <= 0:
+            self._buffer = buffer
             return ""
-        out, self._buffer = self._buffer[:cut], self._buffer[cut:]
-        return out
+        self._buffer = buffer[cut:]
+        return buffer[:cut]
 
     def flush(self) -> str:
         out, self._buffer = ("" if self.stopped else self._buffer), ""
@@ -91,4 +114,4 @@ class OutputProcessor:
         return TextDelta(text, chunk.token_ids, finish, chunk.logprobs, chunk.num_cached_tokens)
 
 
-__all__ = ["IncrementalDetokenizer", "OutputProcessor", "StopMatcher", "TextDelta"]
+__all__ = ["IncrementalDetokenizer", "OutputProcessor", "StopMatcher", "TextDelta", "decoder"]
