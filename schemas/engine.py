@@ -78,7 +78,10 @@ class TokenChunk:
         self.token_ids += later.token_ids
         self.finish_reason = later.finish_reason
         if later.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + later.logprobs
+            if self.logprobs is None:
+                self.logprobs = list(later.logprobs)
+            else:
+                self.logprobs.extend(later.logprobs)
         if later.num_cached_tokens is not None:
             self.num_cached_tokens = later.num_cached_tokens
 
