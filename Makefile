@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install browser checkpoint serve test bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer soak clean
+.PHONY: install browser checkpoint serve serve-env test bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer soak clean
 
 install: $(STAMP)
 
@@ -21,8 +21,22 @@ $(STAMP): requirements.txt requirements-test.txt
 checkpoint: $(STAMP)
 	$(PY) -m demo.build_tiny --out $(CHECKPOINT)
 
+# Serve's front door (README, "Front door"): proxy (Serve's Python proxy on every node), direct (the Ingress replica
+# listens itself, on 30000 up; the proxy stays on the head node) or haproxy (HAProxy on http_options.port routes to
+# the Ingress replicas' own ports). Ray reads these in every process it starts: they are set here, before Ray starts.
+INGRESS ?= proxy
+INGRESS_ENV_proxy :=
+INGRESS_ENV_direct := RAY_SERVE_ENABLE_DIRECT_INGRESS=1
+INGRESS_ENV_haproxy := RAY_SERVE_ENABLE_HA_PROXY=1
+INGRESS_ENV = $(if $(filter $(INGRESS),proxy direct haproxy),$(INGRESS_ENV_$(INGRESS)),\
+  $(error INGRESS=$(INGRESS): proxy, direct or haproxy))
+
 serve: $(STAMP)
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/serve run serve_config.yaml
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(INGRESS_ENV) $(VENV)/bin/serve run serve_config.yaml
+
+# What `make serve` puts in Ray's environment (tests/bench/peer_servers.py starts ours with it).
+serve-env:
+	@echo $(INGRESS_ENV)
 
 # The playground's browser test drives Debian's Chromium; installed here when missing (as root, with apt).
 browser:
