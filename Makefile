@@ -26,8 +26,11 @@ checkpoint: $(STAMP)
 # the Ingress replicas' own ports). Ray reads these in every process it starts: they are set here, before Ray starts.
 INGRESS ?= proxy
 INGRESS_ENV_proxy :=
-INGRESS_ENV_direct := RAY_SERVE_ENABLE_DIRECT_INGRESS=1
-INGRESS_ENV_haproxy := RAY_SERVE_ENABLE_HA_PROXY=1
+# Both open the Ingress replica's own port. Ray keeps a leaving Ingress replica up 30 s or more for an outside load
+# balancer to notice; one machine has none, and Ctrl-C would outlast `serve run`'s 30 s wait for the shutdown.
+NO_DRAIN := RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0
+INGRESS_ENV_direct := RAY_SERVE_ENABLE_DIRECT_INGRESS=1 $(NO_DRAIN)
+INGRESS_ENV_haproxy := RAY_SERVE_ENABLE_HA_PROXY=1 $(NO_DRAIN)
 INGRESS_ENV = $(if $(filter $(INGRESS),proxy direct haproxy),$(INGRESS_ENV_$(INGRESS)),\
   $(error INGRESS=$(INGRESS): proxy, direct or haproxy))
 
