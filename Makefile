@@ -21,10 +21,11 @@ $(STAMP): requirements.txt requirements-test.txt
 checkpoint: $(STAMP)
 	$(PY) -m demo.build_tiny --out $(CHECKPOINT)
 
-# Serve's front door (README, "Front door"): proxy (Serve's Python proxy on every node), direct (the Ingress replica
-# listens itself, on 30000 up; the proxy stays on the head node) or haproxy (HAProxy on http_options.port routes to
-# the Ingress replicas' own ports). Ray reads these in every process it starts: they are set here, before Ray starts.
-INGRESS ?= proxy
+# Serve's front door (README, "Front door"): direct (the Ingress replica listens itself, at 127.0.0.1:30000; :8000
+# stays Serve's proxy, on the head node only), proxy (Serve's Python proxy on every node, the way back:
+# `make serve INGRESS=proxy`) or haproxy (HAProxy at http_options forwards to the Ingress replicas' own ports).
+# Ray reads these in every process it starts, so they are set here, before Ray starts.
+INGRESS ?= direct
 INGRESS_ENV_proxy :=
 # Both open the Ingress replica's own port. Ray keeps a leaving Ingress replica up 30 s or more for an outside load
 # balancer to notice; one machine has none, and Ctrl-C would outlast `serve run`'s 30 s wait for the shutdown.

@@ -69,7 +69,7 @@ def test_front_doors_are_the_makefiles():
     assert serve_env("proxy") == {} and ingress_of(serve_env("proxy")) == "proxy"
     assert serve_env("direct")["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1" and ingress_of(serve_env("direct")) == "direct"
     assert serve_env("haproxy")["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and ingress_of(serve_env("haproxy")) == "haproxy"
-    assert ingress_of(serve_env()) in ("proxy", "direct", "haproxy")  # `make serve`'s default
+    assert ingress_of(serve_env()) == "direct"  # `make serve`'s default (README "Front door" says why)
     assert ingress_ports("proxy", 1234) == (1234, {}, [])
     port, env, why = ingress_ports("direct", 1234)  # clients talk to the Ingress replica's own, pinned port
     assert port != 1234 and env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == str(port) and len(why) == 2
