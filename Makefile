@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install browser checkpoint serve test bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer soak clean
+.PHONY: install browser checkpoint serve serve-env test bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer soak clean
 
 install: $(STAMP)
 
@@ -21,8 +21,26 @@ $(STAMP): requirements.txt requirements-test.txt
 checkpoint: $(STAMP)
 	$(PY) -m demo.build_tiny --out $(CHECKPOINT)
 
+# Serve's front door (README, "Front door"): direct (the Ingress replica listens itself, at 127.0.0.1:30000; :8000
+# stays Serve's proxy, on the head node only), proxy (Serve's Python proxy on every node, the way back:
+# `make serve INGRESS=proxy`) or haproxy (HAProxy at http_options forwards to the Ingress replicas' own ports).
+# Ray reads these in every process it starts, so they are set here, before Ray starts.
+INGRESS ?= direct
+INGRESS_ENV_proxy :=
+# Both open the Ingress replica's own port. Ray keeps a leaving Ingress replica up 30 s or more for an outside load
+# balancer to notice; one machine has none, and Ctrl-C would outlast `serve run`'s 30 s wait for the shutdown.
+NO_DRAIN := RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0
+INGRESS_ENV_direct := RAY_SERVE_ENABLE_DIRECT_INGRESS=1 $(NO_DRAIN)
+INGRESS_ENV_haproxy := RAY_SERVE_ENABLE_HA_PROXY=1 $(NO_DRAIN)
+INGRESS_ENV = $(if $(filter $(INGRESS),proxy direct haproxy),$(INGRESS_ENV_$(INGRESS)),\
+  $(error INGRESS=$(INGRESS): proxy, direct or haproxy))
+
 serve: $(STAMP)
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/serve run serve_config.yaml
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(INGRESS_ENV) $(VENV)/bin/serve run serve_config.yaml
+
+# What `make serve` puts in Ray's environment (tests/bench/peer_servers.py starts ours with it).
+serve-env:
+	@echo $(INGRESS_ENV)
 
 # The playground's browser test drives Debian's Chromium; installed here when missing (as root, with apt).
 browser:

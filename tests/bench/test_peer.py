@@ -11,7 +11,7 @@ from PIL import Image
 
 from tests.bench.peer import build_requests, parse_args
 from tests.bench.peer_report import WORKLOADS, prompt_check, ratio_lines, ratios, system_table
-from tests.bench.peer_servers import ROOT, ours_config
+from tests.bench.peer_servers import ROOT, ingress_of, ingress_ports, ours_config, serve_env
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,23 @@ def test_ours_config_is_serve_configs_with_checkpoint_and_port_only(tmp_path):
     llm = merged["applications"][0]["args"]["llm"]
     assert llm["stream_interval_ms"] == 50 and llm["max_queued_requests"] == 64  # merged, not replaced
     assert any("--app-args" in c for c in changes)
+
+
+def test_front_doors_are_the_makefiles():
+    assert serve_env("proxy") == {} and ingress_of(serve_env("proxy")) == "proxy"
+    assert serve_env("direct")["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1" and ingress_of(serve_env("direct")) == "direct"
+    assert serve_env("haproxy")["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and ingress_of(serve_env("haproxy")) == "haproxy"
+    assert ingress_of(serve_env()) == "direct"  # `make serve`'s default (README "Front door" says why)
+    assert ingress_ports("proxy", 1234) == (1234, {}, [])
+    port, env, why = ingress_ports("direct", 1234)  # clients talk to the Ingress replica's own, pinned port
+    assert port != 1234 and env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == str(port) and len(why) == 2
+    assert env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == str(port + 1)
+    port, env, _ = ingress_ports("haproxy", 1234)  # clients talk to HAProxy; its side ports move off the fixed ones
+    assert port == 1234 and {"RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"} <= set(env)
+    args = parse_args(["--ingress", "direct", "--ours-env", "A=1", "--ours-env", "B=x=y"])
+    assert args.ingress == "direct" and args.ours_env == {"A": "1", "B": "x=y"}
+    with pytest.raises(SystemExit):
+        parse_args(["--ours-env", "novalue"])
 
 
 def _agg(tok_s: float, tpot: tuple[float, float], ttft: float, failed: int = 0) -> dict:
