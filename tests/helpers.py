@@ -40,3 +40,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def leave_mid_stream(client, chunks: int = 4) -> None:
+    """Stream a long answer from `client` (an httpx.Client on the app) and go away after `chunks` lines."""
+    body = {"messages": [{"role": "user", "content": "Talk for a long time."}], "max_tokens": 900,
+            "temperature": 0, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for n, _ in enumerate(r.iter_lines()):
+            if n >= chunks:
+                break

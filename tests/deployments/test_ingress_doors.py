@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.bench.peer_servers import OURS_ENV, ingress_of, ingress_ports, serve_env
-from tests.helpers import data_url, free_port, make_image
+from tests.helpers import data_url, free_port, leave_mid_stream, make_image
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,14 +101,8 @@ def test_the_ingress_listens_itself_and_answers_as_the_proxy_does(door, client):
 
 def test_a_client_leaving_mid_stream_frees_its_sequence(door):
     before = door.stats()
-    body = {"messages": [{"role": "user", "content": "Talk for a long time."}], "max_tokens": 900,
-            "temperature": 0, "stream": True}
     with httpx.Client(base_url=door.url, timeout=60) as c:
-        with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            for n, _ in enumerate(r.iter_lines()):
-                if n >= 4:
-                    break  # the client goes away after a few chunks
+        leave_mid_stream(c)  # the client goes away after a few chunks
     deadline = time.monotonic() + 5.0
     while (stats := door.stats())["cancelled"] == before["cancelled"] and time.monotonic() < deadline:
         time.sleep(0.1)
