@@ -69,9 +69,11 @@ class LLM:
         dtype = getattr(torch, resolve_dtype(self.args.dtype, device))
         config = AutoConfig.from_pretrained(self.args.model)
         llm_args = self.args.llm
-        cpu_threads = None
+        cpu_threads = cpu_threads_max = None
         if device == "cpu":  # NOTE: one thread process-wide, the cores for the engine's worker alone (llm/threads.py)
             cpu_threads = llm_args.cpu_threads or reserved_cpus()
+            if llm_args.cpu_threads is None:  # from the reserved CPUs up to all of the node's while they are idle
+                cpu_threads_max = len(os.sched_getaffinity(0))
             torch.set_num_threads(1)
         if device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device is cuda but this LLM replica has no GPU: set its ray_actor_options num_gpus: 1")
@@ -90,7 +92,7 @@ class LLM:
             max_num_seqs=llm_args.max_num_seqs, max_num_batched_tokens=llm_args.max_num_batched_tokens,
             max_queued=llm_args.max_queued_requests, enable_prefix_caching=llm_args.enable_prefix_caching,
             stream_interval_s=llm_args.stream_interval_ms / 1000, cpu_threads=cpu_threads,
-            cuda_graphs=llm_args.cuda_graphs)
+            cpu_threads_max=cpu_threads_max, cuda_graphs=llm_args.cuda_graphs)
         family = family_of(self.args.model, self.args.family)
         self.engine = Engine(model, engine_config, image_token_id=family.image_tokens(config).placeholder_id,
                              merge_size=family.processing.from_pretrained(self.args.model).merge_size,
@@ -107,7 +109,8 @@ class LLM:
                                         on_batch=EncoderMetrics().on_batch, family=self.args.family)
             self.vision_cache = EmbeddingLRU(int(self.args.encoder.cache_gib * (1 << 30)))
         logger.info("llm ready: %s on %s (%s, %s engine threads, %d tensor-parallel ranks), context %d, KV cache %d "
-                    "tokens (%.2f GiB per rank)%s", self.args.model, device, dtype, cpu_threads or "default",
+                    "tokens (%.2f GiB per rank)%s", self.args.model, device, dtype,
+                    f"{cpu_threads}-{cpu_threads_max}" if cpu_threads_max else cpu_threads or "default",
                     llm_args.tensor_parallel_size, max_model_len, num_blocks * llm_args.block_size,
                     self.engine.runner.cache.nbytes / (1 << 30), ", encoder colocated" if self.vision else "")
 

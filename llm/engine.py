@@ -27,7 +27,7 @@ from llm.model_runner import ModelRunner, Sampled
 from llm.parallel import RankFailure
 from llm.scheduler import Chunk, Scheduler
 from llm.sequence import Sequence, SequenceInput, make_sequence
-from llm.threads import set_thread_intra_op_threads
+from llm.threads import CoresFollowLoad, set_thread_intra_op_threads
 from schemas import Overloaded, TokenChunk
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     stream_interval_s: float = 0.02
     cpu_threads: int | None = None  # CPU: torch threads of the worker thread alone (llm/threads.py); None: leave as is
+    cpu_threads_max: int | None = None  # above cpu_threads: the worker takes up to this many while the node is idle
     static_decode: bool | None = None  # decode-only steps through llm/decode_step.py; None: on cuda with one rank
     cuda_graphs: bool | None = None  # replay them as CUDA graphs; None: on cuda with one rank
 
@@ -68,7 +69,9 @@ class Engine:
                                   cuda_graphs=graphs)
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.counts = {"finished": 0, "failed": 0, "steps": 0}  # written by the worker only
+        # written by the worker only
+        self.counts = {"finished": 0, "failed": 0, "steps": 0, "cpu_threads": config.cpu_threads or 0,
+                       "cpu_thread_changes": 0}
         # Seconds from arrival to first scheduled, and between two tokens of a sequence; the worker appends,
         # `drain_timings` takes them (deque appends and pops are thread-safe; bounded if nobody drains).
         self.queue_times: deque[float] = deque(maxlen=65536)
@@ -153,14 +156,23 @@ class Engine:
             self.cancel(seq)  # a consumer that went away frees the sequence at the next step
 
     def _loop(self) -> None:
-        if self.config.cpu_threads is not None:
-            threads = set_thread_intra_op_threads(self.config.cpu_threads)
-            logger.info("engine worker: %d torch threads", threads)
+        cores = None
+        if (floor := self.config.cpu_threads) is not None:
+            threads = set_thread_intra_op_threads(floor)
+            if (ceiling := self.config.cpu_threads_max or floor) > floor:
+                try:
+                    cores = CoresFollowLoad(floor, ceiling)
+                except OSError as e:  # no /proc (not Linux): stay at the floor
+                    logger.warning("engine worker: cannot read the node's load (%s), %d threads throughout", e, floor)
+            logger.info("engine worker: %d torch threads%s", threads,
+                        f", up to {cores.ceiling} while the node's other processes leave cores idle" if cores else "")
         keepalive = getattr(self.model, "keepalive", None)  # tensor-parallel: the other ranks wait on us
         while not self._closing:
             idle = not self.scheduler.running and not self.scheduler.waiting
             self._take_inbox(block=idle)
             chunks = self.scheduler.schedule()
+            if cores is not None and chunks:
+                self._follow_load(cores)
             self._queued = self.scheduler.num_waiting  # the admitted are no longer queued, even during a long step
             try:
                 if not chunks:
@@ -185,6 +197,13 @@ class Engine:
                 close()
             except RankFailure:  # the other ranks are gone already
                 pass
+
+    def _follow_load(self, cores: CoresFollowLoad) -> None:
+        before = cores.threads
+        if (n := cores.update()) != before:
+            set_thread_intra_op_threads(n)
+            self.counts["cpu_threads"] = n
+            self.counts["cpu_thread_changes"] += 1
 
     def _dead_error(self) -> Overloaded:
         return Overloaded(f"this LLM replica lost a tensor-parallel rank and is restarting ({self.dead})",

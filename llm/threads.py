@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,4 +55,76 @@ def set_thread_intra_op_threads(n: int) -> int:
     return torch.get_num_threads()
 
 
-__all__ = ["set_thread_intra_op_threads"]
+
+
+def _cpu_jiffies(cpus: set[int], stat: str) -> tuple[int, int]:
+    """(busy, total) jiffies of `cpus` since boot, from /proc/stat's per-CPU lines."""
+    busy = total = 0
+    for line in stat.splitlines():
+        name, *fields = line.split() or [""]
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+        total += sum(values)
+        busy += sum(values) - values[3] - values[4]
+    return busy, total
+
+
+def _own_jiffies(stat: str) -> int:
+    """This process's user + system jiffies, from /proc/self/stat (fields after the parenthesised name)."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+
+
+class CoresFollowLoad:
+    """How many threads the engine's worker should run on now: the cores that the node's other processes leave it.
+
+    Every `interval_s` it reads how busy its CPUs were since the last look (/proc/stat), less what this process used
+    (/proc/self/stat): that is the demand of the encoders, the ingress and everything else on the node, in cores.
+    NOTE: OpenMP threads wait for each other at the end of every op, so one that the kernel preempts stalls the
+    whole step: on 2 cores under heavy load, 2 engine threads ran a served benchmark into 60 s timeouts. So the
+    worker takes one more core only when the others left it nearly idle (free >= threads + 1 - up_margin), and gives
+    cores back as soon as the others want them (free < threads - down_margin).
+    """
+
+    def __init__(self, floor: int, ceiling: int, *, interval_s: float = 0.2, up_margin: float = 0.2,
+                 down_margin: float = 0.5, cpus: set[int] | None = None,
+                 read_stat: Callable[[], str] | None = None, read_self: Callable[[], str] | None = None,
+                 now: float | None = None):
+        self.cpus = cpus if cpus is not None else set(os.sched_getaffinity(0))
+        self.floor, self.ceiling = floor, max(floor, min(ceiling, len(self.cpus)))
+        self.interval_s, self.up_margin, self.down_margin = interval_s, up_margin, down_margin
+        self._read_stat = read_stat or (lambda: Path("/proc/stat").read_text())
+        self._read_self = read_self or (lambda: Path("/proc/self/stat").read_text())
+        self.threads = floor
+        self.others = 0.0  # the other processes' demand at the last look, in cores
+        self._last = self._sample()
+        self._next = (time.monotonic() if now is None else now) + interval_s
+
+    def _sample(self) -> tuple[int, int, int]:
+        busy, total = _cpu_jiffies(self.cpus, self._read_stat())
+        return busy, total, _own_jiffies(self._read_self())
+
+    def update(self, now: float | None = None) -> int:
+        """The worker's thread count for the next step (looks at the load at most once per `interval_s`)."""
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return self.threads
+        self._next = now + self.interval_s
+        sample = self._sample()
+        busy, total, own = (a - b for a, b in zip(sample, self._last))
+        self._last = sample
+        if total <= 0:
+            return self.threads
+        self.others = max(0.0, (busy - own) / total * len(self.cpus))
+        free = len(self.cpus) - self.others  # cores the others left
+        n = self.threads
+        if n < self.ceiling and free >= n + 1 - self.up_margin:
+            n += 1
+        elif n > self.floor and free < n - self.down_margin:
+            n = max(self.floor, int(free + self.down_margin))
+        self.threads = n
+        return n
+
+
+__all__ = ["CoresFollowLoad", "set_thread_intra_op_threads"]

@@ -99,7 +99,8 @@ class LLMArgs(_Strict):
     )
     cpu_threads: int | None = Field(
         None, ge=1, description="torch threads of the engine's worker on cpu (the replica's other threads use one); "
-        "default: the CPUs Ray reserved for the replica (its num_cpus).")
+        "default: the CPUs Ray reserved for the replica (its num_cpus), and more, up to the CPUs the replica may run "
+        "on, while the node's other processes (encoders, ingress) leave them idle.")
     cuda_graphs: bool | None = Field(
         None, description="On cuda with one rank: decode-only steps replay CUDA graphs captured at start, one per "
         "batch bucket (false: the same static step, eager); default: on for cuda, off on cpu (where the eager step "

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from llm.threads import _loaded_library, set_thread_intra_op_threads
+from llm.threads import CoresFollowLoad, _loaded_library, set_thread_intra_op_threads
 from tests.llm.reference import make_engine
 from tests.llm.test_engine import _seq
 
@@ -61,3 +61,93 @@ def test_the_engine_steps_on_its_configured_threads(one_thread_process_wide, mod
     assert sum(len(c.token_ids) for c in chunks) == 3
     assert seen and set(seen) == {2}
     assert torch.get_num_threads() == 1
+
+
+class _Node:
+    """/proc/stat and /proc/self/stat of a 2-CPU node, advanced by hand: `tick(others, own)` in cores for 1 s."""
+
+    HZ = 100
+
+    def __init__(self):
+        self.busy, self.idle, self.own = [0, 0], [0, 0], 0
+
+    def tick(self, others: float, own: float) -> None:
+        for cpu in (0, 1):
+            used = round((others + own) / 2 * self.HZ)
+            self.busy[cpu] += used
+            self.idle[cpu] += self.HZ - used
+        self.own += round(own * self.HZ)
+
+    def stat(self) -> str:
+        lines = [f"cpu  {sum(self.busy)} 0 0 {sum(self.idle)} 0 0 0 0 0 0"]
+        lines += [f"cpu{i} {self.busy[i]} 0 0 {self.idle[i]} 0 0 0 0 0 0" for i in (0, 1)]
+        return "\n".join([*lines, "intr 1 2 3", "procs_running 1"])
+
+    def self_stat(self) -> str:
+        return f"42 (ray::Serve (LLM)) S 1 2 3 4 5 6 7 8 9 10 {self.own} 0 0 0 20 0"
+
+
+def _follower(node: _Node, **kw) -> CoresFollowLoad:
+    return CoresFollowLoad(1, 8, interval_s=1.0, cpus={0, 1}, read_stat=node.stat, read_self=node.self_stat, now=0.0, **kw)
+
+
+def test_the_engine_takes_the_cores_the_others_leave_and_gives_them_back():
+    node = _Node()
+    cores = _follower(node)
+    assert (cores.threads, cores.ceiling) == (1, 2)  # at most the CPUs it may run on
+    t = 0.0
+    for others, own, expected in [(0.1, 1.0, 2),  # the node was idle but for us: take the second core
+                                  (0.3, 1.7, 2),  # a little work elsewhere: keep it (hysteresis)
+                                  (0.8, 1.2, 1),  # the encoders got busy: give it back at once
+                                  (0.3, 1.0, 1),  # not idle enough to take it again
+                                  (0.0, 1.0, 2)]:
+        node.tick(others, own)
+        t += 1.0
+        assert cores.update(now=t) == expected, (others, own)
+        assert cores.others == pytest.approx(others, abs=0.02)
+
+
+def test_the_load_is_read_at_most_once_per_interval():
+    node = _Node()
+    cores = _follower(node)
+    node.tick(0.0, 1.0)
+    assert cores.update(now=-1.0) == 1  # before the first interval is over: no look
+    assert cores.update(now=5.0) == 2
+
+
+def test_the_real_proc_files_parse():
+    cores = CoresFollowLoad(1, 2, interval_s=0.0)
+    sum(i * i for i in range(200_000))  # some CPU time of our own
+    assert cores.update() in (1, 2)
+    assert 0.0 <= cores.others <= len(cores.cpus)
+
+
+def test_the_engine_steps_on_the_threads_the_load_leaves(one_thread_process_wide, model, reference, monkeypatch):
+    plan = iter([2, 2, 1, 2, 2, 2, 2, 2, 2, 2])
+
+    class Scripted(CoresFollowLoad):
+        def __init__(self, floor, ceiling):
+            self.threads, self.ceiling = floor, ceiling
+
+        def update(self, now=None):
+            self.threads = next(plan, 2)
+            return self.threads
+
+    monkeypatch.setattr("llm.engine.CoresFollowLoad", Scripted)
+    engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2)
+    seen = []
+    step = engine._step
+
+    def spy(chunks):
+        seen.append(torch.get_num_threads())
+        return step(chunks)
+
+    engine._step = spy
+
+    async def run():
+        return [c async for c in engine.generate(_seq([5, 6, 7], max_tokens=4))]
+
+    asyncio.run(run())
+    assert seen[:4] == [2, 2, 1, 2]
+    assert engine.stats()["cpu_thread_changes"] == 3
+    assert torch.get_num_threads() == 1  # the test's thread is untouched
