@@ -146,8 +146,95 @@ void rope_(torch::Tensor qkv, torch::Tensor cis) {
   });
 }
 
+// y = x w^T + bias for bfloat16 x (T, K), w (N, K), bias (N,) or none -> (T, N) bfloat16, accumulated in float32 and
+// rounded once, as torch's bfloat16 linear is. NOTE: without AVX-512-BF16 ATen runs a bfloat16 GEMM in a scalar
+// fallback; here each weight is widened to float32 in registers (a bfloat16 is a float32's high half) and fed to
+// FMAs, tiles of NB weight rows x MB input rows, the input rows widened once into a float32 copy. AVX2 + FMA only.
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// out[m, j] = x[m] . w[j] + bias[j] for NB rows j of w and MB rows m of x; K a multiple of 8.
+template <int NB, int MB, typename T>
+static inline void tile(const float* x, const T* w, const T* bias, T* out, int64_t K, int64_t N) {
+  __m256 acc[NB][MB];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load8(w + j * K + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int j = 0; j < NB; ++j) acc[j][m] = _mm256_fmadd_ps(wv[j], xv, acc[j][m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j)
+      out[m * N + j] = static_cast<T>(hsum(acc[j][m]) + (bias ? static_cast<float>(bias[j]) : 0.f));
+}
+
+// All the input rows against weight rows [j, j + NB).
+template <int NB, typename T>
+static void rows(const float* x, const T* w, const T* bias, T* out, int64_t T_, int64_t K, int64_t N, int64_t j) {
+  const T* wj = w + j * K;
+  const T* bj = bias ? bias + j : nullptr;
+  int64_t m = 0;
+  for (; m + 4 <= T_; m += 4) tile<NB, 4>(x + m * K, wj, bj, out + m * N + j, K, N);
+  switch (T_ - m) {
+    case 3: tile<NB, 3>(x + m * K, wj, bj, out + m * N + j, K, N); break;
+    case 2: tile<NB, 2>(x + m * K, wj, bj, out + m * N + j, K, N); break;
+    case 1: tile<NB, 1>(x + m * K, wj, bj, out + m * N + j, K, N); break;
+  }
+}
+
+template <typename T>
+static void linear_rows(const float* x, const T* w, const T* bias, T* out, int64_t T_, int64_t K, int64_t N) {
+  const int64_t nb = T_ <= 2 ? 4 : 2;  // one input row: more weight rows in flight; more rows: reuse each load
+  at::parallel_for(0, N / nb, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (nb == 4) rows<4>(x, w, bias, out, T_, K, N, b * 4);
+      else rows<2>(x, w, bias, out, T_, K, N, b * 2);
+    }
+  });
+  for (int64_t j = N / nb * nb; j < N; ++j) rows<1>(x, w, bias, out, T_, K, N, j);
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.dim() == 2 && w.is_contiguous() && x.size(1) == w.size(1) &&
+              x.size(1) % 8 == 0 && (!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == w.scalar_type())));
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  const torch::Tensor xf = x.to(at::kFloat).contiguous();  // (T, K): each input row widened once
+  auto out = torch::empty({T, N}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  if (x.scalar_type() == at::kBFloat16) {
+    linear_rows(xp, w.data_ptr<at::BFloat16>(), bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
+                out.data_ptr<at::BFloat16>(), T, K, N);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat);
+    linear_rows(xp, w.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                out.data_ptr<float>(), T, K, N);
+  }
+  return out;
+}
+#define HAVE_LINEAR 1
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_", &rope_);
+#ifdef HAVE_LINEAR
+  m.def("linear", &linear);
+#endif
 }

@@ -2,7 +2,9 @@
 KV blocks in place, and one-op versions of what torch runs as several small ops per layer: the residual add fused
 into RMSNorm, and RoPE. Each rounds where the torch ops it replaces round (to the model's dtype between ops), so
 they compute the same thing; tests hold both paths to transformers. SiLU-mul stays torch's two ops: torch's
-vectorised exp beat a plain C++ loop (BENCHMARKS.md has what each kernel bought).
+vectorised exp beat a plain C++ loop (BENCHMARKS.md has what each kernel bought). A bfloat16 linear of a few rows
+(decode batches) goes to a kernel of ours too: on CPUs without AVX-512-BF16, ATen runs bfloat16 GEMMs in a scalar
+fallback; ours widens each weight to float32 in registers and feeds FMAs (AVX2 builds only).
 
 Attention: the eager path (llm/attention.py) gathers every decode row's blocks into a contiguous copy, then runs
 two batched matmuls. This kernel reads each key and value once, where it lies: one task per (sequence, KV head)
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -102,4 +105,20 @@ def paged_decode_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     return _module.paged_decode(q, kv_cache, block_tables, context_lens, scale)
 
 
-__all__ = ["add_rms_norm", "available", "load", "on", "paged_decode_cpu", "rope_"]
+# Rows up to which a bfloat16 linear goes to the kernel: decode batches (BENCHMARKS.md, the decode step); a prefill
+# chunk's GEMM keeps ATen's.
+MAX_LINEAR_ROWS = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x (T, K), weight (N, K), bias), by the bfloat16 kernel where it applies (AVX2 builds, T <=
+    MAX_LINEAR_ROWS, K a multiple of 8), else by torch."""
+    global calls
+    if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= MAX_LINEAR_ROWS and x.shape[1] % 8 == 0
+            and weight.dtype == torch.bfloat16 and weight.is_contiguous() and on(x) and hasattr(_module, "linear")):
+        calls += 1
+        return _module.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+__all__ = ["MAX_LINEAR_ROWS", "add_rms_norm", "available", "linear", "load", "on", "paged_decode_cpu", "rope_"]

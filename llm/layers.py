@@ -82,6 +82,13 @@ class Rotary:
             qkv[:, :n] = torch.view_as_real(qk).flatten(-2)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose bfloat16 decode rows go to the CPU kernel (llm/cpu_kernels.py) where it is built."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.linear(x, self.weight, self.bias)
+
+
 class RowParallelLinear(nn.Module):
     """nn.Linear over this rank's slice of the input features: the ranks' partial products are summed (one
     all-reduce), then the bias is added once. With one rank it is nn.Linear."""
@@ -94,8 +101,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))  # (T, out)
+            return cpu_kernels.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(cpu_kernels.linear(x, self.weight, None))  # (T, out)
         return y if self.bias is None else y + self.bias
 
 
@@ -105,7 +112,7 @@ class Attention(nn.Module):
     def __init__(self, c, tp: TPGroup):
         super().__init__()
         self.nh, self.nkv, self.hd = c.num_heads // tp.world_size, c.num_kv_heads // tp.world_size, c.head_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=c.qkv_bias)
+        self.qkv_proj = Linear(c.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=c.qkv_bias)
         self.o_proj = RowParallelLinear(self.nh * self.hd, c.hidden_size, c.o_bias, tp)
 
     def forward(self, x, cis, kv_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
@@ -120,7 +127,7 @@ class MLP(nn.Module):
     def __init__(self, c, tp: TPGroup):
         super().__init__()
         self.inter = c.intermediate_size // tp.world_size  # this rank's share of the MLP
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * self.inter, bias=c.mlp_bias)
+        self.gate_up_proj = Linear(c.hidden_size, 2 * self.inter, bias=c.mlp_bias)
         self.down_proj = RowParallelLinear(self.inter, c.hidden_size, c.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from transformers import AutoConfig
 
 from llm.attention import BatchMeta
 from llm.kv_cache import KVCache
-from llm.layers import DecoderLayer, RMSNorm, Rotary, interleave_rope_rows
+from llm.layers import DecoderLayer, Linear, RMSNorm, Rotary, interleave_rope_rows
 from llm.parallel import TPGroup, check_divisible
 from schemas import load_components
 
@@ -98,7 +98,7 @@ class Qwen2LM(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if tp.rank == 0 else None
         self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, tp.rows(c.vocab_size), bias=False)
+        self.lm_head = Linear(c.hidden_size, tp.rows(c.vocab_size), bias=False)
         self.rotary: Rotary | None = None  # built on the model's device by from_pretrained
 
     @classmethod
