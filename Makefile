@@ -21,7 +21,7 @@ $(STAMP): requirements.txt requirements-test.txt
 checkpoint: $(STAMP)
 	$(PY) -m demo.build_tiny --out $(CHECKPOINT)
 
-# Serve's front door (README, "Front door"): direct (the Ingress replica listens itself, at 127.0.0.1:30000; :8000
+# Serve's front door (docs/operations.md): direct (the Ingress replica listens itself, at 127.0.0.1:30000; :8000
 # stays Serve's proxy, on the head node only), proxy (Serve's Python proxy on every node, the way back:
 # `make serve INGRESS=proxy`) or haproxy (HAProxy at http_options forwards to the Ingress replicas' own ports).
 # Ray reads these in every process it starts, so they are set here, before Ray starts.
