@@ -17,19 +17,26 @@ def slug(heading: str) -> str:
 
 
 def anchors(page: Path) -> set[str]:
-    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
-    return {slug(m[1]) for m in re.finditer(r"^#+ (.+)$", text, flags=re.M)}
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+    return {slug(m[1]) for m in re.finditer(r"^#+ (.+)$", text, flags=re.MULTILINE)}
 
 
 def local_links(page: Path) -> list[str]:
-    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no links
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)  # code blocks hold no links
     return [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)]
 
 
 def test_readme_links_the_manual():
     targets = {t.split("#")[0] for t in local_links(ROOT / "README.md")}
-    assert {"docs/api.md", "docs/configuration.md", "docs/cluster.md", "docs/operations.md", "docs/design.md",
-            "docs/engine.md", "BENCHMARKS.md"} <= targets
+    assert {
+        "docs/api.md",
+        "docs/configuration.md",
+        "docs/cluster.md",
+        "docs/operations.md",
+        "docs/design.md",
+        "docs/engine.md",
+        "BENCHMARKS.md",
+    } <= targets
 
 
 def test_readme_is_a_front_door():
@@ -50,5 +57,8 @@ def test_relative_links_resolve(page):
 
 
 def test_slug_follows_github():
-    assert slug("Front door: Serve's proxy, direct ingress or HAProxy") == "front-door-serves-proxy-direct-ingress-or-haproxy"
+    assert (
+        slug("Front door: Serve's proxy, direct ingress or HAProxy")
+        == "front-door-serves-proxy-direct-ingress-or-haproxy"
+    )
     assert slug("The `deployments:` section") == "the-deployments-section"

@@ -27,7 +27,8 @@ def test_every_field_is_documented_with_its_description(path, field):
     rows = _rows()
     assert path in rows, f"args field {path} is missing from {config_docs.PAGE.name}: run `make docs`"
     assert rows[path][3] == config_docs._cell(field.description), (
-        f"{path}: the page says {rows[path][3]!r}, schemas/config.py says {field.description!r}: run `make docs`")
+        f"{path}: the page says {rows[path][3]!r}, schemas/config.py says {field.description!r}: run `make docs`"
+    )
 
 
 def test_no_documented_field_is_gone():
