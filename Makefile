@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install browser checkpoint serve serve-env test bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer soak clean
+.PHONY: install browser checkpoint serve serve-env test docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer soak clean
 
 install: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): requirements.txt requirements-test.txt
 checkpoint: $(STAMP)
 	$(PY) -m demo.build_tiny --out $(CHECKPOINT)
 
-# Serve's front door (README, "Front door"): direct (the Ingress replica listens itself, at 127.0.0.1:30000; :8000
+# Serve's front door (docs/operations.md): direct (the Ingress replica listens itself, at 127.0.0.1:30000; :8000
 # stays Serve's proxy, on the head node only), proxy (Serve's Python proxy on every node, the way back:
 # `make serve INGRESS=proxy`) or haproxy (HAProxy at http_options forwards to the Ingress replicas' own ports).
 # Ray reads these in every process it starts, so they are set here, before Ray starts.
@@ -52,6 +52,10 @@ browser:
 
 test: $(STAMP) browser
 	$(PY) -m pytest
+
+# docs/configuration.md's field tables, from the descriptions in schemas/config.py (a test fails while they differ).
+docs: $(STAMP)
+	$(PY) -m schemas.config_docs
 
 # The serving benchmark (tests/bench/README.md): `make bench BENCH_ARGS=--quick` for a one-minute smoke run.
 bench: $(STAMP)
