@@ -21,6 +21,8 @@ keep torch's ops (and attention the gather).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import platform
@@ -52,6 +54,26 @@ def _cpu_key() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 
+@contextlib.contextmanager
+def _builder_lock(name: str):
+    """Hold an flock on the build directory while building, and remove a `lock` file that no one holds.
+
+    NOTE: torch's cpp_extension marks a build in progress with a plain `lock` file and waits, forever, while one
+    exists; a process killed mid-build (a replica restarted, a test run interrupted) leaves it behind, and every later
+    replica start hangs. An flock dies with its process: whoever holds it is the only builder alive, so a `lock` file
+    it finds is stale."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    with open(build_dir / "builder.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def load():
     """The compiled module, or None where it cannot be built (said once in the log)."""
     global _module, _tried
@@ -63,8 +85,9 @@ def load():
             t0 = time.monotonic()
             try:
                 flags = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
-                _module = build(f"vlm_cpu_kernels_{_cpu_key()}", sources=[str(_SOURCE)], extra_cflags=flags,
-                                verbose=False)
+                name = f"vlm_cpu_kernels_{_cpu_key()}"
+                with _builder_lock(name):
+                    _module = build(name, sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
                 logger.info("CPU kernels ready in %.1f s", time.monotonic() - t0)
             except Exception as e:  # no compiler, no ninja, no headers: torch's ops still work
                 logger.warning("CPU kernels could not be built (%s); the layers use torch's ops", e)

@@ -45,3 +45,13 @@ def test_what_the_kernel_does_not_take_goes_to_torch(kernel):
     kernel.linear(torch.randn(2, 12).bfloat16(), torch.randn(4, 12).bfloat16(), None)  # K not a multiple of 8
     kernel.linear(torch.randn(2, 24).bfloat16(), w.t().contiguous().t(), None)  # a weight that is not contiguous
     assert kernel.calls == calls
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
+    """torch waits forever on a `lock` file in the build directory; one that no live builder holds goes."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with cpu_kernels._builder_lock("probe"):
+        build_dir = next(tmp_path.rglob("probe"))
+    (build_dir / "lock").touch()  # what a build killed half-way leaves behind
+    with cpu_kernels._builder_lock("probe"):
+        assert not (build_dir / "lock").exists()
