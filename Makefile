@@ -42,13 +42,14 @@ serve: $(STAMP)
 serve-env:
 	@echo $(INGRESS_ENV)
 
-# The playground's browser test drives Debian's Chromium; installed here when missing (as root, with apt).
+# The playground's browser test drives Debian's Chromium; installed here when missing (as root, with apt). Without
+# it the test skips, or fails under .ci/run (VLM_REQUIRE_ALL_TESTS=1).
 browser:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && export DEBIAN_FRONTEND=noninteractive && \
 	    { apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 || \
 	      { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }; }; } || \
-	  echo "no chromium: tests/deployments/test_playground.py will skip"
+	  echo "no chromium: tests/deployments/test_playground.py will skip (fail under .ci/run)"
 
 test: $(STAMP) browser
 	$(PY) -m pytest

@@ -81,9 +81,10 @@ def image_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def app_args(checkpoint, image_root) -> dict:
-    # Image URLs on, any host, but only public addresses, except 127.0.0.1 where tests serve images.
+    # Image URLs on, any host, but only public addresses, except 127.0.0.1 where tests serve images. The timeout
+    # is generous for a loopback fetch on a loaded machine; the test server's /slow outlasts it (image_server.py).
     image_urls = {"allow_http": True, "allowed_domains": ["*"], "allowed_networks": ["127.0.0.1/32"],
-                  "timeout_s": 1.0, "file_root": str(image_root)}
+                  "timeout_s": 5.0, "file_root": str(image_root)}
     return {"model": str(checkpoint), "limits": LIMITS, "llm": {"max_model_len": 1024}, "image_urls": image_urls}
 
 

@@ -1,16 +1,22 @@
-"""Test instruments: an encoder whose outputs record who deserializes them, a decoder that fails on cue, and a
-reader of one app's per-replica metrics."""
+"""Test instruments: an encoder whose outputs record who deserializes them, a slow encoder that records its work, an
+LLM deployment that records where its embeddings live, decoders that fail or crawl on cue, and a reader of one
+app's per-replica metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
+import ray
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from deployments import LLM
 from encoders import Qwen2VLVisionEncoder
 from llm import Qwen2LM
 
@@ -23,6 +29,10 @@ def _where() -> str:
         return f"{ctx.app_name}:{ctx.deployment}"
     except Exception:
         return f"pid{os.getpid()}"
+
+
+def _actor_name() -> str:
+    return ray.get_runtime_context().get_actor_name() or f"pid{os.getpid()}"
 
 
 def _record_and_unwrap(record_dir: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -60,20 +70,28 @@ class TracingEncoder:
 
 
 class SlowEncoder:
-    """Each batched forward takes at least `delay_s` and leaves (pid, time, images) in `record_dir`: which replica
-    served, and when."""
+    """Each batched forward takes at least `delay_s`. In `record_dir` it leaves the state a test waits on: each image
+    preprocessed (about to join the batch queue), each forward started (with the replica's actor name), and each
+    forward finished, as (pid, time, images): which replica served, and when."""
 
     def __init__(self, model_dir, device="cpu", dtype=torch.float32, *, delay_s: float, record_dir: str):
         self.inner, self.delay_s, self.record_dir = Qwen2VLVisionEncoder(model_dir, device, dtype), delay_s, record_dir
         self.hidden_size = self.inner.hidden_size
+        self.actor = _actor_name()
+
+    def _record(self, suffix: str, line: str) -> None:
+        with open(Path(self.record_dir) / f"{os.getpid()}.{suffix}", "a") as f:
+            f.write(line + "\n")
 
     def preprocess(self, image, size=None):
-        return self.inner.preprocess(image, size)
+        out = self.inner.preprocess(image, size)
+        self._record("preprocessed", f"{os.getpid()}")
+        return out
 
     def forward(self, batch):
+        self._record("started", f"{self.actor} {len(batch)}")
         time.sleep(self.delay_s)
-        with open(Path(self.record_dir) / f"{os.getpid()}.log", "a") as f:
-            f.write(f"{os.getpid()} {time.time():.3f} {len(batch)}\n")
+        self._record("log", f"{os.getpid()} {time.time():.3f} {len(batch)}")
         return self.inner.forward(batch)
 
     def encode(self, images):
@@ -97,8 +115,66 @@ def forwards(record_dir: str | Path) -> list[tuple[int, float, int]]:
     return sorted(((int(p), float(t), int(n)) for p, t, n in rows), key=lambda r: r[1])
 
 
+def _lines(record_dir: str | Path, suffix: str) -> list[str]:
+    return [line for f in sorted(Path(record_dir).glob(f"*.{suffix}")) for line in f.read_text().splitlines()]
+
+
+def forwards_started(record_dir: str | Path) -> dict[str, int]:
+    """Forwards a SlowEncoder began, by replica actor name (a forward in flight: started, not yet in `forwards`)."""
+    return Counter(line.split()[0] for line in _lines(record_dir, "started"))
+
+
+def forwards_finished(record_dir: str | Path) -> dict[str, int]:
+    """Forwards a SlowEncoder finished, by replica actor name."""
+    return Counter(_name_of_pid(record_dir)[pid] for pid, _, _ in forwards(record_dir))
+
+
+def _name_of_pid(record_dir: str | Path) -> dict[int, str]:
+    return {int(f.stem): line.split()[0] for f in Path(record_dir).glob("*.started")
+            for line in f.read_text().splitlines()[:1]}
+
+
+def images_preprocessed(record_dir: str | Path) -> int:
+    """Images a SlowEncoder preprocessed: each one then waits in its replica's batch queue."""
+    return len(_lines(record_dir, "preprocessed"))
+
+
 def deserializations(record_dir: str | Path) -> list[str]:
     return [line for f in sorted(Path(record_dir).glob("*.log")) for line in f.read_text().split()]
+
+
+def inline_limit() -> int:
+    """Bytes up to which Ray returns a task's result inline (in the reply, through the caller) rather than through
+    the object store: the cluster's system config where set, else Ray's default (`max_direct_call_object_size`,
+    100 KiB in ray_config_def.h; Ray 2.60 does not expose the effective value to Python)."""
+    config = ray._private.state.state.get_system_config()
+    return int(config.get("max_direct_call_object_size", os.environ.get("RAY_max_direct_call_object_size", "102400")))
+
+
+class LocatingLLM(LLM.func_or_class):
+    """The LLM deployment, which first records where each embedding it was sent lives: its size, and the nodes whose
+    object store holds it (none: it came inline). It waits for them without reading them."""
+
+    def __init__(self, args, model_factory=None, *, record_dir: str):
+        super().__init__(args, model_factory)
+        self.record_dir = record_dir
+
+    def _locate(self, refs: list) -> None:
+        ray.wait(refs, num_returns=len(refs), timeout=60, fetch_local=False)
+        with open(Path(self.record_dir) / f"{os.getpid()}.located", "a") as f:
+            f.writelines(json.dumps({"size": where["object_size"], "nodes": len(where["node_ids"])}) + "\n"
+                         for where in ray.experimental.get_object_locations(refs, timeout_ms=60_000).values())
+
+    async def generate(self, request):
+        if request.image_embed_refs:
+            await asyncio.to_thread(self._locate, request.image_embed_refs)
+        async for item in super().generate(request):
+            yield item
+
+
+def locations(record_dir: str | Path) -> list[dict]:
+    """(size, nodes) of every embedding a LocatingLLM was sent."""
+    return [json.loads(line) for line in _lines(record_dir, "located")]
 
 
 class _InstrumentedLM(Qwen2LM):

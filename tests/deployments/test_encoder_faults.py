@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,11 +16,12 @@ import ray
 from ray import serve
 
 from deployments import LLM, Encoder, Ingress
-from tests.deployments.instruments import SlowEncoder, forwards
+from tests.deployments.instruments import SlowEncoder, forwards, forwards_finished, forwards_started
 from tests.helpers import data_url, image_bytes, make_image
 
 pytestmark = pytest.mark.e2e
 SMALL = {"num_cpus": 0.1}  # these apps share the session's logical CPUs with the others
+RETRY = re.compile(r"(?P<id>chatcmpl-[0-9a-f]{32}): no embeddings for images (?P<images>\[[0-9, ]*\]); retrying them once")
 
 
 def _app(app_args, record_dir: str, delay_s: float, **encoder_options):
@@ -71,10 +75,36 @@ async def _post(client: httpx.AsyncClient, body: dict) -> tuple[int, str | None,
 @pytest.fixture(scope="module")
 def faults(ray_serve, app_args, tmp_path_factory):
     record_dir = str(tmp_path_factory.mktemp("forwards"))
-    serve.run(_app(app_args, record_dir, 0.6, num_replicas=2, autoscaling_config=None), name="faults",
+    serve.run(_app(app_args, record_dir, 1.0, num_replicas=2, autoscaling_config=None), name="faults",
               route_prefix="/faults")
-    yield f"{ray_serve}/faults"
+    yield f"{ray_serve}/faults", record_dir
     serve.delete("faults")
+
+
+def _retried(app: str) -> dict[str, list[int]]:
+    """Request id -> the images the ingress re-encoded for it, from the ingress replicas' logs (written before the
+    response goes out)."""
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    lines = (m for f in logs.glob(f"replica_{app}_Ingress_*.log") for m in RETRY.finditer(f.read_text()))
+    return {m["id"]: json.loads(m["images"]) for m in lines}
+
+
+def _response_id(text: str) -> str | None:
+    """The id of a 200's completion, streamed or not."""
+    first = text.split("data: ", 1)[1].split("\n", 1)[0] if text.startswith("data: ") else text
+    return json.loads(first)["id"]
+
+
+async def _kill_mid_forward(record_dir: str, app: str) -> str:
+    """Wait (on the encoders' records, not the clock) for a forward to be in flight on a replica, and kill that
+    replica; returns its actor name."""
+    deadline = time.monotonic() + 60
+    while not (busy := [n for n, k in forwards_started(record_dir).items()
+                        if n in _replicas(app) and k > forwards_finished(record_dir).get(n, 0)]):
+        assert time.monotonic() < deadline, "no forward started"
+        await asyncio.sleep(0.01)
+    ray.kill(ray.get_actor(busy[0], namespace="serve"), no_restart=True)
+    return busy[0]
 
 
 def test_embeddings_outlive_the_replicas_that_made_them(faults):
@@ -95,32 +125,36 @@ def test_embeddings_outlive_the_replicas_that_made_them(faults):
 
 
 def test_killed_replica_under_load(faults):
-    """Kill one of two encoder replicas while requests are in flight: each request gets a 200 or a 503 with
-    Retry-After (none hangs, none is a 500), the lost images are re-encoded, and after recovery all succeed."""
+    """Kill one of two encoder replicas while a forward runs on it and requests are in flight: each request gets a
+    200 or a 503 with Retry-After (none hangs, none is a 500), the lost images are re-encoded and their requests
+    end 200, and after recovery all succeed."""
+    url, record_dir = faults
     ingress = serve.get_deployment_handle("Ingress", app_name="faults")
-    before = ingress.stats.remote().result()
-
+    before, retried_before = ingress.stats.remote().result(), _retried("faults")
     killed = []
 
-    async def burst(n: int, kill_after_s: float | None):
-        async with httpx.AsyncClient(base_url=faults, timeout=90) as client:
+    async def burst(n: int, kill: bool):
+        async with httpx.AsyncClient(base_url=url, timeout=90) as client:
             tasks = [asyncio.create_task(_post(client, _body(i, images=1 + i % 2))) for i in range(n)]
-            if kill_after_s is not None:
-                await asyncio.sleep(kill_after_s)
-                killed.append(_replicas("faults")[0])
-                ray.kill(ray.get_actor(killed[0], namespace="serve"), no_restart=True)
+            if kill:
+                killed.append(await _kill_mid_forward(record_dir, "faults"))
             return await asyncio.gather(*tasks)
 
-    results = asyncio.run(burst(16, kill_after_s=1.0))
+    results = asyncio.run(burst(16, kill=True))
     statuses = [s for s, _, _ in results]
     assert set(statuses) <= {200, 503}, [r for r in results if r[0] not in (200, 503)]
     assert all(retry is not None for s, retry, _ in results if s == 503)
+    # The kill landed inside a forward: the killed replica began one more than it finished.
+    assert forwards_started(record_dir)[killed[0]] > forwards_finished(record_dir).get(killed[0], 0)
     after = ingress.stats.remote().result()
-    assert after["encoder_retries"] > before["encoder_retries"], (statuses, after)  # the kill hit work in flight
+    retried = {k: v for k, v in _retried("faults").items() if k not in retried_before}
+    assert sum(map(len, retried.values())) == after["encoder_retries"] - before["encoder_retries"] > 0, retried
+    ok = {_response_id(text) for s, _, text in results if s == 200}
+    assert set(retried) <= ok, (set(retried) - ok, statuses)  # every re-encoded request was answered
     print(f"under a replica kill: {statuses.count(200)} x 200, {statuses.count(503)} x 503, "
-          f"{after['encoder_retries'] - before['encoder_retries']} images re-encoded")
+          f"{len(retried)} requests retried ({after['encoder_retries'] - before['encoder_retries']} images)")
     _wait(lambda: _recovered("faults", killed), 90)
-    assert [s for s, _, _ in asyncio.run(burst(8, kill_after_s=None))] == [200] * 8
+    assert [s for s, _, _ in asyncio.run(burst(8, kill=False))] == [200] * 8
 
 
 @pytest.fixture(scope="module")

@@ -15,42 +15,93 @@ import ray
 import torch
 from ray import serve
 
-from deployments import LLM, Encoder, Ingress
+from demo.build_tiny import build_checkpoint
+from deployments import LLM, EmbeddingCache, Encoder, Ingress
 from schemas import GenerateRequest, SamplingParams
-from tests.deployments.instruments import FaultyLM, TracingEncoder, deserializations
+from tests.deployments.instruments import (
+    FaultyLM,
+    LocatingLLM,
+    TracingEncoder,
+    deserializations,
+    inline_limit,
+    locations,
+)
 from tests.helpers import data_url, leave_mid_stream, make_image
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def instrumented(ray_serve, app_args, tmp_path_factory):
-    """A second app at /traced: its encoder's outputs record who unpickles them, its LM fails at position 40."""
-    record_dir = str(tmp_path_factory.mktemp("unpickled"))
-    encoder = Encoder.bind(app_args, model_factory=functools.partial(TracingEncoder, record_dir=record_dir))
-    serve.run(Ingress.bind(encoder, LLM.bind(app_args, model_factory=FaultyLM.load), app_args),
+def instrumented(ray_serve, app_args):
+    """A second app at /traced: its LM fails at position 40."""
+    serve.run(Ingress.bind(Encoder.bind(app_args), LLM.bind(app_args, model_factory=FaultyLM.load), app_args),
               name="traced", route_prefix="/traced")
-    yield f"{ray_serve}/traced", record_dir
+    yield f"{ray_serve}/traced"
     serve.delete("traced")
 
 
-def test_ingress_never_deserializes_an_embedding(instrumented):
-    url, record_dir = instrumented
-    images = [{"type": "image_url", "image_url": {"url": data_url(make_image(80 + 20 * i, 60, seed=i))}}
-              for i in range(3)]
-    body = {"messages": [{"role": "user", "content": [*images, {"type": "text", "text": "hi"}]}], "max_tokens": 3}
-    for stream in (False, True):
-        r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": stream}, timeout=60)
+@pytest.fixture(scope="module")
+def big_images(tmp_path_factory):
+    """A checkpoint like the session's that takes images of up to 1024 merged tokens, and two images whose
+    embeddings (462 tokens x 64 float32 = 118 KiB each) are over Ray's inline limit."""
+    checkpoint = build_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2-vl-tiny-1024", seed=0,
+                                  max_pixels=28 * 28 * 1024)
+    images = [make_image(616, 588, seed=20 + i) for i in range(2)]  # 44 x 42 patches: 462 tokens each
+    return checkpoint, images, 462 * 64 * 4
+
+
+@pytest.fixture(scope="module", params=[0, 0.05], ids=["cache_off", "cache_on"])
+def through_the_store(request, ray_serve, app_args, big_images, tmp_path_factory):
+    """An app at /store whose encoder's outputs record who unpickles them and whose LLM records where they live."""
+    checkpoint, _, _ = big_images
+    record_dir = str(tmp_path_factory.mktemp("store"))
+    args = {**app_args, "model": str(checkpoint), "llm": {"max_model_len": 2048},
+            "encoder": {"cache_gib": request.param, "startup_check": False}}
+    cache = EmbeddingCache.bind(args) if request.param else None
+    encoder = Encoder.bind(args, cache, model_factory=functools.partial(TracingEncoder, record_dir=record_dir))
+    llm = LLM.options(func_or_class=LocatingLLM).bind(args, record_dir=record_dir)
+    serve.run(Ingress.bind(encoder, llm, args), name="store", route_prefix="/store")
+    yield f"{ray_serve}/store", record_dir, request.param > 0
+    serve.delete("store")
+
+
+def test_embeddings_go_through_the_object_store_never_the_ingress(through_the_store, big_images):
+    """Embeddings over Ray's inline limit: the LLM is sent refs of objects that live in a node's object store, and
+    the ingress never deserializes one; with the cache on, the repeated images come from it, the same way."""
+    url, record_dir, cached = through_the_store
+    _, images, embed_bytes = big_images
+    assert embed_bytes > inline_limit()
+    parts = [{"type": "image_url", "image_url": {"url": data_url(im, fmt="JPEG")}} for im in images]
+    body = {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}], "max_tokens": 3}
+    encoder = serve.get_deployment_handle("Encoder", app_name="store")
+    cache = serve.get_deployment_handle("EmbeddingCache", app_name="store") if cached else None
+    for stream in (False, True):  # the same two images twice: with the cache on, the second time they are hits
+        r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": stream}, timeout=120)
         assert r.status_code == 200, r.text
+        if cache is not None and not stream:  # the encoder stores them in the background: wait until they are
+            _wait(lambda: cache.stats.remote().result()["entries"] == 2)
+    where = locations(record_dir)
+    assert len(where) == 4 and all(w["size"] > inline_limit() and w["nodes"] >= 1 for w in where), where
+    encoded = encoder.stats.remote().result()["images"]
     seen = deserializations(record_dir)
-    # The instrument works: the LLM deserialized each of the 6 embeddings exactly once...
-    assert seen.count("traced:LLM") == 6
-    # ...and nobody else did: the ingress only ever held ObjectRefs.
-    assert set(seen) == {"traced:LLM"}
+    assert not [s for s in seen if "Ingress" in s], seen  # the ingress only ever held ObjectRefs
+    if cached:  # two encoded (the cache keeps a copy of each), two hits: plain tensors, which record nothing
+        assert encoded == 2 and cache.stats.remote().result()["hits"] == 2
+        assert sorted(seen) == ["store:EmbeddingCache"] * 2 + ["store:LLM"] * 2
+    else:  # each embedding deserialized once, by the LLM
+        assert encoded == 4 and seen == ["store:LLM"] * 4
+
+
+def _wait(condition, cap_s: float = 60.0) -> None:
+    """Wait on state; the cap is generous, there so that a broken app fails instead of hanging."""
+    deadline = time.monotonic() + cap_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def test_error_after_first_token_is_an_event_the_client_raises(instrumented):
-    url, _ = instrumented
+    url = instrumented
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "hi"}]
     received = []
@@ -91,10 +142,9 @@ def test_disconnect_cancels_generation(client, base_url):
     llm = serve.get_deployment_handle("LLM", app_name="vlm")
     before = llm.stats.remote().result()
     leave_mid_stream(client)  # the client goes away after a few chunks
-    deadline = time.monotonic() + 1.0
-    while (stats := llm.stats.remote().result())["cancelled"] == before["cancelled"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert stats["cancelled"] == before["cancelled"] + 1 and stats["running"] == 0  # freed within a second
+    _wait(lambda: llm.stats.remote().result()["cancelled"] > before["cancelled"])
+    stats = llm.stats.remote().result()
+    assert stats["cancelled"] == before["cancelled"] + 1 and stats["running"] == 0  # freed, long before its end
     assert stats["finished"] == before["finished"]  # it did not run to its 900 tokens
     body = {"messages": [{"role": "user", "content": "Talk for a long time."}], "max_tokens": 2, "temperature": 0}
     r = client.post("/v1/chat/completions", json=body)

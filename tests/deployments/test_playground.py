@@ -11,11 +11,17 @@ from pathlib import Path
 import pytest
 
 from tests.deployments.parity import deployed
+from tests.helpers import skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
-                                                  reason="no chromium/chromedriver (make test installs them as root)")]
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module", autouse=True)
+def chromium():
+    if not (CHROMIUM and CHROMEDRIVER):
+        skip_or_fail("no chromium/chromedriver (`make browser` installs them as root)")
 
 
 @pytest.fixture(scope="module")

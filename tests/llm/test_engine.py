@@ -17,6 +17,14 @@ from tests.llm.reference import collect, make_engine, reference_generate, reques
 CASES = {"text": [], "one_image": [(64, 48)], "two_images": [(30, 200), (120, 60)], "small_image": [(28, 28)]}
 
 
+async def _until(condition, cap_s: float = 60.0) -> None:
+    """Wait on the engine's state; the cap is generous, only there so that a broken engine fails, not hangs."""
+    deadline = time.monotonic() + cap_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 def _seq(ids, **sampling) -> SequenceInput:
     params = SamplingParams(**{"max_tokens": 12, "temperature": 0.0, **sampling})
     return SequenceInput("r", list(ids), [], [], params)
@@ -102,10 +110,7 @@ def test_closing_the_stream_frees_the_sequence(model, reference):
             if n == 2:
                 break
         await gen.aclose()
-        for _ in range(100):  # the worker notices at its next step
-            if engine.stats()["running"] == 0:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: engine.stats()["running"] == 0)  # the worker notices at its next step
 
     asyncio.run(take_two_then_leave())
     stats = engine.stats()
@@ -118,9 +123,9 @@ def test_queue_bound_gives_overloaded(model, reference):
 
     async def scenario():
         first = asyncio.create_task(collect(engine, _seq([5], max_tokens=3000)))
-        await asyncio.sleep(0.3)  # running (the batch holds one sequence)
+        await _until(lambda: engine.stats()["running"] == 1)  # running (the batch holds one sequence)
         second = asyncio.create_task(collect(engine, _seq([5], max_tokens=1)))
-        await asyncio.sleep(0.3)  # waiting: the queue (bound 1) is full
+        await _until(lambda: engine.stats()["waiting"] == 1)  # waiting: the queue (bound 1) is full
         with pytest.raises(Overloaded, match="queue is full"):
             await anext(engine.generate(_seq([5], max_tokens=1)))
         first.cancel()
@@ -132,21 +137,25 @@ def test_queue_bound_gives_overloaded(model, reference):
 def test_an_admitted_sequence_frees_its_queue_place_during_its_first_step(model, reference):
     """Queue bound 1: while the first sequence's (slow) first step runs, a second one may wait; it is not refused."""
     engine = make_engine(model, reference, max_queued=1, max_num_seqs=1, max_model_len=4096, num_blocks=300)
-    real_step, first_step = engine._step, threading.Event()
+    real_step, first_step, release = engine._step, threading.Event(), threading.Event()
 
     def slow(chunks):
         if not first_step.is_set():
             first_step.set()
-            time.sleep(1.0)
+            assert release.wait(60), "never released"  # held until the second sequence is in the queue
         real_step(chunks)
 
     engine._step = slow
 
     async def scenario():
         first = asyncio.create_task(collect(engine, _seq([5], max_tokens=2)))
-        while not first_step.is_set():
-            await asyncio.sleep(0.01)
-        assert (await collect(engine, _seq([6], max_tokens=1)))[1] == "length"  # waited, then ran
+        await _until(first_step.is_set)
+        second = asyncio.create_task(collect(engine, _seq([6], max_tokens=1)))
+        await _until(lambda: second.done() or engine.stats()["waiting"] == 1)
+        if second.done():
+            second.result()  # refused: raises the engine's Overloaded
+        release.set()
+        assert (await second)[1] == "length"  # waited, then ran
         await first
 
     asyncio.run(scenario())
@@ -169,7 +178,7 @@ def test_tokens_before_a_fault_are_delivered_then_the_error(model, reference):
         with pytest.raises(RuntimeError, match="injected fault"):
             async for chunk in engine.generate(_seq([5, 6, 7], max_tokens=20)):
                 received += chunk.token_ids
-                await asyncio.sleep(0.3)  # a slow consumer: the rest and the error arrive together
+                await _until(lambda: engine.stats()["failed"] == 1)  # a slow consumer: the fault came first
         return received
 
     assert len(asyncio.run(scenario())) == 6  # six steps made six tokens before the seventh failed

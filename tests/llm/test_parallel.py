@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from demo.build_tiny import build_checkpoint
 from demo.tiny_llava import build_llava_checkpoint
+from encoders import Qwen2VLVisionEncoder
 from llm import Qwen2LM
 from llm.attention import BatchMeta, ChunkSpec
 from llm.parallel import ParallelLM, RankFailure, TPGroup, init_process_group, serve_rank
@@ -185,6 +186,33 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(checkpoint, referenc
     for (inp, ref), (ours, _) in zip(requests, asyncio.run(together()), strict=True):
         assert ours == reference_generate(reference, ref, max_new_tokens=inp.sampling.max_tokens)
     engine.close()
+
+
+def test_three_ranks_give_the_greedy_tokens_of_one_and_of_transformers(odd_checkpoint):
+    """Mixed batches through the engine, images included, on three ranks (6 heads, 3 KV heads, a vocabulary 3 does
+    not divide): the tokens of the one-rank engine, and transformers' tokens."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    reference = Qwen2VLForConditionalGeneration.from_pretrained(odd_checkpoint, dtype=torch.float32).eval()
+    vision = Qwen2VLVisionEncoder(odd_checkpoint)
+    requests = [request_for(odd_checkpoint, reference, vision, sizes, seed=i, prefix=list(range(3, 4 + 2 * i)))
+                for i, sizes in enumerate([[], [(64, 48)], [(30, 200), (120, 60)]])]
+    expected = [reference_generate(reference, ref, max_new_tokens=inp.sampling.max_tokens) for inp, ref in requests]
+
+    def generate(model) -> list[list[int]]:
+        engine = make_engine(model, reference, max_num_batched_tokens=64, num_blocks=64)
+
+        async def together():
+            return await asyncio.gather(*(collect(engine, inp) for inp, _ in requests))
+
+        try:
+            return [ids for ids, _ in asyncio.run(together())]
+        finally:
+            engine.close()
+
+    assert generate(Qwen2LM.from_pretrained(odd_checkpoint)) == expected
+    with ranks(odd_checkpoint, 3) as (parallel, _):
+        assert generate(parallel) == expected
 
 
 def test_a_dead_rank_fails_requests_and_stops_the_engine(checkpoint, reference, vision, two_ranks):

@@ -13,6 +13,7 @@ from tests.helpers import image_bytes, make_image
 
 PNG = image_bytes(make_image(8, 8))
 CAP = 10_000  # /big is one byte over it
+SLOW_S = 60.0
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -40,8 +41,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._send(int(url.path[1:]), b"nope")
             elif url.path == "/empty":
                 self._send(200)
-            elif url.path == "/slow":
-                time.sleep(1.5)
+            elif url.path == "/slow":  # longer than any client here waits: the client's timeout always fires first
+                time.sleep(SLOW_S)
                 self._send(200, PNG)
             elif url.path == "/big":  # NOTE: says the size up front; the client must not wait for the body
                 self._send(200, b"x" * (CAP + 1))
