@@ -6,14 +6,14 @@ from typing import Any
 
 from ray.serve import Application
 
-from deployments.cache import EmbeddingCache
-from deployments.encoder import Encoder
 from deployments.ingress import Ingress
-from deployments.llm import LLM
-from deployments.tp import llm_placement
 from encoders import family_of
+from encoders.cache_server import EmbeddingCache
+from encoders.server import Encoder
 from llm import TextConfig
-from llm.parallel import check_divisible
+from llm.model.parallel import check_divisible
+from llm.server import LLM
+from llm.tp import llm_placement
 from schemas import AppArgs
 
 

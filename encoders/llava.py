@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from PIL import Image
@@ -14,17 +14,13 @@ from transformers import AutoConfig
 from transformers.models.clip.modeling_clip import CLIPVisionModel
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
+from encoders.family import ImageTokens
 from encoders.llava_processing import LlavaImageProcessing
 from schemas import load_components
-
-if TYPE_CHECKING:
-    from encoders.registry import ImageTokens
 
 
 def llava_image_tokens(config: Any) -> ImageTokens:
     """`<image>` repeated once per token; no markers around it, no video."""
-    from encoders.registry import ImageTokens  # NOTE: here, not at the top: the registry imports this module
-
     return ImageTokens(config.image_token_id, (), ())
 
 

@@ -7,7 +7,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,10 +18,8 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
     Qwen2VLVisionRotaryEmbedding,
 )
 
+from encoders.family import ImageTokens
 from schemas import InvalidRequest, load_components
-
-if TYPE_CHECKING:
-    from encoders.registry import ImageTokens
 
 # OpenAI CLIP statistics, Qwen2-VL's defaults when preprocessor_config.json names none.
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -126,8 +124,6 @@ class Qwen2VLImageProcessing:
 
 def qwen2_vl_image_tokens(config: Any) -> ImageTokens:
     """`<|vision_start|><|image_pad|>...<|vision_end|>`; `<|video_pad|>` is a video's placeholder (not served)."""
-    from encoders.registry import ImageTokens  # NOTE: here, not at the top: the registry imports this module
-
     return ImageTokens(config.image_token_id, (config.vision_start_token_id, config.vision_end_token_id),
                        (config.video_token_id,))
 

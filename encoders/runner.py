@@ -13,9 +13,10 @@ import torch
 from PIL import Image
 
 from encoders.batching import ImageBatcher, Preprocessed
+from encoders.family import VisionEncoder
 from encoders.images import image_size, load_rgb
 from encoders.placement import check_worst_case, place_projector
-from encoders.registry import VisionEncoder, family_of
+from encoders.registry import family_of
 from schemas import EncoderArgs, resolve_device, resolve_dtype
 
 

@@ -49,7 +49,7 @@ class GenerateRequest:
     # A hash of the conversation's first turn: the LLM request router sends every turn to the replica holding it.
     routing_key: str | None = None
     # The calling ingress replica's id: its tokens come through that ingress's per-step channel to the replica
-    # when one is open (deployments/channel.py); None: all through this call's own stream.
+    # when one is open (deployments/ingress/channel.py); None: all through this call's own stream.
     channel: str | None = None
 
     def __post_init__(self) -> None:
@@ -86,4 +86,38 @@ class TokenChunk:
             self.num_cached_tokens = later.num_cached_tokens
 
 
-__all__ = ["FinishReason", "GenerateRequest", "SamplingParams", "TokenChunk", "TokenLogprob"]
+# The per-step token channel's messages (deployments/ingress/channel.py, llm/channel.py)
+
+
+@dataclass(slots=True)
+class Routed:
+    """The first item of a generation's own stream when the ingress asked for the channel."""
+
+    replica_id: str
+    via_channel: bool
+
+
+@dataclass(slots=True)
+class ChannelOpen:
+    """The argument of `LLM.channel`: who listens, and which LLM replica the router must send it to."""
+
+    ingress_id: str
+    replica_id: str
+
+
+Item = TokenChunk | BaseException
+Batch = list[tuple[str, Item]]  # one channel message: (request id, chunk or error), in the order they were made
+
+
+def this_replica() -> str | None:
+    """This Serve replica's unique id; None outside a replica (tests that build a deployment's class directly)."""
+    from ray import serve  # NOTE: here: the messages themselves need no Ray
+
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return None
+
+
+__all__ = ["Batch", "ChannelOpen", "FinishReason", "GenerateRequest", "Item", "Routed", "SamplingParams", "TokenChunk",
+           "TokenLogprob", "this_replica"]

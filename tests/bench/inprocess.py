@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from deployments.ingress.prompt import build_prompt, load_tokenizer
 from encoders import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, load_rgb
-from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, build_prompt, load_tokenizer, num_kv_blocks
+from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, num_kv_blocks
 from schemas import LLMArgs, SamplingParams
 from schemas.openai import ChatCompletionRequest
 from tests.bench.metrics import RequestResult

@@ -7,8 +7,9 @@ import sys
 
 import torch
 
+from deployments.ingress.prompt import load_tokenizer
 from encoders import EncoderRunner, family_of
-from llm import Qwen2LM, load_tokenizer
+from llm import Qwen2LM
 from schemas import EncoderArgs
 from tests.helpers import make_image
 

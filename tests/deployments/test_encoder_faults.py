@@ -12,7 +12,9 @@ import pytest
 import ray
 from ray import serve
 
-from deployments import LLM, Encoder, Ingress
+from deployments.ingress import Ingress
+from encoders.server import Encoder
+from llm.server import LLM
 from tests.deployments.instruments import SlowEncoder, forwards
 from tests.helpers import data_url, image_bytes, make_image
 

@@ -1,5 +1,5 @@
 """The Grafana dashboard asks only for metrics the app exports: every ray_vlm_* series in its queries is declared
-in deployments/metrics.py (Ray adds the ray_ prefix), and each panel's queries are well-formed."""
+in schemas/metrics.py (Ray adds the ray_ prefix), and each panel's queries are well-formed."""
 
 from __future__ import annotations
 

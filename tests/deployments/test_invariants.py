@@ -15,7 +15,9 @@ import ray
 import torch
 from ray import serve
 
-from deployments import LLM, Encoder, Ingress
+from deployments.ingress import Ingress
+from encoders.server import Encoder
+from llm.server import LLM
 from schemas import GenerateRequest, SamplingParams
 from tests.deployments.instruments import FaultyLM, TracingEncoder, deserializations
 from tests.helpers import data_url, leave_mid_stream, make_image

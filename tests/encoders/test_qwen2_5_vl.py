@@ -14,7 +14,8 @@ from transformers.vision_utils import get_vision_window_index
 
 from demo.tiny_qwen2_5_vl import build_qwen2_5_vl_checkpoint
 from encoders import EncoderRunner, Qwen2_5_VLVisionEncoder, Qwen2VLImageProcessing, family_of, image_tokens_of
-from llm import TextConfig, mrope_positions
+from llm import TextConfig
+from llm.model import mrope_positions
 from schemas import EncoderArgs
 from tests.helpers import make_image
 

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from llm import BlockPool, SequenceInput
+from llm import SequenceInput
+from llm.engine import BlockPool
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
 

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from llm import SequenceInput, sample
+from llm import SequenceInput
+from llm.engine import sample
 from schemas import SamplingParams
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
 

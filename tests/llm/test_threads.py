@@ -1,4 +1,4 @@
-"""The engine's worker thread gets its own CPU threads while the rest of the process keeps one (llm/threads.py)."""
+"""The engine's worker thread gets its own CPU threads while the rest of the process keeps one (engine/threads.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from llm.threads import _loaded_library, set_thread_intra_op_threads
+from llm.engine.threads import _loaded_library, set_thread_intra_op_threads
 from tests.llm.reference import make_engine
 from tests.llm.test_engine import _seq
 

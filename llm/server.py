@@ -1,0 +1,226 @@
+"""LLM deployment: token ids + ObjectRefs of image embeddings in, a stream of TokenChunks out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import ray
+import torch
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.exceptions import (ActorUnavailableError, NodeDiedError, ObjectLostError, RayActorError,
+                            TaskCancelledError, WorkerCrashedError)
+from transformers import AutoConfig, GenerationConfig
+
+from deployments.ingress.router import PrefixAffinityRouter
+from encoders import EmbeddingLRU, EncoderRunner, family_of
+from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, num_kv_blocks
+from llm.channel import Outbox
+from llm.model.parallel import ParallelLM, TPGroup, init_process_group
+from llm.tp import COLLECTIVE_TIMEOUT_S, Ranks
+from schemas import (AppArgs, Batch, ChannelOpen, EncoderUnavailable, GenerateRequest, InvalidRequest, Routed,
+                     TokenChunk, observe, resolve_device, resolve_dtype, resolve_max_model_len, root_cause,
+                     this_replica)
+from schemas.metrics import EncoderMetrics, LLMMetrics
+
+logger = logging.getLogger("ray.serve")
+# Errors that mean "the encoder replica (or its node) went away", not "this image is bad".
+_REPLICA_GONE = (RayActorError, ActorUnavailableError, WorkerCrashedError, ObjectLostError, NodeDiedError,
+                 TaskCancelledError)
+
+
+def _bad_image(index: int, e: InvalidRequest) -> InvalidRequest:
+    """An image the encoder could not read is the client's error; say which one."""
+    return InvalidRequest(f"image {index}: {e.message}", param="messages")
+
+
+def eos_token_ids(model_dir: str, config: Any) -> set[int]:
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = getattr(getattr(config, "text_config", config), "eos_token_id", None)
+    return set([eos] if isinstance(eos, int) else eos or [])
+
+
+def reserved_cpus() -> int:
+    """The CPUs Ray reserved for this replica (its `num_cpus`), at least one: Ray's own rule for OMP_NUM_THREADS.
+
+    NOTE: the engine's threads spin between ops; more of them than the replica reserved take cores from the
+    encoders and the ingress on the same node (on 2 cores, 2 engine threads made the served app 40% slower).
+    """
+    try:
+        return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+    except Exception:  # not in a Ray worker
+        return max(1, os.cpu_count() or 1)
+
+
+# NOTE: the router is set here, not in serve_config.yaml: `serve deploy` imports a class path named in the YAML on
+# the client, where `deployments` is not importable; the YAML can still override its kwargs.
+@serve.deployment(name="LLM", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=256,
+                  request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter))
+class LLM:
+    def __init__(self, args: dict[str, Any], model_factory: Callable[..., Qwen2LM] | None = None):
+        self.args = AppArgs.model_validate(args)
+        device = resolve_device(self.args.device, torch.cuda.is_available())
+        dtype = getattr(torch, resolve_dtype(self.args.dtype, device))
+        config = AutoConfig.from_pretrained(self.args.model)
+        llm_args = self.args.llm
+        cpu_threads = None
+        if device == "cpu":  # NOTE: one thread process-wide; the cores go to the engine's worker (engine/threads.py)
+            cpu_threads = llm_args.cpu_threads or reserved_cpus()
+            torch.set_num_threads(1)
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device is cuda but this LLM replica has no GPU: set its ray_actor_options num_gpus: 1")
+        self.ranks: Ranks | None = None
+        if (tp := llm_args.tensor_parallel_size) > 1:
+            model = self._start_ranks(tp, device, dtype)
+        else:
+            model = (model_factory or Qwen2LM.from_pretrained)(self.args.model, device=device, dtype=dtype)
+        max_model_len = resolve_max_model_len(llm_args.max_model_len, model.config.max_position_embeddings)
+        num_blocks = num_kv_blocks(
+            model.kv_bytes_per_token(), block_size=llm_args.block_size, max_model_len=max_model_len,
+            device=torch.device(device), kv_cache_tokens=llm_args.kv_cache_tokens,
+            gpu_memory_utilization=llm_args.gpu_memory_utilization, cpu_kv_cache_gib=llm_args.cpu_kv_cache_gib)
+        engine_config = EngineConfig(
+            max_model_len=max_model_len, num_blocks=num_blocks, block_size=llm_args.block_size,
+            max_num_seqs=llm_args.max_num_seqs, max_num_batched_tokens=llm_args.max_num_batched_tokens,
+            max_queued=llm_args.max_queued_requests, enable_prefix_caching=llm_args.enable_prefix_caching,
+            stream_interval_s=llm_args.stream_interval_ms / 1000, cpu_threads=cpu_threads,
+            cuda_graphs=llm_args.cuda_graphs)
+        family = family_of(self.args.model, self.args.family)
+        self.engine = Engine(model, engine_config, image_token_id=family.image_tokens(config).placeholder_id,
+                             merge_size=family.processing.from_pretrained(self.args.model).merge_size,
+                             eos_token_ids=eos_token_ids(self.args.model, config))
+        self.metrics = LLMMetrics(self.engine.stats, self.engine.drain_timings)
+        self.replica_id = this_replica() if llm_args.token_channel else None  # None: own streams only, no channels
+        self.channels: dict[str, Outbox] = {}  # ingress id -> its open channel here (deployments/ingress/channel.py)
+        # Messages sent back to ingress replicas: chunks on generations' own streams, and channel messages
+        self.sent = {"stream_messages": 0, "channel_messages": 0, "channel_generations": 0, "channels_opened": 0}
+        self._metrics_task: asyncio.Task | None = None
+        self.vision = self.vision_cache = None
+        if self.args.encoder.colocated:  # the encoder lives here, sharing this replica's device with the engine
+            self.vision = EncoderRunner(self.args.model, self.args.encoder, device=device, dtype=dtype,
+                                        on_batch=EncoderMetrics().on_batch, family=self.args.family)
+            self.vision_cache = EmbeddingLRU(int(self.args.encoder.cache_gib * (1 << 30)))
+        logger.info("llm ready: %s on %s (%s, %s engine threads, %d tensor-parallel ranks), context %d, KV cache %d "
+                    "tokens (%.2f GiB per rank)%s", self.args.model, device, dtype, cpu_threads or "default",
+                    llm_args.tensor_parallel_size, max_model_len, num_blocks * llm_args.block_size,
+                    self.engine.runner.cache.nbytes / (1 << 30), ", encoder colocated" if self.vision else "")
+
+    def _start_ranks(self, world_size: int, device: str, dtype: torch.dtype) -> ParallelLM:
+        """This replica is rank 0 of `world_size`; the others are actors in its placement group (llm/tp.py)."""
+        group, shard = TPGroup(0, world_size), []
+
+        def join(init_method: str) -> None:
+            init_process_group(0, world_size, init_method, torch.device(device, 0) if device == "cuda"
+                               else torch.device("cpu"), COLLECTIVE_TIMEOUT_S)
+            shard.append(Qwen2LM.from_pretrained(self.args.model, device=device, dtype=dtype, tp=group))
+
+        self.ranks = Ranks(world_size, device)
+        self.ranks.start(self.args.model, device, str(dtype).removeprefix("torch."), self.args.llm.cpu_threads, join)
+        return ParallelLM(shard[0])
+
+    def check_health(self) -> None:
+        """Serve restarts a replica whose engine stopped or whose tensor-parallel rank ended."""
+        if self.engine.dead is not None:
+            raise RuntimeError(f"the engine stopped: {self.engine.dead}")
+        if self.ranks is not None:
+            self.ranks.check()
+
+    async def _fetch_embeds(self, refs: list[Any]) -> list[torch.Tensor]:
+        for ref in refs:  # invariant: the ingress passes references, never embeddings
+            if not isinstance(ref, ray.ObjectRef):
+                raise TypeError(f"image embeddings must arrive as ObjectRefs, got {type(ref).__name__}")
+        tasks = [asyncio.ensure_future(ref) for ref in refs]
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=self.args.encoder.timeout_s) if tasks else (set(), set())
+        finally:  # also when this generation is cancelled: no task left to fail unobserved
+            for task in tasks:
+                task.cancel()
+                task.add_done_callback(observe)
+        lost = [i for i, t in enumerate(tasks) if t in pending]
+        for i, task in enumerate(tasks):
+            if task in done and task.exception() is not None:
+                cause = root_cause(task.exception())
+                if isinstance(cause, InvalidRequest):
+                    raise _bad_image(i, cause) from None
+                if not isinstance(cause, _REPLICA_GONE):
+                    raise task.exception()
+                lost.append(i)
+        if lost:  # the ingress retries these images once on another encoder replica
+            raise EncoderUnavailable(f"no embeddings for images {sorted(lost)}", sorted(lost))
+        return [t.result() for t in tasks]
+
+    async def _encode_here(self, images: list[bytes], keys: list[str]) -> list[torch.Tensor]:
+        """Colocated mode: encode the request's images in this replica (a local cache stands in for the shared one)."""
+        assert self.vision is not None and self.vision_cache is not None, "images as bytes need encoder.colocated"
+
+        async def one(i: int, data: bytes) -> torch.Tensor:
+            key = keys[i] if keys else None
+            if key is not None and (hit := self.vision_cache.get(key)) is not None:
+                return hit
+            try:
+                embeds = await self.vision.encode(data)
+            except InvalidRequest as e:
+                raise _bad_image(i, e) from None
+            if key is not None:
+                self.vision_cache.put(key, embeds)
+            return embeds
+
+        return list(await asyncio.gather(*(one(i, data) for i, data in enumerate(images))))
+
+    async def stats(self) -> dict[str, float]:
+        return {**self.engine.stats(), **self.sent, "channels_open": len(self.channels)}
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Routed]:
+        """The chunks of one generation; with `request.channel` a `Routed` first, and the chunks through that
+        ingress's channel when it has one open here (deployments/ingress/channel.py)."""
+        if self._metrics_task is None:  # started on the replica's event loop, which __init__ may not run on
+            self._metrics_task = asyncio.create_task(self.metrics.run())
+        if request.images:
+            embeds = await self._encode_here(request.images, request.image_keys)
+        else:
+            embeds = await self._fetch_embeds(request.image_embed_refs)
+        inp = SequenceInput(request.request_id, request.prompt_token_ids, request.image_grid_thw, embeds,
+                            request.sampling, request.image_keys or None)
+        box = self.channels.get(request.channel) if request.channel and self.replica_id else None
+        if box is None:
+            if request.channel and self.replica_id:
+                yield Routed(self.replica_id, via_channel=False)
+            async for chunk in self.engine.generate(inp):
+                self.sent["stream_messages"] += 1
+                yield chunk
+            return
+        done, sink = box.attach(request.request_id)  # attached before any await: the channel cannot close between
+        try:
+            seq = self.engine.submit(inp, sink)
+        except BaseException:
+            box.detach(request.request_id)
+            raise
+        self.sent["channel_generations"] += 1
+        try:
+            yield Routed(self.replica_id, via_channel=True)
+            await done  # the chunks go out through the channel; this call ends when the last one has
+        finally:
+            box.detach(request.request_id)
+            self.engine.cancel(seq)
+
+    async def channel(self, req: ChannelOpen) -> AsyncIterator[Batch]:
+        """One ingress's token channel: each step's chunks of all its generations here, as one message."""
+        if req.replica_id != self.replica_id:
+            raise RuntimeError(f"a channel for LLM replica {req.replica_id} reached {self.replica_id}")
+        llm_args = self.args.llm
+        box = Outbox(self.replica_id, llm_args.stream_interval_ms / 1000, llm_args.token_channel_idle_s)
+        self.channels[req.ingress_id] = box
+        self.sent["channels_opened"] += 1
+        try:
+            async for batch in box.stream():
+                self.sent["channel_messages"] += 1
+                yield batch
+        finally:
+            if self.channels.get(req.ingress_id) is box:
+                del self.channels[req.ingress_id]
