@@ -10,7 +10,7 @@ from encoders.llava_next import LlavaNextImageProcessing, LlavaNextVisionEncoder
 from encoders.llava_processing import LlavaImageProcessing
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, smart_resize
-from encoders.registry import FAMILIES, family_of, image_tokens_of
+from encoders.registry import FAMILIES, family_for, family_of, image_tokens_of
 from encoders.runner import EncoderRunner
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "VisionEncoder",
     "decode_data_url",
     "embedding_key",
+    "family_for",
     "family_of",
     "image_tokens_of",
     "image_size",

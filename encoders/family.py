@@ -18,7 +18,7 @@ class ImageProcessing(Protocol):
     merge_size: int  # grid cells (per side) merged into one token; grid_thw's t*h*w // merge_size**2 tokens
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> ImageProcessing: ...
+    def from_pretrained(cls, model_dir: str | Path, config: Any = None) -> ImageProcessing: ...
     @property
     def max_image_tokens(self) -> int: ...  # the largest count any image can take (admission, memory sizing)
     def worst_case_size(self) -> tuple[int, int]: ...  # (width, height) of an image with the most tokens
@@ -56,8 +56,8 @@ class Family:
     """What a model family adds: preprocessing and token counts, the encoder, and its image token ids. (The LM's
     position rule comes from its config: M-RoPE when it has an `mrope_section`, else 1-D.)"""
 
-    processing: Callable[..., Any]  # a class with ImageProcessing's methods and from_pretrained(model_dir)
-    encoder: Callable[..., VisionEncoder]  # (model_dir, device=, dtype=) -> VisionEncoder
+    processing: Callable[..., Any]  # a class with ImageProcessing's methods and from_pretrained(model_dir, config)
+    encoder: Callable[..., VisionEncoder]  # (model_dir, device=, dtype=, config=) -> VisionEncoder
     image_tokens: Callable[[Any], ImageTokens]  # from the checkpoint's transformers config
     max_images_per_prompt: int | None = None  # the family's own limit, if it has one
     projector: str | None = None  # attribute path of the projector in the encoder object, to place it on its own

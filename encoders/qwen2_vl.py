@@ -54,7 +54,8 @@ class Qwen2VLImageProcessing:
     image_std: tuple[float, float, float] = _CLIP_STD
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> Qwen2VLImageProcessing:
+    def from_pretrained(cls, model_dir: str | Path, config: Any = None) -> Qwen2VLImageProcessing:
+        """From preprocessor_config.json alone (`config`, the checkpoint's, is not needed here)."""
         path = Path(model_dir) / "preprocessor_config.json"
         cfg = json.loads(path.read_text()) if path.is_file() else {}
         size, default = cfg.get("size") or {}, cls()
@@ -135,8 +136,10 @@ class Qwen2VLVisionEncoder:
     vit_class, rotary_class = Qwen2VisionTransformerPretrainedModel, Qwen2VLVisionRotaryEmbedding
     out_width = "hidden_size"
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        config = AutoConfig.from_pretrained(model_dir).vision_config
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 config: Any = None):
+        """`config`: the checkpoint's transformers config, when the caller has it (schemas.ModelSpec)."""
+        config = (config or AutoConfig.from_pretrained(model_dir)).vision_config
         self.processing = Qwen2VLImageProcessing.from_pretrained(model_dir)
         self.device, self.dtype = torch.device(device), dtype
         weights = load_components(model_dir, {"vision"})["vision"]

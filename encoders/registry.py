@@ -30,11 +30,15 @@ FAMILIES: dict[str, Family] = {
 
 def family_of(model_dir: str | Path, name: str | None = None) -> Family:
     """The family named in `args.family`, else the one of the checkpoint's `model_type`."""
+    return family_for(json.loads((Path(model_dir) / "config.json").read_text()).get("model_type"), name)
+
+
+def family_for(model_type: str | None, name: str | None = None) -> Family:
+    """The family named in `args.family`, else the one of this `model_type`."""
     if name is not None:
         if name not in FAMILIES:
             raise ValueError(f"family {name!r} is not supported; supported: {sorted(FAMILIES)}")
         return FAMILIES[name]
-    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"checkpoint model_type {model_type!r} is not supported; supported: {sorted(FAMILIES)} "
                          "(name one with args.family if the checkpoint is one of them under another model_type)")
@@ -45,4 +49,4 @@ def image_tokens_of(model_dir: str | Path, name: str | None = None) -> ImageToke
     return family_of(model_dir, name).image_tokens(AutoConfig.from_pretrained(model_dir))
 
 
-__all__ = ["FAMILIES", "family_of", "image_tokens_of"]
+__all__ = ["FAMILIES", "family_for", "family_of", "image_tokens_of"]

@@ -16,7 +16,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from encoders import EncoderRunner, VisionEncoder
-from schemas import AppArgs, resolve_device, resolve_dtype
+from schemas import AppArgs, ModelSpec
 from schemas.metrics import EncoderMetrics
 from schemas.transfer import send_tensors_out_of_band
 
@@ -36,16 +36,14 @@ class Encoder:
                  model_factory: Callable[..., VisionEncoder] | None = None):
         self.args = AppArgs.model_validate(args)
         send_tensors_out_of_band()
-        device = resolve_device(self.args.device, torch.cuda.is_available())
-        dtype = getattr(torch, resolve_dtype(self.args.dtype, device))
+        spec = ModelSpec.from_args(self.args)
         self.metrics = EncoderMetrics()
-        self.runner = EncoderRunner(self.args.model, self.args.encoder, device=device, dtype=dtype,
-                                    model_factory=model_factory, on_batch=self.metrics.on_batch,
-                                    family=self.args.family)
+        self.runner = EncoderRunner(spec, self.args.encoder, model_factory=model_factory,
+                                    on_batch=self.metrics.on_batch)
         self.num_cancelled = 0
         self.cache = cache if self.args.encoder.cache_gib > 0 else None
         self._puts: set[asyncio.Task] = set()
-        logger.info("encoder ready: %s on %s (%s), cache %s", self.args.model, device, dtype,
+        logger.info("encoder ready: %s on %s (%s), cache %s", self.args.model, spec.device, spec.dtype,
                     "on" if self.cache is not None else "off")
 
     async def _cached(self, key: str) -> torch.Tensor | None:

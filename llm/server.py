@@ -14,17 +14,15 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.exceptions import (ActorUnavailableError, NodeDiedError, ObjectLostError, RayActorError,
                             TaskCancelledError, WorkerCrashedError)
-from transformers import AutoConfig, GenerationConfig
 
 from deployments.ingress.router import PrefixAffinityRouter
-from encoders import EmbeddingLRU, EncoderRunner, family_of
-from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, num_kv_blocks
+from encoders import EmbeddingLRU, EncoderRunner
+from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, TextConfig, num_kv_blocks
 from llm.channel import Outbox
 from llm.model.parallel import ParallelLM, TPGroup, init_process_group
 from llm.tp import COLLECTIVE_TIMEOUT_S, Ranks
-from schemas import (AppArgs, Batch, ChannelOpen, EncoderUnavailable, GenerateRequest, InvalidRequest, Routed,
-                     TokenChunk, observe, resolve_device, resolve_dtype, resolve_max_model_len, root_cause,
-                     this_replica)
+from schemas import (AppArgs, Batch, ChannelOpen, EncoderUnavailable, GenerateRequest, InvalidRequest, ModelSpec,
+                     Routed, TokenChunk, observe, root_cause, this_replica)
 from schemas.metrics import EncoderMetrics, LLMMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -36,14 +34,6 @@ _REPLICA_GONE = (RayActorError, ActorUnavailableError, WorkerCrashedError, Objec
 def _bad_image(index: int, e: InvalidRequest) -> InvalidRequest:
     """An image the encoder could not read is the client's error; say which one."""
     return InvalidRequest(f"image {index}: {e.message}", param="messages")
-
-
-def eos_token_ids(model_dir: str, config: Any) -> set[int]:
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:  # no generation_config.json
-        eos = getattr(getattr(config, "text_config", config), "eos_token_id", None)
-    return set([eos] if isinstance(eos, int) else eos or [])
 
 
 def reserved_cpus() -> int:
@@ -65,9 +55,8 @@ def reserved_cpus() -> int:
 class LLM:
     def __init__(self, args: dict[str, Any], model_factory: Callable[..., Qwen2LM] | None = None):
         self.args = AppArgs.model_validate(args)
-        device = resolve_device(self.args.device, torch.cuda.is_available())
-        dtype = getattr(torch, resolve_dtype(self.args.dtype, device))
-        config = AutoConfig.from_pretrained(self.args.model)
+        self.spec = spec = ModelSpec.from_args(self.args)  # the checkpoint's facts, read once in this replica
+        device, dtype = spec.device, spec.dtype
         llm_args = self.args.llm
         cpu_threads = None
         if device == "cpu":  # NOTE: one thread process-wide; the cores go to the engine's worker (engine/threads.py)
@@ -78,9 +67,12 @@ class LLM:
         self.ranks: Ranks | None = None
         if (tp := llm_args.tensor_parallel_size) > 1:
             model = self._start_ranks(tp, device, dtype)
+        elif model_factory is not None:
+            model = model_factory(self.args.model, device=device, dtype=dtype)
         else:
-            model = (model_factory or Qwen2LM.from_pretrained)(self.args.model, device=device, dtype=dtype)
-        max_model_len = resolve_max_model_len(llm_args.max_model_len, model.config.max_position_embeddings)
+            model = Qwen2LM.from_pretrained(self.args.model, device=device, dtype=dtype,
+                                            config=TextConfig.from_hf(spec.hf_config))
+        max_model_len = spec.max_model_len
         num_blocks = num_kv_blocks(
             model.kv_bytes_per_token(), block_size=llm_args.block_size, max_model_len=max_model_len,
             device=torch.device(device), kv_cache_tokens=llm_args.kv_cache_tokens,
@@ -91,10 +83,8 @@ class LLM:
             max_queued=llm_args.max_queued_requests, enable_prefix_caching=llm_args.enable_prefix_caching,
             stream_interval_s=llm_args.stream_interval_ms / 1000, cpu_threads=cpu_threads,
             cuda_graphs=llm_args.cuda_graphs)
-        family = family_of(self.args.model, self.args.family)
-        self.engine = Engine(model, engine_config, image_token_id=family.image_tokens(config).placeholder_id,
-                             merge_size=family.processing.from_pretrained(self.args.model).merge_size,
-                             eos_token_ids=eos_token_ids(self.args.model, config))
+        self.engine = Engine(model, engine_config, image_token_id=spec.image_tokens.placeholder_id,
+                             merge_size=spec.merge_size, eos_token_ids=spec.eos_token_ids)
         self.metrics = LLMMetrics(self.engine.stats, self.engine.drain_timings)
         self.replica_id = this_replica() if llm_args.token_channel else None  # None: own streams only, no channels
         self.channels: dict[str, Outbox] = {}  # ingress id -> its open channel here (deployments/ingress/channel.py)
@@ -103,8 +93,7 @@ class LLM:
         self._metrics_task: asyncio.Task | None = None
         self.vision = self.vision_cache = None
         if self.args.encoder.colocated:  # the encoder lives here, sharing this replica's device with the engine
-            self.vision = EncoderRunner(self.args.model, self.args.encoder, device=device, dtype=dtype,
-                                        on_batch=EncoderMetrics().on_batch, family=self.args.family)
+            self.vision = EncoderRunner(spec, self.args.encoder, on_batch=EncoderMetrics().on_batch)
             self.vision_cache = EmbeddingLRU(int(self.args.encoder.cache_gib * (1 << 30)))
         logger.info("llm ready: %s on %s (%s, %s engine threads, %d tensor-parallel ranks), context %d, KV cache %d "
                     "tokens (%.2f GiB per rank)%s", self.args.model, device, dtype, cpu_threads or "default",
@@ -118,7 +107,8 @@ class LLM:
         def join(init_method: str) -> None:
             init_process_group(0, world_size, init_method, torch.device(device, 0) if device == "cuda"
                                else torch.device("cpu"), COLLECTIVE_TIMEOUT_S)
-            shard.append(Qwen2LM.from_pretrained(self.args.model, device=device, dtype=dtype, tp=group))
+            shard.append(Qwen2LM.from_pretrained(self.args.model, device=device, dtype=dtype, tp=group,
+                                                 config=TextConfig.from_hf(self.spec.hf_config)))
 
         self.ranks = Ranks(world_size, device)
         self.ranks.start(self.args.model, device, str(dtype).removeprefix("torch."), self.args.llm.cpu_threads, join)

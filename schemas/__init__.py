@@ -5,6 +5,7 @@ from schemas.config import AppArgs, AuthArgs, EncoderArgs, ImageURLArgs, LLMArgs
 from schemas.engine import (Batch, ChannelOpen, FinishReason, GenerateRequest, Item, Routed, SamplingParams, TokenChunk,
                             TokenLogprob, this_replica)
 from schemas.errors import ChannelLost, EncoderUnavailable, InvalidRequest, Overloaded, observe, root_cause
+from schemas.model_spec import ModelSpec
 from schemas.weights import Component, load_components, split_key
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Item",
     "LLMArgs",
     "Limits",
+    "ModelSpec",
     "Overloaded",
     "Routed",
     "SamplingParams",

@@ -7,11 +7,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import AutoConfig
-
 from deployments.ingress.prompt import build_prompt, load_tokenizer, template_messages
-from encoders import decode_data_url, embedding_key, family_of, probe_image
-from schemas import AppArgs, InvalidRequest, SamplingParams, resolve_max_model_len
+from encoders import decode_data_url, embedding_key, probe_image
+from schemas import AppArgs, InvalidRequest, ModelSpec, SamplingParams
 from schemas.openai import ChatCompletionRequest, ImagePart, Message
 
 
@@ -67,20 +65,19 @@ def first_turn_key(first_turn: list[Message], image_keys: list[str]) -> str:
 
 
 class Preparer:
-    def __init__(self, args: AppArgs):
+    def __init__(self, args: AppArgs, spec: ModelSpec | None = None):
+        """`spec`: the ingress's (loaded from `args` when not given)."""
+        spec = spec or ModelSpec.from_args(args)
         self.args, self.limits = args, args.limits
-        config = AutoConfig.from_pretrained(args.model)
-        family = family_of(args.model, args.family)
-        self.tokens = family.image_tokens(config)
+        self.tokens = spec.image_tokens
         self.image_token_id = self.tokens.placeholder_id
-        self.max_images = min(args.limits.max_images_per_request, family.max_images_per_prompt or 1 << 30)
-        self.processing = family.processing.from_pretrained(args.model)
+        self.max_images = min(args.limits.max_images_per_request, spec.family.max_images_per_prompt or 1 << 30)
+        self.processing = spec.processing
         self.preprocessing_id = self.processing.fingerprint()
         config_bytes = (Path(args.model) / "config.json").read_bytes()
         self.model_id = hashlib.sha256(args.model.encode() + config_bytes).hexdigest()[:16]
-        self.tokenizer = load_tokenizer(args.model)
-        text_config = getattr(config, "text_config", config)
-        self.max_model_len = resolve_max_model_len(args.llm.max_model_len, text_config.max_position_embeddings)
+        self.tokenizer = load_tokenizer(args.model, spec.hf_config)
+        self.max_model_len = spec.max_model_len
 
     def check(self, req: ChatCompletionRequest) -> None:
         """The cheap checks, before any image is read or fetched."""

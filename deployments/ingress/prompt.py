@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -12,9 +13,10 @@ from schemas import InvalidRequest
 from schemas.openai import ImagePart, Message
 
 
-def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
-    """The checkpoint's tokenizer, with its chat template even where only the processor files carry it."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+def load_tokenizer(model_dir: str | Path, config: Any = None) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer, with its chat template even where only the processor files carry it. `config`:
+    the checkpoint's transformers config, when the caller has it (else transformers reads it again)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, **({"config": config} if config is not None else {}))
     if tokenizer.chat_template is None:
         d = Path(model_dir)
         if (d / "chat_template.jinja").is_file():

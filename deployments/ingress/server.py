@@ -25,8 +25,8 @@ from deployments.ingress.http import error_response, parse, read_json
 from deployments.ingress.prepare import Prepared, Preparer, image_params, sampling_params
 from deployments.ingress.responses import (ChoiceState, completion, deadline_error, interleave, pixel_boxes, sse_stream,
                                            with_deadline)
-from schemas import (AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, Overloaded, observe, root_cause,
-                     this_replica)
+from schemas import (AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, ModelSpec, Overloaded, observe,
+                     root_cause, this_replica)
 from schemas.metrics import IngressMetrics
 from schemas.openai import ChatCompletionRequest, ModelCard, ModelList
 
@@ -40,7 +40,7 @@ class Ingress:
         self.encoder, self.llm = encoder, llm
         self.args = AppArgs.model_validate(args)
         self.hub = ChannelHub(llm, this_replica())  # the token channels to the LLM replicas (ingress/channel.py)
-        self.prep = Preparer(self.args)
+        self.prep = Preparer(self.args, ModelSpec.from_args(self.args))  # the checkpoint's facts, read once here
         self.tokenizer, self.max_model_len = self.prep.tokenizer, self.prep.max_model_len
         self.grounding = GroundingTokens.of(self.tokenizer)  # None: this family's answers carry no boxes
         self.fetcher = ImageFetcher(self.args.image_urls, self.args.limits.max_image_bytes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,11 @@ class TextConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> TextConfig:
-        config = AutoConfig.from_pretrained(model_dir)
+        return cls.from_hf(AutoConfig.from_pretrained(model_dir))
+
+    @classmethod
+    def from_hf(cls, config: Any) -> TextConfig:
+        """From the checkpoint's transformers config (the whole model's, or its text part's)."""
         tc = getattr(config, "text_config", config)
         if getattr(tc, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported")
@@ -103,10 +108,10 @@ class Qwen2LM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        tp: TPGroup = TPGroup()) -> Qwen2LM:
+                        tp: TPGroup = TPGroup(), config: TextConfig | None = None) -> Qwen2LM:
         """Reads only the language model, its embedding table and lm_head (never the vision weights); with `tp`,
-        only this rank's slices of them."""
-        c = TextConfig.from_pretrained(model_dir)
+        only this rank's slices of them. `config`: when the caller has it (schemas.ModelSpec)."""
+        c = config or TextConfig.from_pretrained(model_dir)
         check_divisible(c.num_heads, c.num_kv_heads, c.intermediate_size, tp.world_size)
 
         def index(component: str, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
