@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, GenerationConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from schemas.config import AppArgs, resolve_device, resolve_dtype, resolve_max_model_len
 
@@ -44,10 +44,14 @@ class ModelSpec:
              device: str = "auto", dtype: str = "auto") -> ModelSpec:
         """An unsupported checkpoint, or a `max_model_len` over the checkpoint's positions, raises `ValueError`."""
         # NOTE: imported here: the registry imports every family's modules, and the encoders import schemas.
-        from encoders.registry import family_for
+        from encoders.registry import family_of
 
-        config = AutoConfig.from_pretrained(model_dir)
-        fam = family_for(getattr(config, "model_type", None), family)
+        fam = family_of(model_dir, family)  # first: an unsupported model_type fails here, listing the families
+        if family is None:
+            config = AutoConfig.from_pretrained(model_dir)
+        else:  # the checkpoint is that family's under another model_type: read its config as that family's
+            config_dict, _ = PretrainedConfig.get_config_dict(model_dir)
+            config = AutoConfig.for_model(family, **{k: v for k, v in config_dict.items() if k != "model_type"})
         text = getattr(config, "text_config", config)
         dev = resolve_device(device, torch.cuda.is_available())
         return cls(str(model_dir), config, fam, fam.image_tokens(config),
