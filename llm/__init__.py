@@ -3,7 +3,7 @@ the token channel (`llm.channel`), the engine (`llm.engine`) and the model (`llm
 
 The deployment is not imported here: the engine and the model load without Ray Serve."""
 
-from llm.engine import Engine, EngineConfig, SequenceInput
+from llm.engine import Engine, EngineConfig
 from llm.model import Qwen2LM, TextConfig, num_kv_blocks
 
-__all__ = ["Engine", "EngineConfig", "Qwen2LM", "SequenceInput", "TextConfig", "num_kv_blocks"]
+__all__ = ["Engine", "EngineConfig", "Qwen2LM", "TextConfig", "num_kv_blocks"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +18,7 @@ from ray.exceptions import (ActorUnavailableError, NodeDiedError, ObjectLostErro
 
 from deployments.ingress.router import PrefixAffinityRouter
 from encoders import EmbeddingLRU, EncoderRunner
-from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, TextConfig, num_kv_blocks
+from llm import Engine, EngineConfig, Qwen2LM, TextConfig, num_kv_blocks
 from llm.channel import Outbox
 from llm.model.parallel import ParallelLM, TPGroup, init_process_group
 from llm.tp import COLLECTIVE_TIMEOUT_S, Ranks
@@ -174,9 +175,8 @@ class LLM:
         if request.images:
             embeds = await self._encode_here(request.images, request.image_keys)
         else:
-            embeds = await self._fetch_embeds(request.image_embed_refs)
-        inp = SequenceInput(request.request_id, request.prompt_token_ids, request.image_grid_thw, embeds,
-                            request.sampling, request.image_keys or None)
+            embeds = await self._fetch_embeds(request.image_embeds)
+        inp = dataclasses.replace(request, image_embeds=embeds, images=[])  # what the engine takes: the tensors
         box = self.channels.get(request.channel) if request.channel and self.replica_id else None
         if box is None:
             if request.channel and self.replica_id:

@@ -1,4 +1,5 @@
-"""What the ingress hands the LLM replica, and what the LLM replica streams back (plain dataclasses: hot path)."""
+"""What the ingress hands the LLM replica (`GenerateRequest`, also what its engine takes), and what the LLM replica
+streams back (plain dataclasses: hot path)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ class GenerateRequest:
     # One (t, h, w) patch grid per image, in prompt order; with M-RoPE, rows of embeddings = t*h*w / merge_size**2
     # (for 1-D RoPE LMs, the LLaVAs, an image takes as many tokens as its embedding has rows).
     image_grid_thw: list[tuple[int, int, int]]
-    # One ObjectRef per image (never the tensors themselves: the ingress must not hold embeddings).
-    image_embed_refs: list[Any]
+    # One per image: ObjectRefs from the ingress (never the tensors themselves: the ingress must not hold
+    # embeddings); the LLM replica puts the fetched (num_image_tokens, D) tensors here before the engine takes it.
+    image_embeds: list[Any]
     sampling: SamplingParams
     # One content key per image (hash of its bytes and size): prefix-cache keys for its placeholder tokens.
     image_keys: list[str] = field(default_factory=list)
@@ -53,8 +55,8 @@ class GenerateRequest:
     channel: str | None = None
 
     def __post_init__(self) -> None:
-        assert len(self.image_grid_thw) == len(self.image_embed_refs) + len(self.images), "one grid per image"
-        assert not (self.image_embed_refs and self.images), "embeddings or bytes, not both"
+        assert len(self.image_grid_thw) == len(self.image_embeds) + len(self.images), "one grid per image"
+        assert not (self.image_embeds and self.images), "embeddings or bytes, not both"
         assert not self.image_keys or len(self.image_keys) == len(self.image_grid_thw), "one key per image"
 
 

@@ -7,7 +7,7 @@ from llm.engine.engine import Engine, EngineConfig
 from llm.engine.model_runner import ModelRunner, Sampled
 from llm.engine.sampling import make_generator, sample
 from llm.engine.scheduler import Chunk, Scheduler
-from llm.engine.sequence import Sequence, SequenceInput, make_sequence
+from llm.engine.sequence import Sequence, make_sequence
 
 __all__ = ["BlockPool", "Chunk", "Engine", "EngineConfig", "ModelRunner", "Sampled", "Scheduler", "Sequence",
-           "SequenceInput", "block_hash", "make_generator", "make_sequence", "sample"]
+           "block_hash", "make_generator", "make_sequence", "sample"]

@@ -1,11 +1,13 @@
 """The generation engine: requests in, token chunks out, and the worker loop between them.
 
-The async side (`submit`) checks a request (sequence.py), queues it (bounded), and hands its `TokenChunk`s to a
-sink on the caller's event loop: one callback per step for all the sequences of that loop (the LLM deployment sends
-them on through a per-ingress channel, llm/channel.py). `generate` is a stream of one sequence's chunks on
-top of it, coalescing tokens that arrive within `stream_interval_s`. The worker loops: the scheduler picks a step
-(decodes + prefill chunks + admissions), the model runner runs it and samples, and the engine applies the stop rules
-and emits each sequence's new token. `cancel` (or closing a stream) frees a sequence's blocks at the next step.
+The async side (`submit`) takes a `GenerateRequest` with its image embeddings, checks it and makes its `Sequence`
+(sequence.py), queues it (bounded), and hands its `TokenChunk`s to a sink on the caller's event loop: one callback
+per step for all the sequences of that loop (the LLM deployment sends them on through a per-ingress channel,
+llm/channel.py). `generate` is a stream of one sequence's chunks on top of it, coalescing tokens that arrive within
+`stream_interval_s`. The worker loops, one `run` per step: the scheduler picks the step (decodes + prefill chunks +
+admissions), the model runner builds its inputs (embeddings with the images merged in), runs the forward and
+samples, the scheduler applies the stop rules, and the engine emits each sequence's new token. `cancel` (or closing
+a stream) frees a sequence's blocks at the next step.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import torch
 from llm.engine.block_pool import BlockPool
 from llm.engine.model_runner import ModelRunner, Sampled
 from llm.engine.scheduler import Chunk, Scheduler
-from llm.engine.sequence import Sequence, SequenceInput, make_sequence
+from llm.engine.sequence import Sequence, make_sequence
 from llm.engine.threads import set_thread_intra_op_threads
 from llm.model.parallel import RankFailure
-from schemas import Overloaded, TokenChunk
+from schemas import GenerateRequest, Overloaded, TokenChunk
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +102,15 @@ class Engine:
         return ([self.queue_times.popleft() for _ in range(len(self.queue_times))],
                 [self.inter_token_times.popleft() for _ in range(len(self.inter_token_times))])
 
-    def submit(self, inp: SequenceInput, sink: Sink) -> Sequence:
+    def submit(self, inp: GenerateRequest, sink: Sink) -> Sequence:
         """Check and queue a sequence; raises `InvalidRequest` or `Overloaded` at once. `sink` is called on the
         caller's event loop with each `TokenChunk` (the last has a finish reason) or one exception; a step's
         chunks for all the sequences of one event loop arrive in one callback. `cancel` ends it early."""
         loop = asyncio.get_running_loop()
         seq = make_sequence(inp, next(self._ids), max_model_len=self.config.max_model_len,
                             image_token_id=self.image_token_id, merge_size=self.merge_size,
-                            mrope=self.model.config.mrope_section is not None, device=self.runner.device)
+                            mrope=self.model.config.mrope_section is not None, device=self.runner.device,
+                            eos_token_ids=self.eos_token_ids)
         if self.dead is not None:
             raise self._dead_error()
         if self._queued >= self.config.max_queued:
@@ -123,7 +126,7 @@ class Engine:
         seq.cancelled.set()
         self._inbox.put(None)  # wake the worker if it sleeps
 
-    async def generate(self, inp: SequenceInput) -> AsyncIterator[TokenChunk]:
+    async def generate(self, inp: GenerateRequest) -> AsyncIterator[TokenChunk]:
         """One sequence's chunks, coalesced to at most one per `stream_interval_s` (first and last at once)."""
         out: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
         seq = self.submit(inp, out.put_nowait)
@@ -248,19 +251,15 @@ class Engine:
             self._append(s, now)
 
     def _append(self, s: Sampled, now: float) -> None:
-        """The stop rules: a stop token (EOS unless ignored) or max_tokens ends the sequence."""
+        """A sampled token: the scheduler applies the stop rules; its chunk goes to the sequence's sink."""
         seq, token = s.seq, s.token
-        seq.token_ids.append(token)
+        finish = self.scheduler.postprocess(seq, token)
         if seq.last_token_at is not None:
             self.inter_token_times.append(now - seq.last_token_at)
         seq.last_token_at = now
-        p = seq.params
-        stop_ids = p.stop_token_ids if p.ignore_eos else p.stop_token_ids | self.eos_token_ids
-        finish = "stop" if token in stop_ids else "length" if seq.num_generated >= p.max_tokens else None
         self._emit(seq, TokenChunk([token], finish, [s.logprob] if s.logprob is not None else None,
                                    seq.num_cached if seq.num_generated == 1 else None))
         if finish is not None:
-            self.scheduler.finish(seq)
             self.counts["finished"] += 1
 
 

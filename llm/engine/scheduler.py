@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from llm.engine.block_pool import BlockPool
 from llm.engine.sequence import Sequence
+from schemas import FinishReason
 
 
 @dataclass(slots=True)
@@ -107,6 +108,16 @@ class Scheduler:
         self._free(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def postprocess(self, seq: Sequence, token: int) -> FinishReason | None:
+        """The stop rules, after a step sampled `token` for `seq`: a stop token (EOS unless the request ignores it)
+        or max_tokens finishes it (its blocks go back to the pool)."""
+        seq.token_ids.append(token)
+        finish: FinishReason | None = ("stop" if token in seq.stop_token_ids
+                                       else "length" if seq.num_generated >= seq.params.max_tokens else None)
+        if finish is not None:
+            self.finish(seq)
+        return finish
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:

@@ -1,5 +1,6 @@
-"""One request inside the engine: what arrives (`SequenceInput`), the checks that turn it into a `Sequence`, and the
-sequence's state (its tokens, where its KV lives, which prompt rows are image embeddings)."""
+"""One request inside the engine: the checks that turn a `GenerateRequest` into a `Sequence`, and the sequence's state
+(its tokens, where its KV lives, which prompt rows are image embeddings, when it stops). State only: the model
+runner reads it to build a step's inputs, the scheduler advances it."""
 
 from __future__ import annotations
 
@@ -12,17 +13,7 @@ import torch
 from llm.engine.block_pool import block_hash
 from llm.engine.sampling import make_generator
 from llm.model.positions import linear_positions, mrope_positions
-from schemas import InvalidRequest, SamplingParams
-
-
-@dataclass(slots=True)
-class SequenceInput:
-    request_id: str
-    prompt_token_ids: list[int]
-    image_grid_thw: list[tuple[int, int, int]]
-    image_embeds: list[torch.Tensor]  # one (num_image_tokens, D) per image
-    sampling: SamplingParams
-    image_keys: list[str] | None = None  # content keys for prefix reuse; None: the prompt is not shared
+from schemas import GenerateRequest, InvalidRequest, SamplingParams
 
 
 @dataclass(slots=True, eq=False)
@@ -37,6 +28,7 @@ class Sequence:
     image_embeds: torch.Tensor | None  # (num placeholders, D) on the model's device, in prompt order
     image_spans: list[tuple[int, int, str]]  # per image: placeholder run [start, end) and its content key
     params: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()  # the request's, and EOS unless it ignores EOS
     generator: torch.Generator | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     block_ids: list[int] = field(default_factory=list)
@@ -97,8 +89,8 @@ class Sequence:
         return hashes
 
 
-def make_sequence(inp: SequenceInput, seq_id: int, *, max_model_len: int, image_token_id: int, merge_size: int,
-                  mrope: bool, device: torch.device) -> Sequence:
+def make_sequence(inp: GenerateRequest, seq_id: int, *, max_model_len: int, image_token_id: int, merge_size: int,
+                  mrope: bool, device: torch.device, eos_token_ids: frozenset[int] = frozenset()) -> Sequence:
     """The request's checks (context length, embedding rows against placeholders and grids), then its state."""
     n_prompt, n_max = len(inp.prompt_token_ids), inp.sampling.max_tokens
     if n_prompt == 0:
@@ -107,8 +99,6 @@ def make_sequence(inp: SequenceInput, seq_id: int, *, max_model_len: int, image_
         raise InvalidRequest(f"{n_prompt} prompt tokens + max_tokens {n_max} exceed the context length of "
                              f"{max_model_len}", param="max_tokens", code="context_length_exceeded")
     ids = torch.tensor(inp.prompt_token_ids, dtype=torch.long)  # (P,)
-    positions, rope_delta = (mrope_positions(ids, image_token_id, inp.image_grid_thw, merge_size) if mrope
-                             else linear_positions(ids))  # 1-D RoPE LMs (LLaVA's Llama)
     is_mm = ids == image_token_id
     counts = [int(e.shape[0]) for e in inp.image_embeds]  # tokens per image: its embedding rows
     if mrope:  # M-RoPE positions follow the grid: the rows must too
@@ -128,9 +118,14 @@ def make_sequence(inp: SequenceInput, seq_id: int, *, max_model_len: int, image_
         key = inp.image_keys[i] if inp.image_keys else f"unshared-{inp.request_id}-{i}"
         spans.append((starts[k], starts[k] + n, key))
         k += n
+    # NOTE: after the checks above, which are the LLM side's one check of the images against the prompt
+    positions, rope_delta = (mrope_positions(ids, image_token_id, inp.image_grid_thw, merge_size) if mrope
+                             else linear_positions(ids))  # 1-D RoPE LMs (LLaVA's Llama)
     image_embeds = torch.cat(inp.image_embeds) if inp.image_embeds else None
+    p = inp.sampling
+    stop_ids = p.stop_token_ids if p.ignore_eos else p.stop_token_ids | eos_token_ids
     return Sequence(seq_id, inp.request_id, list(inp.prompt_token_ids), n_prompt, positions, rope_delta, is_mm,
-                    image_embeds, spans, inp.sampling, make_generator(inp.sampling, device))
+                    image_embeds, spans, p, stop_ids, make_generator(p, device))
 
 
-__all__ = ["Sequence", "SequenceInput", "make_sequence"]
+__all__ = ["Sequence", "make_sequence"]
