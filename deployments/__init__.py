@@ -1,9 +1,17 @@
-"""Thin Ray Serve shims: the ingress, encoder and LLM deployments, and `build_app`."""
+"""The app builder (`deployments.app:build_app`, run on the driver) and the ingress process (`deployments.ingress`).
 
-from deployments.app import build_app
-from deployments.cache import EmbeddingCache
-from deployments.encoder import Encoder
-from deployments.ingress import Ingress
-from deployments.llm import LLM
+The encoder and LLM replicas' deployments live with their code: `encoders.server`, `llm.server`."""
 
-__all__ = ["EmbeddingCache", "Encoder", "Ingress", "LLM", "build_app"]
+from typing import Any
+
+__all__ = ["build_app"]
+
+
+def __getattr__(name: str) -> Any:
+    # NOTE: imported on first use: build_app imports every process's deployment, and the LLM's deployment imports
+    # the ingress's request router (deployments.ingress.router), so an eager import here would be a cycle.
+    if name == "build_app":
+        from deployments.app import build_app
+
+        return build_app
+    raise AttributeError(f"module 'deployments' has no attribute {name!r}")

@@ -6,24 +6,23 @@ from typing import Any
 
 from ray.serve import Application
 
-from deployments.cache import EmbeddingCache
-from deployments.encoder import Encoder
 from deployments.ingress import Ingress
-from deployments.llm import LLM
-from deployments.tp import llm_placement
-from encoders import family_of
+from encoders.cache_server import EmbeddingCache
+from encoders.server import Encoder
 from llm import TextConfig
-from llm.parallel import check_divisible
-from schemas import AppArgs
+from llm.model.parallel import check_divisible
+from llm.server import LLM
+from llm.tp import llm_placement
+from schemas import AppArgs, ModelSpec
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """Validated here, once, so a bad config fails at deploy time with the field named, not in a replica."""
     app_args = AppArgs.model_validate(args)
-    family_of(app_args.model, app_args.family)  # an unsupported checkpoint fails here, listing the supported ones
+    spec = ModelSpec.from_args(app_args)  # an unsupported checkpoint or context fails here, saying why
     tp = app_args.llm.tensor_parallel_size
     if tp > 1:  # the heads and the MLP must split evenly over the ranks
-        text = TextConfig.from_pretrained(app_args.model)
+        text = TextConfig.from_hf(spec.hf_config)
         try:
             check_divisible(text.num_heads, text.num_kv_heads, text.intermediate_size, tp)
         except ValueError as e:

@@ -1,14 +1,16 @@
-"""Images: loading and limits, per-family preprocessing, and the ViT + projector encoders."""
+"""The encoder replicas: images in, projected embeddings out. Their Serve deployments (`encoders.server:Encoder`,
+`encoders.cache_server:EmbeddingCache`) are not imported here: the families load without Ray Serve."""
 
 from encoders.batching import ImageBatcher, Preprocessed
 from encoders.cache import EmbeddingLRU, embedding_key
+from encoders.family import Family, ImageProcessing, ImageTokens, VisionEncoder
 from encoders.images import FORMATS, ImageInfo, decode_data_url, image_size, load_rgb, probe_image
 from encoders.llava import LlavaVisionEncoder
-from encoders.llava_processing import LlavaImageProcessing
 from encoders.llava_next import LlavaNextImageProcessing, LlavaNextVisionEncoder
+from encoders.llava_processing import LlavaImageProcessing
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, smart_resize
-from encoders.registry import FAMILIES, Family, ImageProcessing, ImageTokens, VisionEncoder, family_of, image_tokens_of
+from encoders.registry import FAMILIES, family_for, family_of, image_tokens_of
 from encoders.runner import EncoderRunner
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "VisionEncoder",
     "decode_data_url",
     "embedding_key",
+    "family_for",
     "family_of",
     "image_tokens_of",
     "image_size",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from PIL import Image
@@ -14,17 +14,13 @@ from transformers import AutoConfig
 from transformers.models.clip.modeling_clip import CLIPVisionModel
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
+from encoders.family import ImageTokens
 from encoders.llava_processing import LlavaImageProcessing
 from schemas import load_components
-
-if TYPE_CHECKING:
-    from encoders.registry import ImageTokens
 
 
 def llava_image_tokens(config: Any) -> ImageTokens:
     """`<image>` repeated once per token; no markers around it, no video."""
-    from encoders.registry import ImageTokens  # NOTE: here, not at the top: the registry imports this module
-
     return ImageTokens(config.image_token_id, (), ())
 
 
@@ -41,10 +37,12 @@ class LlavaVisionEncoder:
     """CLIP's vision tower (only the layers the features come from) and LLaVA's projector, loaded alone from the
     checkpoint's vision weights."""
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        self.processing = LlavaImageProcessing.from_pretrained(model_dir)
-        self._load(AutoConfig.from_pretrained(model_dir), load_components(model_dir, {"vision"})["vision"], device,
-                   dtype)
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 config: Any = None):
+        """`config`: the checkpoint's transformers config, when the caller has it (schemas.ModelSpec)."""
+        config = config or AutoConfig.from_pretrained(model_dir)
+        self.processing = LlavaImageProcessing.from_pretrained(model_dir, config)
+        self._load(config, load_components(model_dir, {"vision"})["vision"], device, dtype)
 
     def _load(self, config: Any, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> None:
         """Build the tower and the projector from the vision component's weights (LLaVA-NeXT's encoder too)."""

@@ -91,9 +91,10 @@ class LlavaNextImageProcessing:
                              "tile")
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> LlavaNextImageProcessing:
+    def from_pretrained(cls, model_dir: str | Path, config: Any = None) -> LlavaNextImageProcessing:
+        """`config`: the checkpoint's transformers config, when the caller has it (schemas.ModelSpec)."""
         cfg = _image_processor_config(Path(model_dir))
-        config = AutoConfig.from_pretrained(model_dir)
+        config = config or AutoConfig.from_pretrained(model_dir)
         if config.vision_feature_select_strategy != "default":
             # NOTE: transformers' pack_image_features reshapes each tile's features to the patch grid, which the
             # CLS token of "full" does not fit.
@@ -184,12 +185,15 @@ class LlavaNextImageProcessing:
 class LlavaNextVisionEncoder(LlavaVisionEncoder):
     """LLaVA-1.5's tower and projector on every crop of an image, then LlavaNextModel.pack_image_features."""
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        self.processing = LlavaNextImageProcessing.from_pretrained(model_dir)
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 config: Any = None):
+        """`config`: the checkpoint's transformers config, when the caller has it (schemas.ModelSpec)."""
+        config = config or AutoConfig.from_pretrained(model_dir)
+        self.processing = LlavaNextImageProcessing.from_pretrained(model_dir, config)
         weights = load_components(model_dir, {"vision"})["vision"]
         if "image_newline" not in weights:
             raise ValueError(f"{model_dir}: no image_newline tensor (a LLaVA-NeXT checkpoint has one)")
-        self._load(AutoConfig.from_pretrained(model_dir), weights, device, dtype)
+        self._load(config, weights, device, dtype)
         self.image_newline = weights["image_newline"].to(device=self.device, dtype=dtype)  # (D,)
 
     @torch.inference_mode()

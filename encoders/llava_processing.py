@@ -55,9 +55,10 @@ class LlavaImageProcessing:
             raise ValueError(f"preprocessing gives {w}x{h} images, not a multiple of the patch size {self.patch_size}")
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> LlavaImageProcessing:
+    def from_pretrained(cls, model_dir: str | Path, config: Any = None) -> LlavaImageProcessing:
+        """`config`: the checkpoint's transformers config, when the caller has it (schemas.ModelSpec)."""
         cfg = _image_processor_config(Path(model_dir))
-        config = AutoConfig.from_pretrained(model_dir)
+        config = config or AutoConfig.from_pretrained(model_dir)
         strategy = config.vision_feature_select_strategy
         if strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported ('default' or 'full')")

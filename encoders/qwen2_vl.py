@@ -7,7 +7,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,10 +18,8 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
     Qwen2VLVisionRotaryEmbedding,
 )
 
+from encoders.family import ImageTokens
 from schemas import InvalidRequest, load_components
-
-if TYPE_CHECKING:
-    from encoders.registry import ImageTokens
 
 # OpenAI CLIP statistics, Qwen2-VL's defaults when preprocessor_config.json names none.
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -56,7 +54,8 @@ class Qwen2VLImageProcessing:
     image_std: tuple[float, float, float] = _CLIP_STD
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> Qwen2VLImageProcessing:
+    def from_pretrained(cls, model_dir: str | Path, config: Any = None) -> Qwen2VLImageProcessing:
+        """From preprocessor_config.json alone (`config`, the checkpoint's, is not needed here)."""
         path = Path(model_dir) / "preprocessor_config.json"
         cfg = json.loads(path.read_text()) if path.is_file() else {}
         size, default = cfg.get("size") or {}, cls()
@@ -126,8 +125,6 @@ class Qwen2VLImageProcessing:
 
 def qwen2_vl_image_tokens(config: Any) -> ImageTokens:
     """`<|vision_start|><|image_pad|>...<|vision_end|>`; `<|video_pad|>` is a video's placeholder (not served)."""
-    from encoders.registry import ImageTokens  # NOTE: here, not at the top: the registry imports this module
-
     return ImageTokens(config.image_token_id, (config.vision_start_token_id, config.vision_end_token_id),
                        (config.video_token_id,))
 
@@ -139,8 +136,10 @@ class Qwen2VLVisionEncoder:
     vit_class, rotary_class = Qwen2VisionTransformerPretrainedModel, Qwen2VLVisionRotaryEmbedding
     out_width = "hidden_size"
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        config = AutoConfig.from_pretrained(model_dir).vision_config
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 config: Any = None):
+        """`config`: the checkpoint's transformers config, when the caller has it (schemas.ModelSpec)."""
+        config = (config or AutoConfig.from_pretrained(model_dir)).vision_config
         self.processing = Qwen2VLImageProcessing.from_pretrained(model_dir)
         self.device, self.dtype = torch.device(device), dtype
         weights = load_components(model_dir, {"vision"})["vision"]

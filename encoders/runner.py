@@ -13,10 +13,11 @@ import torch
 from PIL import Image
 
 from encoders.batching import ImageBatcher, Preprocessed
+from encoders.family import VisionEncoder
 from encoders.images import image_size, load_rgb
 from encoders.placement import check_worst_case, place_projector
-from encoders.registry import VisionEncoder, family_of
 from schemas import EncoderArgs, resolve_device, resolve_dtype
+from schemas.model_spec import ModelSpec
 
 
 def _part(device: str | None, dtype: str | None, default: tuple[str, torch.dtype]) -> tuple[str, torch.dtype]:
@@ -28,14 +29,17 @@ def _part(device: str | None, dtype: str | None, default: tuple[str, torch.dtype
 
 
 class EncoderRunner:
-    def __init__(self, model_dir: str | Path, opts: EncoderArgs, *, device: str, dtype: torch.dtype,
-                 model_factory: Callable[..., VisionEncoder] | None = None,
-                 on_batch: Callable[[int, float], None] | None = None, family: str | None = None):
-        family = family_of(model_dir, family)
-        self.processing = family.processing.from_pretrained(model_dir)
-        vision = _part(opts.vision_device, opts.vision_dtype, (device, dtype))
+    def __init__(self, spec: ModelSpec, opts: EncoderArgs, *, model_factory: Callable[..., VisionEncoder] | None = None,
+                 on_batch: Callable[[int, float], None] | None = None):
+        """`model_factory(model_dir, device=, dtype=)` stands in for the family's encoder (tests)."""
+        model_dir, family = spec.model_dir, spec.family
+        self.processing = spec.processing
+        vision = _part(opts.vision_device, opts.vision_dtype, (spec.device, spec.dtype))
         projector = _part(opts.projector_device, opts.projector_dtype, vision)
-        self.encoder = (model_factory or family.encoder)(model_dir, device=vision[0], dtype=vision[1])
+        if model_factory is not None:
+            self.encoder = model_factory(model_dir, device=vision[0], dtype=vision[1])
+        else:
+            self.encoder = family.encoder(model_dir, device=vision[0], dtype=vision[1], config=spec.hf_config)
         if projector != vision:
             if family.projector is None:
                 raise ValueError(f"{Path(model_dir).name}: this family's projector cannot be placed on its own")

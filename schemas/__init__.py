@@ -1,29 +1,41 @@
-"""Pydantic models at the edges (HTTP, config) and the small dataclasses components exchange."""
+"""Shared leaves: pydantic models at the edges (HTTP, config), the dataclasses the processes exchange, the errors that
+cross them, and the safetensors weight reader. (`schemas.metrics`, `schemas.transfer`: import them by name.)"""
 
-from schemas.checkpoint import Component, load_components, split_key
 from schemas.config import AppArgs, AuthArgs, EncoderArgs, ImageURLArgs, LLMArgs, Limits, resolve_device, resolve_dtype, resolve_max_model_len
-from schemas.engine import FinishReason, GenerateRequest, SamplingParams, TokenChunk, TokenLogprob
-from schemas.errors import EncoderUnavailable, InvalidRequest, Overloaded
+from schemas.engine import (Batch, ChannelOpen, FinishReason, GenerateRequest, Item, Routed, SamplingParams, TokenChunk,
+                            TokenLogprob, this_replica)
+from schemas.errors import ChannelLost, EncoderUnavailable, InvalidRequest, Overloaded, observe, root_cause
+from schemas.model_spec import ModelSpec
+from schemas.weights import Component, load_components, split_key
 
 __all__ = [
     "AppArgs",
     "AuthArgs",
+    "Batch",
+    "ChannelLost",
+    "ChannelOpen",
     "Component",
     "EncoderArgs",
     "EncoderUnavailable",
     "FinishReason",
-    "ImageURLArgs",
     "GenerateRequest",
+    "ImageURLArgs",
     "InvalidRequest",
+    "Item",
     "LLMArgs",
     "Limits",
+    "ModelSpec",
     "Overloaded",
+    "Routed",
     "SamplingParams",
     "TokenChunk",
     "TokenLogprob",
     "load_components",
+    "observe",
     "resolve_device",
     "resolve_dtype",
     "resolve_max_model_len",
+    "root_cause",
     "split_key",
+    "this_replica",
 ]

@@ -91,7 +91,7 @@ class LLMArgs(_Strict):
     )
     token_channel: bool = Field(
         True, description="Each ingress replica gets each step's tokens of all its streams on one LLM replica as one "
-                          "message (deployments/channel.py); false: one message per stream."
+                          "message (deployments/ingress/channel.py); false: one message per stream."
     )
     token_channel_idle_s: float = Field(
         5.0, gt=0.0, description="A channel with no stream for this long closes (a draining replica waits for it); "

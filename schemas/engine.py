@@ -1,4 +1,5 @@
-"""What the ingress hands the LLM replica, and what the LLM replica streams back (plain dataclasses: hot path)."""
+"""What the ingress hands the LLM replica (`GenerateRequest`, also what its engine takes), and what the LLM replica
+streams back (plain dataclasses: hot path)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ class GenerateRequest:
     # One (t, h, w) patch grid per image, in prompt order; with M-RoPE, rows of embeddings = t*h*w / merge_size**2
     # (for 1-D RoPE LMs, the LLaVAs, an image takes as many tokens as its embedding has rows).
     image_grid_thw: list[tuple[int, int, int]]
-    # One ObjectRef per image (never the tensors themselves: the ingress must not hold embeddings).
-    image_embed_refs: list[Any]
+    # One per image: ObjectRefs from the ingress (never the tensors themselves: the ingress must not hold
+    # embeddings); the LLM replica puts the fetched (num_image_tokens, D) tensors here before the engine takes it.
+    image_embeds: list[Any]
     sampling: SamplingParams
     # One content key per image (hash of its bytes and size): prefix-cache keys for its placeholder tokens.
     image_keys: list[str] = field(default_factory=list)
@@ -49,12 +51,12 @@ class GenerateRequest:
     # A hash of the conversation's first turn: the LLM request router sends every turn to the replica holding it.
     routing_key: str | None = None
     # The calling ingress replica's id: its tokens come through that ingress's per-step channel to the replica
-    # when one is open (deployments/channel.py); None: all through this call's own stream.
+    # when one is open (deployments/ingress/channel.py); None: all through this call's own stream.
     channel: str | None = None
 
     def __post_init__(self) -> None:
-        assert len(self.image_grid_thw) == len(self.image_embed_refs) + len(self.images), "one grid per image"
-        assert not (self.image_embed_refs and self.images), "embeddings or bytes, not both"
+        assert len(self.image_grid_thw) == len(self.image_embeds) + len(self.images), "one grid per image"
+        assert not (self.image_embeds and self.images), "embeddings or bytes, not both"
         assert not self.image_keys or len(self.image_keys) == len(self.image_grid_thw), "one key per image"
 
 
@@ -86,4 +88,38 @@ class TokenChunk:
             self.num_cached_tokens = later.num_cached_tokens
 
 
-__all__ = ["FinishReason", "GenerateRequest", "SamplingParams", "TokenChunk", "TokenLogprob"]
+# The per-step token channel's messages (deployments/ingress/channel.py, llm/channel.py)
+
+
+@dataclass(slots=True)
+class Routed:
+    """The first item of a generation's own stream when the ingress asked for the channel."""
+
+    replica_id: str
+    via_channel: bool
+
+
+@dataclass(slots=True)
+class ChannelOpen:
+    """The argument of `LLM.channel`: who listens, and which LLM replica the router must send it to."""
+
+    ingress_id: str
+    replica_id: str
+
+
+Item = TokenChunk | BaseException
+Batch = list[tuple[str, Item]]  # one channel message: (request id, chunk or error), in the order they were made
+
+
+def this_replica() -> str | None:
+    """This Serve replica's unique id; None outside a replica (tests that build a deployment's class directly)."""
+    from ray import serve  # NOTE: here: the messages themselves need no Ray
+
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return None
+
+
+__all__ = ["Batch", "ChannelOpen", "FinishReason", "GenerateRequest", "Item", "Routed", "SamplingParams", "TokenChunk",
+           "TokenLogprob", "this_replica"]

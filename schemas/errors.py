@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ray.exceptions import RayTaskError
+
 
 class InvalidRequest(ValueError):
     """The client's fault: the ingress answers 4xx with this message (400 unless `status` says otherwise)."""
@@ -36,4 +38,22 @@ class EncoderUnavailable(RuntimeError):
         return (type(self), (self.message, self.image_indices))
 
 
-__all__ = ["EncoderUnavailable", "InvalidRequest", "Overloaded"]
+class ChannelLost(Overloaded):
+    def __init__(self, replica_id: str):
+        super().__init__(f"the token channel to LLM replica {replica_id} closed", retry_after_s=1)
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The error a replica raised, out of Ray's wrappers."""
+    while isinstance(e, RayTaskError) and e.cause is not None and e.cause is not e:
+        e = e.cause
+    return e
+
+
+def observe(future) -> None:
+    """A done-callback: marks a future's exception as seen (it may fail after nobody awaits it any more)."""
+    if not future.cancelled():
+        future.exception()
+
+
+__all__ = ["ChannelLost", "EncoderUnavailable", "InvalidRequest", "Overloaded", "observe", "root_cause"]

@@ -19,9 +19,9 @@ from tests.helpers import LIMITS, free_port, make_image
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels_built():
-    """Build llm/cpu_kernels.cpp once, here, before any replica: replicas then load the cached build instead of
+    """Build llm/model/cpu_kernels.cpp once, here, before any replica: replicas then load the cached build instead of
     racing to compile it (the first build takes about a minute on 2 cores)."""
-    from llm import cpu_kernels
+    from llm.model import cpu_kernels
 
     return cpu_kernels.load()
 

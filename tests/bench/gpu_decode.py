@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from demo.build_tiny import build_checkpoint
-from llm import Engine, EngineConfig, Qwen2LM, SequenceInput
-from schemas import SamplingParams
+from llm import Engine, EngineConfig, Qwen2LM
+from schemas import GenerateRequest, SamplingParams
 
 SHAPE_2B = dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960,
                 vision_embed_dim=32, vision_depth=1, vision_heads=2, init_std=0.02)  # fmt: skip
@@ -41,7 +41,7 @@ async def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> lis
     async def one(i: int, ids: list[int]) -> list[int]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         out = []
-        async for chunk in engine.generate(SequenceInput(f"r{i}", ids, [], [], params)):
+        async for chunk in engine.generate(GenerateRequest(f"r{i}", ids, [], [], params)):
             out += chunk.token_ids
         return out
 

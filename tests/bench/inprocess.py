@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from deployments.ingress.prompt import build_prompt, load_tokenizer
 from encoders import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, load_rgb
-from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, build_prompt, load_tokenizer, num_kv_blocks
-from schemas import LLMArgs, SamplingParams
+from llm import Engine, EngineConfig, Qwen2LM, num_kv_blocks
+from schemas import GenerateRequest, LLMArgs, SamplingParams
 from schemas.openai import ChatCompletionRequest
 from tests.bench.metrics import RequestResult
 from tests.bench.workload import BenchRequest, chat_body
@@ -58,7 +59,7 @@ class InProcess:
         embeds = await asyncio.to_thread(self.vision.encode, images) if images else []  # as an encoder replica
         params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
         last = None
-        async for chunk in self.engine.generate(SequenceInput(f"b{i}", prompt, grids, embeds, params, keys)):
+        async for chunk in self.engine.generate(GenerateRequest(f"b{i}", prompt, grids, embeds, params, keys)):
             now = time.perf_counter()
             if last is None:
                 result.ttft = now - sent

@@ -2,12 +2,12 @@
 
 1. Decode attention for one layer over the paged cache, 32 sequences of 90..450 tokens (seeded), the bench
    checkpoint's heads (8 query heads on 4 KV heads of 64): the first code (token-major cache, one padded
-   batch, `scaled_dot_product_attention` with a boolean mask and `enable_gqa`) against `llm.paged_attention`'s
+   batch, `scaled_dot_product_attention` with a boolean mask and `enable_gqa`) against `llm.model.paged_attention`'s
    gather (head-major cache, grouped matmuls, with and without length groups: the path without the C++ kernel)
-   and its in-place C++ kernel (llm/cpu_kernels.cpp).
+   and its in-place C++ kernel (llm/model/cpu_kernels.cpp).
 2. One forward of the bench checkpoint's decoder (decode steps of 1 and 32 sequences) on a worker thread, as the
    engine runs it: with the process's loading thread also owning an OpenMP team (before) against the worker
-   alone owning one (`llm.threads`). Each case runs in its own process: a thread team cannot be undone.
+   alone owning one (`llm.engine.threads`). Each case runs in its own process: a thread team cannot be undone.
 
 3. The whole decode step (forward + logits, batches 1, 8 and 32, float32 and bfloat16) with this tree's `llm`
    against a baseline commit's (`--baseline`, default e422682: before the fused layers), ops per layer and ms,
@@ -33,10 +33,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from llm import BatchMeta, ChunkSpec, Qwen2LM, paged_attention
-from llm import attention as attention_module
-from llm import cpu_kernels
-from llm.threads import set_thread_intra_op_threads
+from llm import Qwen2LM
+from llm.engine.threads import set_thread_intra_op_threads
+from llm.model import BatchMeta, ChunkSpec, paged_attention
+from llm.model import attention as attention_module
+from llm.model import cpu_kernels
 
 NH, NKV, HD, BS = 8, 4, 64, 16
 
@@ -65,7 +66,7 @@ def bench_attention(rounds: int, threads: int) -> list[tuple[str, str, float]]:
     for dtype in (torch.float32, torch.bfloat16):
         chunks = _decode_batch(32, 90, 450, 3000)
         q, k, v = (torch.randn(32, h, HD, dtype=dtype) for h in (NH, NKV, NKV))
-        head_major = torch.randn(2 * NKV, 3000, BS, HD, dtype=dtype)  # llm.KVCache's layout (one layer): keys, values
+        head_major = torch.randn(2 * NKV, 3000, BS, HD, dtype=dtype)  # KVCache's layout (one layer): keys, values
         token_major = head_major[:NKV].permute(1, 2, 0, 3).contiguous()  # (blocks, bs, nkv, hd): the previous layout
         kv = torch.cat([k, v], dim=1)  # (32, 2 * NKV, HD)
         nb = max(c.start for c in chunks) // BS + 1

@@ -1,11 +1,11 @@
 """The ingress's per-token work, each against the way it was done before (`python -m tests.bench.sse_bench`).
 
 1. One content delta to its SSE event: the old path (pydantic models, `model_dump_json`; copied below as the
-   baseline) against `deployments.responses.ContentChunks` (head encoded once, msgspec for the rest), for a
+   baseline) against `deployments.ingress.responses.ContentChunks` (head encoded once, msgspec for the rest), for a
    1-token delta as most are, then with `return_token_ids`, then with logprobs (top 5). Also the JSON encoders
    for the delta's text alone, to show why msgspec (orjson's row only where it is installed).
 2. Token ids to sendable text, one token per chunk as the engine sends them, over a 4,000-character answer: the
-   old `IncrementalDetokenizer` + `StopMatcher` (copied below) against `llm.detokenize`'s, with no stop strings
+   old `IncrementalDetokenizer` + `StopMatcher` (copied below) against ingress/detokenize.py's, with no stop strings
    and with two. `tokenizers`' own `DecodeStream` is a row for reference, not used: it has no flush of the ids it
    holds back, and it raises (InvalidPrefix) where a window's text does not start with the shorter window's,
    which byte-fallback tokenizers can do.
@@ -27,9 +27,10 @@ from pathlib import Path
 import msgspec
 from transformers import PreTrainedTokenizerBase
 
-from deployments.http import sse
-from deployments.responses import ContentChunks, logprob_items
-from llm import IncrementalDetokenizer, StopMatcher, load_tokenizer
+from deployments.ingress.detokenize import IncrementalDetokenizer, StopMatcher
+from deployments.ingress.http import sse
+from deployments.ingress.prompt import load_tokenizer
+from deployments.ingress.responses import ContentChunks, logprob_items
 from schemas import TokenLogprob
 from schemas.openai import ChatCompletionChunk, ChoiceLogprobs, ChunkChoice, Delta, TokenLogprobOut, TopLogprob
 
@@ -39,7 +40,7 @@ ANSWER = ("The red circle is at the top left, (12,34),(56,78); the blue square ä
 STOPS = ["</answer>", "Observation:"]
 
 
-# ---- baseline: the code as it was before this change (deployments/responses.py, llm/detokenize.py) ----
+# ---- baseline: the code as it was before this change (ingress/responses.py, ingress/detokenize.py) ----
 
 def old_to_logprobs(tokenizer: PreTrainedTokenizerBase, ids: list[int], lps: list[TokenLogprob] | None):
     if lps is None:

@@ -14,9 +14,10 @@ sys.path.insert(0, sys.argv[1])
 
 import torch  # noqa: E402
 
-from llm import BatchMeta, ChunkSpec, Qwen2LM  # noqa: E402
+from llm import Qwen2LM
+from llm.model import BatchMeta, ChunkSpec  # noqa: E402
 from op_count import OpCount  # noqa: E402  (beside this script: tests/bench/op_count.py)
-from llm.threads import set_thread_intra_op_threads  # noqa: E402
+from llm.engine.threads import set_thread_intra_op_threads  # noqa: E402
 
 BS, NUM_BLOCKS = 16, 3000
 
@@ -35,7 +36,7 @@ def main() -> None:
     cases = [(dtype, int(b)) for dtype in sys.argv[5].split(",") for b in sys.argv[6].split(",")]
     torch.set_num_threads(1)  # as the LLM replica: one thread process-wide, the worker's own team
     try:  # trees with CPU kernels: their model runner builds them at start, so do the same here
-        from llm import cpu_kernels as kernels
+        from llm.model import cpu_kernels as kernels
 
         kernels.load()
     except ImportError:

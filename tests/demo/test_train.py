@@ -5,11 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import torch
-
+from deployments.ingress.prompt import load_tokenizer
 from encoders import EncoderRunner, family_of
-from llm import Qwen2LM, load_tokenizer
-from schemas import EncoderArgs
+from llm import Qwen2LM
+from schemas import EncoderArgs, ModelSpec
 from tests.helpers import make_image
 
 
@@ -21,6 +20,6 @@ def test_two_steps_write_a_checkpoint_the_server_loads(tmp_path):
     tokenizer = load_tokenizer(out)
     assert len(tokenizer.encode("What colour is the star?", add_special_tokens=False)) <= 8  # scene words are tokens
     model = Qwen2LM.from_pretrained(out)
-    runner = EncoderRunner(out, EncoderArgs(startup_check=False), device="cpu", dtype=torch.float32)
+    runner = EncoderRunner(ModelSpec.load(out, device="cpu", dtype="float32"), EncoderArgs(startup_check=False))
     embeds = runner.encoder.encode([make_image(200, 120)])[0]
     assert embeds.shape[1] == model.config.hidden_size

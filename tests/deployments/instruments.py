@@ -16,7 +16,7 @@ import ray
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments import LLM
+from llm.server import LLM
 from encoders import Qwen2VLVisionEncoder
 from llm import Qwen2LM
 
@@ -166,8 +166,8 @@ class LocatingLLM(LLM.func_or_class):
                          for where in ray.experimental.get_object_locations(refs, timeout_ms=60_000).values())
 
     async def generate(self, request):
-        if request.image_embed_refs:
-            await asyncio.to_thread(self._locate, request.image_embed_refs)
+        if request.image_embeds:
+            await asyncio.to_thread(self._locate, request.image_embeds)
         async for item in super().generate(request):
             yield item
 

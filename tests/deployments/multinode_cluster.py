@@ -21,8 +21,11 @@ import torch
 from ray import serve
 from ray.cluster_utils import Cluster
 
-from deployments import LLM, EmbeddingCache, Encoder, Ingress
+from deployments.ingress import Ingress
 from encoders import Qwen2VLVisionEncoder, family_of
+from encoders.cache_server import EmbeddingCache
+from encoders.server import Encoder
+from llm.server import LLM
 from schemas import AppArgs
 from tests.helpers import data_url, free_port, make_image
 

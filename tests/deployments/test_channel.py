@@ -1,4 +1,4 @@
-"""The per-step token channel's two ends without Ray (deployments/channel.py): what goes in one message, when it
+"""The per-step token channel's two ends without Ray (deployments/ingress/channel.py): what goes in one message, when it
 goes, and that every way a channel or a generation can end leaves nobody waiting."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from deployments.channel import ChannelHub, ChannelLost, Outbox, Routed, TokenStream
-from schemas import InvalidRequest, TokenChunk
+from deployments.ingress.channel import ChannelHub, TokenStream
+from llm.channel import Outbox
+from schemas import ChannelLost, InvalidRequest, Routed, TokenChunk
 
 INTERVAL = 0.05
 

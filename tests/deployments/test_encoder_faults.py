@@ -15,7 +15,9 @@ import pytest
 import ray
 from ray import serve
 
-from deployments import LLM, Encoder, Ingress
+from deployments.ingress import Ingress
+from encoders.server import Encoder
+from llm.server import LLM
 from tests.deployments.instruments import SlowEncoder, forwards, forwards_finished, forwards_started
 from tests.helpers import data_url, image_bytes, make_image
 

@@ -1,4 +1,4 @@
-"""The stream's content chunks, written without pydantic (deployments/responses.py: ContentChunks), are the JSON
+"""The stream's content chunks, written without pydantic (deployments/ingress/responses.py: ContentChunks), are the JSON
 that pydantic's ChatCompletionChunk writes: the same text for every delta here, whatever the content, logprobs,
 token ids or choice index."""
 
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from deployments.responses import ContentChunks, logprob_items, sse_stream
-from llm import TextDelta, load_tokenizer
+from deployments.ingress.detokenize import TextDelta
+from deployments.ingress.prompt import load_tokenizer
+from deployments.ingress.responses import ContentChunks, logprob_items, sse_stream
 from schemas import TokenLogprob
 from schemas.openai import (ChatCompletionChunk, ChatCompletionRequest, ChoiceLogprobs, ChunkChoice, Delta,
                             TokenLogprobOut, TopLogprob)

@@ -16,7 +16,10 @@ import torch
 from ray import serve
 
 from demo.build_tiny import build_checkpoint
-from deployments import LLM, EmbeddingCache, Encoder, Ingress
+from deployments.ingress import Ingress
+from encoders.cache_server import EmbeddingCache
+from encoders.server import Encoder
+from llm.server import LLM
 from schemas import GenerateRequest, SamplingParams
 from tests.deployments.instruments import (
     FaultyLM,

@@ -10,7 +10,9 @@ import httpx
 import pytest
 from ray import serve
 
-from deployments import LLM, Encoder, Ingress
+from deployments.ingress import Ingress
+from encoders.server import Encoder
+from llm.server import LLM
 from tests.deployments.instruments import per_replica
 
 pytestmark = pytest.mark.e2e

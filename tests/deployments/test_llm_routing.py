@@ -11,9 +11,11 @@ import pytest
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from deployments import LLM, Encoder, Ingress
-from deployments.prepare import Preparer
-from deployments.router import PrefixAffinityRouter
+from deployments.ingress import Ingress
+from deployments.ingress.prepare import Preparer
+from deployments.ingress.router import PrefixAffinityRouter
+from encoders.server import Encoder
+from llm.server import LLM
 from schemas import AppArgs
 from schemas.openai import ChatCompletionRequest
 from tests.deployments.instruments import per_replica
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.e2e
 APP = "route"
 SMALL = {"num_cpus": 0.1}
 # NOTE: max_imbalance above the 8 conversations in flight: even if they all hash to one replica, none is sent away
-# for load (tests/deployments/test_router.py covers that fallback).
+# for load (tests/deployments/ingress/test_router.py covers that fallback).
 ROUTER = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs={"max_imbalance": 16})
 
 

@@ -13,7 +13,7 @@ from transformers.models.llava.image_processing_pil_llava import LlavaImageProce
 from demo.tiny_llava import build_llava_checkpoint, build_llava_tokenizer
 from encoders import FAMILIES, EncoderRunner, ImageTokens, LlavaImageProcessing, LlavaVisionEncoder, family_of
 from encoders import image_size, image_tokens_of, load_rgb
-from schemas import EncoderArgs
+from schemas import EncoderArgs, ModelSpec
 from tests.helpers import image_bytes, make_image
 
 # Tiny, odd, square at the crop size, very wide and very tall, larger than the crop.
@@ -178,8 +178,8 @@ def test_runner_places_the_projector_on_its_own_dtype(ckpt):
     """The family's projector path is real: a bf16 tower with an fp32 projector, and the start-up check runs."""
     image = make_image(96, 72, seed=3)
     full = LlavaVisionEncoder(ckpt).encode([image])[0]
-    runner = EncoderRunner(ckpt, EncoderArgs(vision_dtype="bfloat16", projector_dtype="float32"), device="cpu",
-                           dtype=torch.float32)
+    runner = EncoderRunner(ModelSpec.load(ckpt, device="cpu", dtype="float32"),
+                           EncoderArgs(vision_dtype="bfloat16", projector_dtype="float32"))
     assert next(runner.encoder.tower.parameters()).dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in runner.encoder.projector.parameters())
     out = runner.encoder.encode([image])[0]

@@ -15,7 +15,7 @@ from demo.tiny_llava import build_llava_tokenizer
 from demo.tiny_llava_next import GRID_PINPOINTS, build_llava_next_checkpoint, rename_to_layout
 from encoders import FAMILIES, EncoderRunner, ImageTokens, LlavaNextImageProcessing, LlavaNextVisionEncoder
 from encoders import family_of, image_size, image_tokens_of, load_rgb
-from schemas import EncoderArgs
+from schemas import EncoderArgs, ModelSpec
 from tests.helpers import image_bytes, make_image
 
 # 28 px tiles, pinpoints of 2x2 to 4x4 tiles: tiny, odd, one tile, a pinpoint's own size, wide and tall (padding
@@ -162,8 +162,8 @@ def test_runner_projector_dtype_and_jpeg_draft(ckpt):
     JPEG decoded at a reduced scale keeps its tiles and its token count."""
     image = make_image(333, 251, seed=3)
     full = LlavaNextVisionEncoder(ckpt).encode([image])[0]
-    runner = EncoderRunner(ckpt, EncoderArgs(vision_dtype="bfloat16", projector_dtype="float32"), device="cpu",
-                           dtype=torch.float32)
+    runner = EncoderRunner(ModelSpec.load(ckpt, device="cpu", dtype="float32"),
+                           EncoderArgs(vision_dtype="bfloat16", projector_dtype="float32"))
     out = runner.encoder.encode([image])[0]
     assert out.dtype == torch.float32 and out.shape == full.shape
     assert 0 < ((out - full).norm() / full.norm()).item() < 0.05

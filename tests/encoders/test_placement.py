@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from encoders import EncoderRunner, Qwen2VLVisionEncoder
-from schemas import EncoderArgs
+from schemas import EncoderArgs, ModelSpec
 from tests.helpers import make_image
 
 
 def _runner(checkpoint, **opts) -> EncoderRunner:
-    return EncoderRunner(checkpoint, EncoderArgs(**opts), device="cpu", dtype=torch.float32)
+    return EncoderRunner(ModelSpec.load(checkpoint, device="cpu", dtype="float32"), EncoderArgs(**opts))
 
 
 def test_bf16_tower_with_an_fp32_projector(checkpoint):
@@ -50,7 +50,7 @@ class _TooBig(Qwen2VLVisionEncoder):
 
 def test_an_encoder_that_cannot_fit_its_largest_image_refuses_to_start(checkpoint):
     with pytest.raises(RuntimeError, match=r"cannot encode its largest image .* out of memory .* max_pixels"):
-        EncoderRunner(checkpoint, EncoderArgs(), device="cpu", dtype=torch.float32, model_factory=_TooBig)
+        EncoderRunner(ModelSpec.load(checkpoint, device="cpu", dtype="float32"), EncoderArgs(), model_factory=_TooBig)
 
 
 @pytest.mark.gpu

@@ -14,8 +14,9 @@ from transformers.vision_utils import get_vision_window_index
 
 from demo.tiny_qwen2_5_vl import build_qwen2_5_vl_checkpoint
 from encoders import EncoderRunner, Qwen2_5_VLVisionEncoder, Qwen2VLImageProcessing, family_of, image_tokens_of
-from llm import TextConfig, mrope_positions
-from schemas import EncoderArgs
+from llm import TextConfig
+from llm.model import mrope_positions
+from schemas import EncoderArgs, ModelSpec
 from tests.helpers import make_image
 
 # Tiny, odd, very wide and very tall, larger than max_pixels (downscaled), and exact multiples of 28.
@@ -141,8 +142,8 @@ def test_encoder_loads_only_vision_weights_from_both_layouts(ckpt, legacy_ckpt, 
 def test_bf16_tower_with_an_fp32_projector(ckpt):
     # The family's projector path ("vit.merger") is placeable: the merger's output is reordered after it.
     image = make_image(120, 80, seed=3)
-    runner = EncoderRunner(ckpt, EncoderArgs(vision_dtype="bfloat16", projector_dtype="float32"), device="cpu",
-                           dtype=torch.float32)
+    runner = EncoderRunner(ModelSpec.load(ckpt, device="cpu", dtype="float32"),
+                           EncoderArgs(vision_dtype="bfloat16", projector_dtype="float32"))
     assert next(runner.encoder.vit.blocks.parameters()).dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in runner.encoder.vit.merger.parameters())
     full = Qwen2_5_VLVisionEncoder(ckpt).encode([image])[0]
@@ -209,8 +210,8 @@ def test_tower_on_gpu_projector_on_cpu(ckpt):
     # The window index transformers builds is a CPU tensor; the tower's activations are on the GPU.
     images = [make_image(w, h, seed=i) for i, (w, h) in enumerate(BATCH)]
     full = Qwen2_5_VLVisionEncoder(ckpt).encode(images)
-    split = EncoderRunner(ckpt, EncoderArgs(vision_device="cuda", vision_dtype="float32", projector_device="cpu"),
-                          device="cpu", dtype=torch.float32)
+    split = EncoderRunner(ModelSpec.load(ckpt, device="cpu", dtype="float32"),
+                          EncoderArgs(vision_device="cuda", vision_dtype="float32", projector_device="cpu"))
     for out, ref in zip(split.encoder.encode(images), full, strict=True):
         assert out.device.type == "cpu"
         torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-4)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from llm import Engine, EngineConfig, SequenceInput
-from schemas import SamplingParams
+from llm import Engine, EngineConfig
+from schemas import GenerateRequest, SamplingParams
 from tests.helpers import make_image
 
 
@@ -17,7 +17,7 @@ def make_engine(model, reference, **kw) -> Engine:
 
 
 def request_for(checkpoint, reference, vision, sizes, *, seed: int, prefix: list[int], max_tokens: int = 12,
-                **sampling) -> tuple[SequenceInput, dict]:
+                **sampling) -> tuple[GenerateRequest, dict]:
     """A prompt `prefix` + one placeholder run per image (framed like the chat template frames them)."""
     cfg = reference.config
     images = [make_image(w, h, seed=seed * 10 + i) for i, (w, h) in enumerate(sizes)]
@@ -33,7 +33,7 @@ def request_for(checkpoint, reference, vision, sizes, *, seed: int, prefix: list
     params = SamplingParams(**{"max_tokens": max_tokens, "temperature": 0.0, **sampling})
     keys = [f"image-{seed}-{i}" for i in range(len(images))]
     ref["input_ids"] = torch.tensor([ids])
-    return SequenceInput(f"r{seed}", ids, grids, embeds, params, keys), ref
+    return GenerateRequest(f"r{seed}", ids, grids, embeds, params, keys), ref
 
 
 def reference_generate(reference, ref: dict, max_new_tokens: int, **kw):
@@ -48,7 +48,7 @@ def reference_generate(reference, ref: dict, max_new_tokens: int, **kw):
     return out[0, input_ids.shape[1]:].tolist()
 
 
-async def collect(engine: Engine, inp: SequenceInput) -> tuple[list[int], str | None]:
+async def collect(engine: Engine, inp: GenerateRequest) -> tuple[list[int], str | None]:
     ids, finish = [], None
     async for chunk in engine.generate(inp):
         ids += chunk.token_ids

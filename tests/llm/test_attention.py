@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llm import BatchMeta, ChunkSpec, cpu_kernels, paged_attention
-from llm.attention import decode_groups
+from llm.model import BatchMeta, ChunkSpec, cpu_kernels, paged_attention
+from llm.model.attention import decode_groups
 
 NKV, GROUP, HD, BS = 2, 3, 8, 4  # 6 query heads on 2 KV heads
 
@@ -25,7 +25,7 @@ def _reference(q_seq, k_seq, v_seq, start):
 
 @pytest.fixture(params=["in-place kernel", "gather"])
 def decode_path(request, monkeypatch):
-    """Decode rows through llm/cpu_kernels.py's kernel (built here if need be), or the gather it replaces."""
+    """Decode rows through llm/model/cpu_kernels.py's kernel (built here if need be), or the gather it replaces."""
     assert cpu_kernels.load() is not None, "the CPU kernel must build here (C++ compiler and ninja)"
     if request.param == "gather":
         monkeypatch.setattr(cpu_kernels, "_module", None)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llm import cpu_kernels
+from llm.model import cpu_kernels
 
 
 @pytest.fixture(scope="module")

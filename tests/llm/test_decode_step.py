@@ -1,4 +1,4 @@
-"""The static decode step (llm/decode_step.py) against the eager step: logits over batch sizes that cross buckets,
+"""The static decode step (engine/decode_step.py) against the eager step: logits over batch sizes that cross buckets,
 prompts with images (a nonzero rope delta), a sequence at max_model_len, NaN in free blocks; greedy tokens against
 transformers; no host sync inside the step; one graph under torch.compile(fullgraph=True); ops per layer."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llm import BatchMeta, ChunkSpec, cpu_kernels
-from llm.decode_step import StaticDecode, bucket_for, buckets_up_to
+from llm.engine.decode_step import StaticDecode, bucket_for, buckets_up_to
+from llm.model import BatchMeta, ChunkSpec, cpu_kernels
 from tests.bench.op_count import OpCount
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
@@ -113,8 +113,8 @@ def test_the_step_has_no_host_sync_and_compiles_to_one_graph(model):
 
 def test_ops_per_layer_in_a_decode_step(model):
     """Ops one decoder layer dispatches in an eager decode step of one sequence: the step's count with both layers
-    less its count with the first alone. NOTE: 48 before the fused layers (llm/layers.py says what fused); 12 with
-    llm/cpu_kernels.cpp's add+RMSNorm, RoPE and in-place attention, 20 with torch's ops alone."""
+    less its count with the first alone. NOTE: 48 before the fused layers (llm/model/layers.py says what fused); 12 with
+    llm/model/cpu_kernels.cpp's add+RMSNorm, RoPE and in-place attention, 20 with torch's ops alone."""
     assert cpu_kernels.load() is not None
     blocks = list(range(12))
     x, pos = torch.randn(1, model.config.hidden_size), torch.tensor([40]).expand(3, -1)

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from llm import Qwen2LM, SequenceInput
+from llm import Qwen2LM
+from schemas import GenerateRequest as SequenceInput  # the engine's input
 from schemas import InvalidRequest, Overloaded, SamplingParams
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
 

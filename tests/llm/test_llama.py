@@ -10,7 +10,8 @@ from transformers import (AutoProcessor, LlamaConfig, LlamaForCausalLM, LlavaFor
 from demo.build_tiny import init_weights
 from demo.tiny_llava import build_llava_checkpoint
 from encoders import LlavaVisionEncoder
-from llm import Qwen2LM, TextConfig, linear_positions, merge_image_embeds
+from llm import Qwen2LM, TextConfig
+from llm.model import linear_positions, merge_image_embeds
 from tests.helpers import make_image
 from tests.llm.test_model import run_chunks
 

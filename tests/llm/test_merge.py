@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm import merge_image_embeds
+from llm.model import merge_image_embeds
 
 
 def test_embeddings_land_at_placeholder_positions():

@@ -7,9 +7,10 @@ import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from encoders import Qwen2VLVisionEncoder
-from llm import BatchMeta, ChunkSpec, Qwen2LM, merge_image_embeds, mrope_positions
-from llm import cpu_kernels
-from llm.model import fuse_projections
+from llm import Qwen2LM
+from llm.model import BatchMeta, ChunkSpec, merge_image_embeds, mrope_positions
+from llm.model import cpu_kernels
+from llm.model.model import fuse_projections
 from tests.helpers import make_image
 
 
@@ -39,7 +40,7 @@ def _prompt_with_images(reference, checkpoint, sizes):
 
 @pytest.mark.parametrize("ops", ["cpu kernels", "torch ops"])
 def test_prefill_logits_match_transformers(checkpoint, reference, ops, monkeypatch):
-    """Both ways the layers run: llm/cpu_kernels.cpp's fused ops, and torch's (cuda's, or CPU without a compiler)."""
+    """Both ways the layers run: model/cpu_kernels.cpp's fused ops, and torch's (cuda's, or CPU without a compiler)."""
     assert cpu_kernels.load() is not None
     if ops == "torch ops":
         monkeypatch.setattr(cpu_kernels, "_module", None)

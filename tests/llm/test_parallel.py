@@ -19,8 +19,8 @@ from demo.build_tiny import build_checkpoint
 from demo.tiny_llava import build_llava_checkpoint
 from encoders import Qwen2VLVisionEncoder
 from llm import Qwen2LM
-from llm.attention import BatchMeta, ChunkSpec
-from llm.parallel import ParallelLM, RankFailure, TPGroup, init_process_group, serve_rank
+from llm.model.attention import BatchMeta, ChunkSpec
+from llm.model.parallel import ParallelLM, RankFailure, TPGroup, init_process_group, serve_rank
 from schemas import Overloaded
 from tests.helpers import free_port
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
@@ -122,7 +122,7 @@ def test_each_rank_reads_only_its_slices(checkpoint, model):
 
 
 def test_a_rank_reads_no_more_than_its_shard_from_disk(checkpoint, monkeypatch):
-    import schemas.checkpoint as ckpt
+    import schemas.weights as ckpt
 
     read = []
 

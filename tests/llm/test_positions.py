@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm import mrope_positions
+from llm.model import mrope_positions
 
 IMG = 9
 

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from llm import BlockPool, SequenceInput
+from llm.engine import BlockPool
+from schemas import GenerateRequest
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
 
@@ -16,7 +17,7 @@ def test_second_turn_reuses_the_first_turns_blocks(checkpoint, reference, model,
     out1, _ = asyncio.run(collect(engine, first))
     # The next turn re-sends the whole history (same text, same images) and adds to it.
     ids2 = first.prompt_token_ids + out1 + [21, 22, 23]
-    second = SequenceInput("r2", ids2, first.image_grid_thw, first.image_embeds, first.sampling, first.image_keys)
+    second = GenerateRequest("r2", ids2, first.image_grid_thw, first.image_embeds, first.sampling, first.image_keys)
     before = engine.stats()
     out2, _ = asyncio.run(collect(engine, second))
     hits = engine.stats()["prefix_hits"] - before["prefix_hits"]

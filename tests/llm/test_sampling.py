@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from llm import SequenceInput, sample
-from schemas import SamplingParams
+from llm.engine import sample
+from schemas import GenerateRequest, SamplingParams
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
 
@@ -52,7 +52,7 @@ def _penalized_greedy(reference, ids: list[int], steps: int, presence: float, fr
 @pytest.mark.parametrize(("presence", "frequency"), [(1.5, 0.0), (0.0, 0.7), (-0.5, 0.3)])
 def test_penalties_match_a_plain_reimplementation(reference, model, presence, frequency):
     engine = make_engine(model, reference)
-    inp = SequenceInput("p", [5, 6, 7], [], [], SamplingParams(max_tokens=16, temperature=0.0,
+    inp = GenerateRequest("p", [5, 6, 7], [], [], SamplingParams(max_tokens=16, temperature=0.0,
                                                                presence_penalty=presence, frequency_penalty=frequency,
                                                                ignore_eos=True))
     ours, _ = asyncio.run(collect(engine, inp))

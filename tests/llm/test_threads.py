@@ -1,4 +1,4 @@
-"""The engine's worker thread gets its own CPU threads while the rest of the process keeps one (llm/threads.py)."""
+"""The engine's worker thread gets its own CPU threads while the rest of the process keeps one (engine/threads.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from llm.threads import CoresFollowLoad, _loaded_library, set_thread_intra_op_threads
+from llm.engine.threads import CoresFollowLoad, _loaded_library, set_thread_intra_op_threads
 from tests.llm.reference import make_engine
 from tests.llm.test_engine import _seq
 
@@ -133,7 +133,7 @@ def test_the_engine_steps_on_the_threads_the_load_leaves(one_thread_process_wide
             self.threads = next(plan, 2)
             return self.threads
 
-    monkeypatch.setattr("llm.engine.CoresFollowLoad", Scripted)
+    monkeypatch.setattr("llm.engine.engine.CoresFollowLoad", Scripted)
     engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2)
     seen = []
     step = engine._step

@@ -19,8 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llm import triton_attention
-from llm.triton_attention import combine_config, default_num_splits, paged_decode_attention_reference, split_config
+from llm.model import triton_attention
+from llm.model.triton_attention import (combine_config, default_num_splits, paged_decode_attention_reference,
+                                        split_config)
 
 LENS = [1, 15, 16, 17, 100, 257]  # around block edges (block_size 16), and 17 blocks for the longest
 needs_triton = pytest.mark.skipif(triton_attention.triton is None, reason="triton is not installed")

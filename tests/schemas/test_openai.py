@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.http import parse
+from deployments.ingress.http import parse
 from schemas import InvalidRequest
 from schemas.openai import ChatCompletionRequest, ImagePart
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from deployments.fetch import ImageFetcher
+from deployments.ingress.fetch import ImageFetcher
 from schemas import ImageURLArgs, InvalidRequest
 from tests.helpers import free_port, self_signed_certificate
 from tests.security.image_server import CAP, PNG, Handler, image_server

@@ -1,0 +1,122 @@
+"""The per-step token channel between an ingress replica and an LLM replica: one message per step, not per token.
+
+Without it each generation streams its own chunks: at 32 streams that is a Ray message per request per step, each
+one serialized, reported and awaited on both sides. With it, an ingress replica holds one streaming call per LLM
+replica it uses (`LLM.channel`, pinned to that replica by deployments/ingress/router.py), and the LLM replica sends each
+step's chunks for all of that ingress's generations as one list of (request id, chunk or error) pairs. vLLM does the
+same between its engine core and its front end (one output batch per step); this one rides on Serve's own calls:
+
+- A generation is still its own call (`LLM.generate`, with `GenerateRequest.channel` = the ingress's id): routing,
+  admission, cancellation and a replica's death work on it as before. Its stream starts with a `Routed`: which
+  replica took it, and whether its chunks come through the channel. If not (no channel open there yet), they follow
+  on the call's own stream and the ingress opens a channel to that replica for later generations. If so, the own
+  stream carries nothing more and ends once its last chunk is handed to the channel, or raises `ChannelLost` if the
+  channel closed first.
+- The LLM replica closes a channel that has had no generation for `idle_s` (so that a draining replica drains:
+  Serve waits for its calls to end); the ingress reopens it on the next `Routed(via_channel=False)`. A channel stream that ends on the ingress fails the
+  generations still attached to it.
+- Messages: at most one per `interval_s` per channel; a first token, a last one and an error go at once.
+
+This module is the ingress half (`ChannelHub`, `TokenStream`); the LLM half is `llm/channel.py` (`Outbox`), and
+the messages (`Routed`, `ChannelOpen`, `Batch`) are in `schemas/engine.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from schemas import ChannelLost, ChannelOpen, Item, Routed, TokenChunk
+
+logger = logging.getLogger("ray.serve")
+
+
+class ChannelHub:
+    """Ingress side: this ingress replica's channels, one per LLM replica it has used, and the routes from their
+    messages to the generations waiting for them."""
+
+    def __init__(self, llm: Any, ingress_id: str | None = None):
+        self.llm, self.id = llm, ingress_id or uuid.uuid4().hex
+        self.routes: dict[str, Callable[[Item], None]] = {}  # request id -> its TokenStream's queue
+        self.readers: dict[str, asyncio.Task] = {}  # LLM replica id -> the task reading its channel
+        self.attached: dict[str, set[str]] = {}  # LLM replica id -> request ids whose chunks come through it
+        self.messages = 0  # channel messages received (for the message-rate figures)
+
+    def open(self, replica_id: str) -> None:
+        if replica_id not in self.readers:
+            self.readers[replica_id] = asyncio.ensure_future(self._read(replica_id))
+
+    async def _read(self, replica_id: str) -> None:
+        call = self.llm.options(stream=True).channel.remote(ChannelOpen(self.id, replica_id))
+        try:
+            async for batch in call:
+                self.messages += 1
+                for rid, item in batch:
+                    if (route := self.routes.get(rid)) is not None:
+                        route(item)
+        except Exception as e:  # the replica went away (its generations fail on their own calls too)
+            logger.warning("token channel to LLM replica %s ended: %s", replica_id, e)
+        finally:
+            call.cancel()
+            del self.readers[replica_id]
+            for rid in self.attached.pop(replica_id, ()):
+                if (route := self.routes.get(rid)) is not None:
+                    route(ChannelLost(replica_id))
+
+
+_END = object()  # a generation's own stream ended
+
+
+class TokenStream:
+    """Ingress side: one generation's `TokenChunk`s, from its own call's stream or through its replica's channel."""
+
+    def __init__(self, hub: ChannelHub, call: Any, request_id: str):
+        self.hub, self.call, self.request_id = hub, call, request_id
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.replica: str | None = None  # set when the chunks come through that replica's channel
+        hub.routes[request_id] = self.queue.put_nowait
+        self._pump = asyncio.ensure_future(self._read_own())
+
+    async def _read_own(self) -> None:
+        put = self.queue.put_nowait
+        try:
+            async for item in self.call:
+                if not isinstance(item, Routed):
+                    put(item)
+                elif not item.via_channel:
+                    self.hub.open(item.replica_id)
+                elif item.replica_id in self.hub.readers:
+                    self.replica = item.replica_id
+                    self.hub.attached.setdefault(item.replica_id, set()).add(self.request_id)
+                else:  # our reader of that channel has ended already: nothing will bring its chunks
+                    put(ChannelLost(item.replica_id))
+            if self.replica is None:
+                put(_END)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            put(e)
+
+    def __aiter__(self) -> TokenStream:
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        item = await self.queue.get()
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self, cancel: bool) -> None:
+        """Stop listening; `cancel`: also cancel the generation (not after its last chunk: see Ingress._events)."""
+        self.hub.routes.pop(self.request_id, None)
+        if self.replica is not None:
+            self.hub.attached.get(self.replica, set()).discard(self.request_id)
+        if cancel:
+            self.call.cancel()
+
+__all__ = ["ChannelHub", "TokenStream"]

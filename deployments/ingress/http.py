@@ -1,0 +1,114 @@
+"""HTTP helpers of the ingress: bounded body reading, request parsing, errors as OpenAI error bodies, SSE."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import msgspec
+from pydantic import BaseModel, ValidationError
+from ray.exceptions import TaskCancelledError
+from ray.serve.exceptions import BackPressureError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
+
+from schemas import InvalidRequest, Overloaded, root_cause
+from schemas.openai import ErrorBody, ErrorDetail
+
+logger = logging.getLogger("ray.serve")
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The body as JSON, refusing (413) to read more than `max_bytes` whatever Content-Length claims."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise InvalidRequest(f"request body is {declared} bytes, over the limit of {max_bytes}", status=413)
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise InvalidRequest(f"request body is over the limit of {max_bytes} bytes", status=413)
+    except (ClientDisconnect, TaskCancelledError) as e:  # the client left mid-body: not our fault, nobody to answer
+        raise InvalidRequest("client closed the request before its body arrived", code="client_closed",
+                             status=499) from e
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e}") from e
+
+
+def _json_path(body: Any, loc: tuple) -> str:
+    """pydantic's error location -> the path in the client's JSON (union member tags dropped)."""
+    path, node = "", body
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            path, node = (f"{path}.{part}" if path else part), node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            path, node = f"{path}[{part}]", node[part]
+        elif i == len(loc) - 1 and isinstance(node, dict) and isinstance(part, str):
+            path = f"{path}.{part}" if path else part  # a missing field
+    return path
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        # Of a union's alternatives, the error that got deepest into the client's JSON says the most.
+        errors = [(_json_path(body, tuple(err["loc"])), err) for err in e.errors(include_url=False)]
+        param, first = max(errors, key=lambda pe: len(pe[0]))
+        msg = first["msg"].removeprefix("Value error, ")
+        raise InvalidRequest(f"{param}: {msg}" if param else msg, param=param or None, code=first["type"]) from e
+
+
+def error_body(e: BaseException, request_id: str) -> tuple[int, dict[str, str], ErrorBody]:
+    """(status, headers, body) for an error: 4xx for the client's fault, 503 for overload, 500 (no details) else."""
+    e = root_cause(e)
+    if isinstance(e, InvalidRequest):
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        return e.status, {}, ErrorBody(error=ErrorDetail(message=e.message, type=kind, param=e.param, code=e.code))
+    if isinstance(e, (Overloaded, BackPressureError)):
+        retry = getattr(e, "retry_after_s", 1)
+        detail = ErrorDetail(message=f"server is overloaded, retry later: {e}", type="server_error", code="overloaded")
+        return 503, {"Retry-After": str(retry)}, ErrorBody(error=detail)
+    logger.error("request %s failed", request_id, exc_info=e)
+    detail = ErrorDetail(message=f"internal error (request {request_id})", type="server_error", code="internal_error")
+    return 500, {}, ErrorBody(error=detail)
+
+
+def error_response(e: BaseException, request_id: str) -> JSONResponse:
+    status, headers, body = error_body(e, request_id)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _plain(obj: Any) -> Any:
+    """msgspec's hook for what it cannot encode: arrays and scalars with `tolist` (numpy, torch) as lists/numbers."""
+    tolist = getattr(obj, "tolist", None)
+    if tolist is None:
+        raise NotImplementedError(f"cannot encode {type(obj).__name__} as JSON")
+    return tolist()
+
+
+_encode = msgspec.json.Encoder(enc_hook=_plain).encode
+
+
+def json_text(obj: Any) -> str:
+    """Compact JSON of plain data (dicts, lists, str, numbers, None) as pydantic's model_dump_json writes it:
+    non-ASCII as UTF-8, NaN and infinities as null; only floats from 1e16 up are spelled otherwise (1e16, not
+    1e+16). msgspec, as it measured faster than orjson and json (tests/bench/sse_bench.py)."""
+    return _encode(obj).decode()
+
+
+def sse(payload: BaseModel | dict | str) -> str:
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump_json()
+    elif isinstance(payload, dict):
+        payload = json_text(payload)
+    return f"data: {payload}\n\n"
+
+
+__all__ = ["error_body", "error_response", "json_text", "parse", "read_json", "sse"]

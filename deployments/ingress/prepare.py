@@ -1,0 +1,163 @@
+"""Request -> prompt for the ingress: limits, image headers, prompt ids, and the context-overflow policy. CPU only."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deployments.ingress.prompt import build_prompt, load_tokenizer, template_messages
+from encoders import decode_data_url, embedding_key, probe_image
+from schemas import AppArgs, InvalidRequest, ModelSpec, SamplingParams
+from schemas.openai import ChatCompletionRequest, ImagePart, Message
+
+
+@dataclass(slots=True)
+class Prepared:
+    prompt: list[int] = field(default_factory=list)
+    images: list[bytes] = field(default_factory=list)
+    image_keys: list[str] = field(default_factory=list)
+    grids: list[tuple[int, int, int]] = field(default_factory=list)
+    max_tokens: int = 0
+    dropped_messages: int = 0
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each image kept
+    image_numbers: list[int] = field(default_factory=list)  # its index among the request's images
+    routing_key: str = ""  # the conversation's first turn: which LLM replica holds its prefix (ingress/router.py)
+
+
+@dataclass(slots=True)
+class _Image:
+    message: int
+    number: int
+    size: tuple[int, int]
+    data: bytes
+    key: str
+    grid: tuple[int, int, int]
+    num_tokens: int
+
+
+def image_params(req: ChatCompletionRequest) -> list[tuple[int, str, str]]:
+    """(message index, JSON path, url) of every image in the request, in order."""
+    return [(i, f"messages[{i}].content[{j}].image_url", part.image_url.url)
+            for i, m in enumerate(req.messages) if isinstance(m.content, list)
+            for j, part in enumerate(m.content) if isinstance(part, ImagePart)]
+
+
+def sampling_params(req: ChatCompletionRequest, max_tokens: int, choice: int) -> SamplingParams:
+    seed = None if req.seed is None else (req.seed + choice) % 2**63  # n choices differ, each reproducible
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          top_k=max(req.top_k, 0), seed=seed, presence_penalty=req.presence_penalty,
+                          frequency_penalty=req.frequency_penalty, stop_token_ids=frozenset(req.stop_token_ids),
+                          ignore_eos=req.ignore_eos, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+
+
+def first_turn_key(first_turn: list[Message], image_keys: list[str]) -> str:
+    """A hash of the system messages and the first user turn, with its images' content keys: the same for every
+    later turn of the conversation (their prompts start with that turn's tokens), different for another one.
+
+    NOTE: hashing the messages stands for hashing the prefix's token ids (the chat template turns the same messages
+    into the same tokens in all families), without templating the first turn a second time."""
+    h = hashlib.blake2b(json.dumps(template_messages(first_turn), sort_keys=True).encode(), digest_size=16)
+    for key in image_keys:
+        h.update(key.encode())
+    return h.hexdigest()
+
+
+class Preparer:
+    def __init__(self, args: AppArgs, spec: ModelSpec | None = None):
+        """`spec`: the ingress's (loaded from `args` when not given)."""
+        spec = spec or ModelSpec.from_args(args)
+        self.args, self.limits = args, args.limits
+        self.tokens = spec.image_tokens
+        self.image_token_id = self.tokens.placeholder_id
+        self.max_images = min(args.limits.max_images_per_request, spec.family.max_images_per_prompt or 1 << 30)
+        self.processing = spec.processing
+        self.preprocessing_id = self.processing.fingerprint()
+        config_bytes = (Path(args.model) / "config.json").read_bytes()
+        self.model_id = hashlib.sha256(args.model.encode() + config_bytes).hexdigest()[:16]
+        self.tokenizer = load_tokenizer(args.model, spec.hf_config)
+        self.max_model_len = spec.max_model_len
+
+    def check(self, req: ChatCompletionRequest) -> None:
+        """The cheap checks, before any image is read or fetched."""
+        limits = self.limits
+        if req.model is not None and req.model != self.args.model_name:
+            raise InvalidRequest(f"model {req.model!r} is not served here; this server serves {self.args.model_name!r}",
+                                 param="model", code="model_not_found", status=404)
+        if len(req.stop) > limits.max_stop or any(len(s) > limits.max_stop_chars for s in req.stop):
+            raise InvalidRequest(f"at most {limits.max_stop} stop strings of at most {limits.max_stop_chars} characters",
+                                 param="stop")
+        if req.n > limits.max_n:
+            raise InvalidRequest(f"n={req.n} is over the limit of {limits.max_n}", param="n")
+        params = image_params(req)
+        if len(params) > self.max_images:
+            raise InvalidRequest(f"more than {self.max_images} images in one request", param=params[self.max_images][1])
+
+    def _image(self, number: int, message: int, param: str, url: str, fetched: dict[str, bytes]) -> _Image:
+        try:
+            data = fetched[param] if param in fetched else decode_data_url(url, self.limits.max_image_bytes)
+            info = probe_image(data, self.limits)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"{param}: {e.message}", param=param, code=e.code, status=e.status) from e
+        # One key for the embedding cache and for the prefix cache of the image's tokens.
+        key = embedding_key(hashlib.sha256(data).hexdigest(), info.width, info.height, info.mode,
+                            self.preprocessing_id, self.model_id)
+        return _Image(message, number, (info.width, info.height), data, key,
+                      self.processing.grid_thw(info.width, info.height),
+                      self.processing.num_image_tokens(info.width, info.height))
+
+    def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes]) -> Prepared:
+        """Image headers and prompt ids, after `check`; `fetched` holds the bytes of remote images by JSON path."""
+        images = [self._image(n, i, param, url, fetched) for n, (i, param, url) in enumerate(image_params(req))]
+        overflow = req.context_overflow or self.limits.context_overflow
+        # Turns start at each user message after the leading system messages; dropping whole turns from the
+        # front drops their images with them and never cuts inside an image's placeholder run.
+        n_system = next((i for i, m in enumerate(req.messages) if m.role not in ("system", "developer")),
+                        len(req.messages))
+        starts = [i for i, m in enumerate(req.messages) if i >= n_system and m.role == "user"] or [n_system]
+        first = self._build(req, images, n_system, starts[0])
+        if self._fits(req, first) or overflow == "error" or len(starts) == 1:
+            return self._checked(req, first)
+        lo, hi, best = 1, len(starts) - 1, None  # binary search: dropping more turns only shortens the prompt
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            candidate = self._build(req, images, n_system, starts[mid])
+            if self._fits(req, candidate):
+                best, hi = candidate, mid - 1
+            else:
+                lo = mid + 1
+        return self._checked(req, best or self._build(req, images, n_system, starts[-1]))
+
+    def _build(self, req: ChatCompletionRequest, images: list[_Image], n_system: int, start: int) -> Prepared:
+        kept: list[Message] = req.messages[:n_system] + req.messages[start:]
+        out = Prepared(dropped_messages=start - n_system)
+        for image in images:
+            if image.message < n_system or image.message >= start:
+                out.images.append(image.data)
+                out.image_keys.append(image.key)
+                out.grids.append(image.grid)
+                out.image_sizes.append(image.size)
+                out.image_numbers.append(image.number)
+        counts = [im.num_tokens for im in images if im.message < n_system or im.message >= start]
+        out.routing_key = first_turn_key(kept[:n_system + 1],
+                                         [im.key for im in images if im.message < n_system or im.message == start])
+        out.prompt = build_prompt(self.tokenizer, kept, self.image_token_id, counts, self.tokens.per_image_ids,
+                                  self.tokens.forbidden_ids)
+        room = self.max_model_len - len(out.prompt)
+        out.max_tokens = req.requested_max_tokens or min(self.limits.default_max_tokens, room)
+        return out
+
+    def _fits(self, req: ChatCompletionRequest, p: Prepared) -> bool:
+        return p.max_tokens >= 1 and len(p.prompt) + p.max_tokens <= self.max_model_len
+
+    def _checked(self, req: ChatCompletionRequest, p: Prepared) -> Prepared:
+        if not self._fits(req, p):
+            asked = f" + max_tokens {p.max_tokens}" if req.requested_max_tokens else ""
+            dropped = f" (after dropping the {p.dropped_messages} oldest messages)" if p.dropped_messages else ""
+            raise InvalidRequest(f"{len(p.prompt)} prompt tokens{asked} exceed the context length of "
+                                 f"{self.max_model_len}{dropped}", param="messages", code="context_length_exceeded")
+        return p
+
+
+__all__ = ["Prepared", "Preparer", "first_turn_key", "image_params", "sampling_params"]

@@ -1,0 +1,74 @@
+"""Prompt token ids from chat messages: the checkpoint's own chat template, then one placeholder run per image."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from schemas import InvalidRequest
+from schemas.openai import ImagePart, Message
+
+
+def load_tokenizer(model_dir: str | Path, config: Any = None) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer, with its chat template even where only the processor files carry it. `config`:
+    the checkpoint's transformers config, when the caller has it (else transformers reads it again)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, **({"config": config} if config is not None else {}))
+    if tokenizer.chat_template is None:
+        d = Path(model_dir)
+        if (d / "chat_template.jinja").is_file():
+            tokenizer.chat_template = (d / "chat_template.jinja").read_text()
+        elif (d / "chat_template.json").is_file():
+            tokenizer.chat_template = json.loads((d / "chat_template.json").read_text())["chat_template"]
+        else:
+            raise ValueError(f"{model_dir} has no chat template")
+    return tokenizer
+
+
+def template_messages(messages: list[Message]) -> list[dict]:
+    """OpenAI messages -> the content format chat templates expect ({"type": "image"} stands for an image)."""
+    out = []
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        if m.content is None or isinstance(m.content, str):
+            out.append({"role": role, "content": m.content or ""})
+        else:
+            parts = [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text} for p in m.content]
+            out.append({"role": role, "content": parts})
+    return out
+
+
+def build_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[Message], image_token_id: int,
+                 image_token_counts: list[int], per_image_ids: Iterable[int] = (),
+                 forbidden_ids: Iterable[int] = ()) -> list[int]:
+    """Render, tokenize, and expand the template's one placeholder per image to that image's run of tokens.
+
+    The template writes the placeholder (and each of `per_image_ids`, such as vision start/end markers) once per
+    image and never any of `forbidden_ids` (video placeholders): any other count means the user typed them."""
+    text = tokenizer.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
+    # NOTE: a BOS the template did not write is added, as transformers' processors do (LLaVA's templates leave
+    # `<s>` to the tokenizer; Qwen's tokenizer has none).
+    bos = tokenizer.bos_token
+    ids = tokenizer.encode(text, add_special_tokens=bool(bos) and not text.startswith(bos))
+    slots = [i for i, t in enumerate(ids) if t == image_token_id]
+    expected = {image_token_id: len(image_token_counts)} | {t: len(image_token_counts) for t in per_image_ids} | {
+        t: 0 for t in forbidden_ids}
+    for token_id, n in expected.items():
+        if (found := ids.count(token_id)) != n:
+            raise InvalidRequest(
+                f"the prompt has {found} {tokenizer.convert_ids_to_tokens(token_id)!r} tokens for "
+                f"{len(image_token_counts)} images: text must not contain that reserved token", param="messages")
+    expanded: list[int] = []
+    prev = 0
+    for slot, count in zip(slots, image_token_counts, strict=True):
+        expanded += ids[prev:slot]
+        expanded += [image_token_id] * count
+        prev = slot + 1
+    expanded += ids[prev:]
+    return expanded
+
+
+__all__ = ["build_prompt", "load_tokenizer", "template_messages"]

@@ -1,0 +1,82 @@
+"""Encoder deployment: image bytes in, projected embeddings (num_image_tokens, llm_hidden) out.
+
+Serve autoscales this deployment on its own; the ingress fans each image out to it. Images of concurrent requests
+are packed into one ViT forward (`encoders.ImageBatcher`); embeddings seen before come from the shared
+`EmbeddingCache`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from encoders import EncoderRunner, VisionEncoder
+from schemas import AppArgs, ModelSpec
+from schemas.metrics import EncoderMetrics
+from schemas.transfer import send_tensors_out_of_band
+
+logger = logging.getLogger("ray.serve")
+
+
+@serve.deployment(
+    name="Encoder",
+    ray_actor_options={"num_cpus": 0.4},
+    max_ongoing_requests=16,
+    # Tuned for reaction time, as serve_config.yaml (Ray's defaults: 30 s up, 600 s down, metrics every 10 s).
+    autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4, "upscale_delay_s": 1,
+                        "downscale_delay_s": 30, "metrics_interval_s": 1, "look_back_period_s": 5},
+)
+class Encoder:
+    def __init__(self, args: dict[str, Any], cache: DeploymentHandle | None = None,
+                 model_factory: Callable[..., VisionEncoder] | None = None):
+        self.args = AppArgs.model_validate(args)
+        send_tensors_out_of_band()
+        spec = ModelSpec.from_args(self.args)
+        self.metrics = EncoderMetrics()
+        self.runner = EncoderRunner(spec, self.args.encoder, model_factory=model_factory,
+                                    on_batch=self.metrics.on_batch)
+        self.num_cancelled = 0
+        self.cache = cache if self.args.encoder.cache_gib > 0 else None
+        self._puts: set[asyncio.Task] = set()
+        logger.info("encoder ready: %s on %s (%s), cache %s", self.args.model, spec.device, spec.dtype,
+                    "on" if self.cache is not None else "off")
+
+    async def _cached(self, key: str) -> torch.Tensor | None:
+        try:
+            return await self.cache.get.remote(key)
+        except Exception:  # a cache that is down or restarting is a miss, never a failure
+            logger.warning("embedding cache unavailable; encoding %s", key[:16], exc_info=True)
+            return None
+
+    async def _put(self, key: str, embeds: torch.Tensor) -> None:
+        try:
+            await self.cache.put.remote(key, embeds)
+        except Exception:
+            logger.warning("could not cache %s", key[:16], exc_info=True)
+
+    async def encode(self, image: bytes, key: str | None = None) -> torch.Tensor:
+        # NOTE: returned, not ray.put: the caller owns the result, so it outlives this replica.
+        try:
+            if key is not None and self.cache is not None:
+                self.metrics.cache_queries.inc()
+                if (hit := await self._cached(key)) is not None:
+                    self.metrics.cache_hits.inc()
+                    return hit
+            embeds = await self.runner.encode(image)
+        except asyncio.CancelledError:  # the client went away: the image leaves the batch queue unencoded
+            self.num_cancelled += 1
+            self.metrics.cancelled.inc()
+            raise
+        if key is not None and self.cache is not None:  # in the background: the caller does not wait for it
+            task = asyncio.create_task(self._put(key, embeds))
+            self._puts.add(task)
+            task.add_done_callback(self._puts.discard)
+        return embeds
+
+    async def stats(self) -> dict[str, int]:
+        return {**self.runner.stats(), "cancelled": self.num_cancelled}

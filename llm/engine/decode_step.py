@@ -1,0 +1,117 @@
+"""The static decode step: a decode-only step over persistent input buffers, padded to a batch bucket, so that on
+cuda each bucket's step is captured once as a CUDA graph and replayed (the host then launches one graph instead of
+~1,000 kernels). Steps with prefill chunks run eagerly through the same layers (llm/engine/model_runner.py).
+
+Inside the step there is no host sync and no data-dependent shape: the buffers have the bucket's rows, the block
+tables a fixed width (ceil(max_model_len / block_size)); padding rows write their key and value into a null block
+that the block pool never hands out (the cache's last block) and attend to it alone. The sampler runs outside it.
+Attention reads the blocks in place (llm/model/triton_attention.py): the Triton kernel on cuda, its reference elsewhere.
+(Buckets, persistent buffers and capture largest-first into one pool follow nano-vllm's and vLLM's model runners.)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from llm.model.attention import StaticMeta
+from llm.model.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def bucket_for(n: int) -> int:
+    """The smallest bucket holding n rows: 1, 2, 4, 8, 16, 24, 32, 48, 64, then multiples of 32."""
+    assert n >= 1, n
+    return next((b for b in _BUCKETS if b >= n), -(-n // 32) * 32)
+
+
+def buckets_up_to(n: int) -> list[int]:
+    """Every bucket a batch of at most n rows can use."""
+    top = bucket_for(n)
+    return [b for b in _BUCKETS if b <= top] + list(range(96, top + 1, 32))
+
+
+class StaticDecode:
+    """Persistent inputs of decode-only steps, for a model of one device (no tensor parallelism)."""
+
+    def __init__(self, model, cache: KVCache, max_num_seqs: int, max_model_len: int, cuda_graphs: bool):
+        self.model, self.cache = model, cache
+        self.block_size, self.null_block = cache.block_size, cache.num_blocks - 1  # the pool's blocks are the rest
+        device = model.lm_head.weight.device
+        rows, width = bucket_for(max_num_seqs), -(-max_model_len // self.block_size)
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        # Every row starts as padding: the null block's first slot, one key.
+        self.meta = StaticMeta(torch.full((rows,), self.null_block * self.block_size, device=device),
+                               torch.full((rows, width), self.null_block, dtype=torch.int32, device=device),
+                               torch.ones(rows, dtype=torch.int32, device=device))
+        # One host-side staging row per buffer (pinned on cuda), filled by the step's Python and copied over once.
+        pin = device.type == "cuda"
+        self._host = {name: torch.empty_like(buf, device="cpu", pin_memory=pin) for name, buf in self._buffers()}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if cuda_graphs:
+            self.capture(buckets_up_to(max_num_seqs))
+
+    def _buffers(self):
+        m = self.meta
+        return (("input_ids", self.input_ids), ("positions", self.positions), ("slots", m.slot_mapping),
+                ("tables", m.block_tables), ("lens", m.context_lens))
+
+    def forward(self, rows: int) -> torch.Tensor:
+        """The step itself on the first `rows` rows of the buffers -> logits (rows, V) float32."""
+        m = self.meta
+        meta = StaticMeta(m.slot_mapping[:rows], m.block_tables[:rows], m.context_lens[:rows])
+        hidden = self.model(self.model.embed(self.input_ids[:rows]), self.positions[:rows].expand(3, -1), self.cache,
+                            meta)  # (rows, D)
+        return self.model.logits(hidden)  # (rows, V)
+
+    def prepare(self, tokens: list[int], positions: list[int], block_ids: list[list[int]],
+                lengths: list[int]) -> int:
+        """Fill the buffers for n sequences (token, its position, its blocks, keys after it); returns the bucket."""
+        n, rows, bs = len(tokens), bucket_for(len(tokens)), self.block_size
+        h = self._host
+        h["input_ids"][:rows] = 0
+        h["input_ids"][:n] = torch.tensor(tokens)
+        h["positions"][:rows] = 0
+        h["positions"][:n] = torch.tensor(positions)
+        h["tables"][:rows] = self.null_block
+        h["lens"][:rows] = 1
+        h["slots"][:rows] = self.null_block * bs
+        for i, (blocks, length) in enumerate(zip(block_ids, lengths, strict=True)):
+            h["tables"][i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            h["lens"][i] = length
+            h["slots"][i] = blocks[(length - 1) // bs] * bs + (length - 1) % bs
+        for name, buf in self._buffers():
+            buf[:rows].copy_(h[name][:rows], non_blocking=True)
+        return rows
+
+    def run(self, n: int, rows: int) -> torch.Tensor:
+        """Logits (n, V) of the prepared step: a graph replay where one was captured for the bucket."""
+        if rows in self.graphs:
+            graph, logits = self.graphs[rows]
+            graph.replay()
+            return logits[:n]
+        return self.forward(rows)[:n]
+
+    def capture(self, buckets: list[int]) -> None:
+        """One CUDA graph per bucket, largest first, into one memory pool; a warm-up run of each first (kernels
+        compile and allocate outside the capture)."""
+        t0, pool = time.monotonic(), None
+        for rows in sorted(buckets, reverse=True):
+            self.forward(rows)  # warm-up: the buffers hold padding rows only, which touch the null block alone
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.forward(rows)
+            pool = graph.pool()
+            self.graphs[rows] = (graph, logits)
+        logger.info("captured %d decode CUDA graphs (batch buckets %s) in %.1f s", len(buckets), buckets,
+                    time.monotonic() - t0)
+
+
+__all__ = ["StaticDecode", "bucket_for", "buckets_up_to"]

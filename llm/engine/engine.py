@@ -1,0 +1,285 @@
+"""The generation engine: requests in, token chunks out, and the worker loop between them.
+
+The async side (`submit`) takes a `GenerateRequest` with its image embeddings, checks it and makes its `Sequence`
+(sequence.py), queues it (bounded), and hands its `TokenChunk`s to a sink on the caller's event loop: one callback
+per step for all the sequences of that loop (the LLM deployment sends them on through a per-ingress channel,
+llm/channel.py). `generate` is a stream of one sequence's chunks on top of it, coalescing tokens that arrive within
+`stream_interval_s`. The worker loops, one `run` per step: the scheduler picks the step (decodes + prefill chunks +
+admissions), the model runner builds its inputs (embeddings with the images merged in), runs the forward and
+samples, the scheduler applies the stop rules, and the engine emits each sequence's new token. `cancel` (or closing
+a stream) frees a sequence's blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import torch
+
+from llm.engine.block_pool import BlockPool
+from llm.engine.model_runner import ModelRunner, Sampled
+from llm.engine.scheduler import Chunk, Scheduler
+from llm.engine.sequence import Sequence, make_sequence
+from llm.engine.threads import CoresFollowLoad, set_thread_intra_op_threads
+from llm.model.parallel import RankFailure
+from schemas import GenerateRequest, Overloaded, TokenChunk
+
+logger = logging.getLogger(__name__)
+
+
+Sink = Callable[[TokenChunk | BaseException], None]
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_model_len: int
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_queued: int = 64
+    enable_prefix_caching: bool = True
+    stream_interval_s: float = 0.02
+    cpu_threads: int | None = None  # CPU: torch threads of the worker thread alone (threads.py); None: leave as is
+    cpu_threads_max: int | None = None  # above cpu_threads: the worker takes up to this many while the node is idle
+    static_decode: bool | None = None  # decode-only steps through decode_step.py; None: on cuda with one rank
+    cuda_graphs: bool | None = None  # replay them as CUDA graphs; None: on cuda with one rank
+
+    def __post_init__(self) -> None:
+        assert self.num_blocks * self.block_size >= self.max_model_len, "the cache must hold one full sequence"
+
+
+class Engine:
+    def __init__(self, model: Qwen2LM, config: EngineConfig, *, image_token_id: int, merge_size: int,
+                 eos_token_ids: set[int]):
+        self.model, self.config = model, config
+        self.image_token_id, self.merge_size, self.eos_token_ids = image_token_id, merge_size, frozenset(eos_token_ids)
+        single_cuda = model.lm_head.weight.device.type == "cuda" and getattr(model, "tp", None) is not None \
+            and model.tp.world_size == 1  # a ParallelLM (several ranks) has no .tp: it runs eagerly
+        graphs = single_cuda if config.cuda_graphs is None else config.cuda_graphs and single_cuda
+        static = single_cuda if config.static_decode is None else config.static_decode
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=config.max_model_len, static_decode=static or graphs,
+                                  cuda_graphs=graphs)
+        self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        # written by the worker only
+        self.counts = {"finished": 0, "failed": 0, "steps": 0, "cpu_threads": config.cpu_threads or 0,
+                       "cpu_thread_changes": 0}
+        # Seconds from arrival to first scheduled, and between two tokens of a sequence; the worker appends,
+        # `drain_timings` takes them (deque appends and pops are thread-safe; bounded if nobody drains).
+        self.queue_times: deque[float] = deque(maxlen=65536)
+        self.inter_token_times: deque[float] = deque(maxlen=65536)
+        self._inbox: queue.SimpleQueue[Sequence | None] = queue.SimpleQueue()
+        # Each live stream's event loop and sink, by seq_id: `submit` adds, `cancel` removes (on the event loop);
+        # the worker collects a step's items per loop in `_outgoing` and hands each loop its batch (`_flush`).
+        self._sinks: dict[int, tuple[asyncio.AbstractEventLoop, Sink]] = {}
+        self._outgoing: dict[asyncio.AbstractEventLoop, list[tuple[Sequence, Sink, TokenChunk | BaseException]]] = {}
+        self._queued = 0  # in the inbox or waiting; read on the event loop, approximate is fine
+        self._ids = itertools.count()
+        self.dead: BaseException | None = None  # set when a tensor-parallel rank is lost: the replica must restart
+        self._closing = False
+        threading.Thread(target=self._loop, name="llm-engine", daemon=True).start()
+
+    def stats(self) -> dict[str, float]:
+        s = self.scheduler
+        return {"waiting": s.num_waiting + self._inbox.qsize(), "running": len(s.running),
+                "kv_usage": self.pool.usage, "prefix_hits": self.pool.hits, "prefix_queries": self.pool.queries,
+                "preemptions": s.num_preemptions, "cancelled": s.num_cancelled, **self.counts}
+
+    def close(self) -> None:
+        """Stop the worker after its current step (and the other tensor-parallel ranks with it)."""
+        self._closing = True
+        self._inbox.put(None)
+
+    def drain_timings(self) -> tuple[list[float], list[float]]:
+        """(queue times, inter-token times) recorded since the last call."""
+        return ([self.queue_times.popleft() for _ in range(len(self.queue_times))],
+                [self.inter_token_times.popleft() for _ in range(len(self.inter_token_times))])
+
+    def submit(self, inp: GenerateRequest, sink: Sink) -> Sequence:
+        """Check and queue a sequence; raises `InvalidRequest` or `Overloaded` at once. `sink` is called on the
+        caller's event loop with each `TokenChunk` (the last has a finish reason) or one exception; a step's
+        chunks for all the sequences of one event loop arrive in one callback. `cancel` ends it early."""
+        loop = asyncio.get_running_loop()
+        seq = make_sequence(inp, next(self._ids), max_model_len=self.config.max_model_len,
+                            image_token_id=self.image_token_id, merge_size=self.merge_size,
+                            mrope=self.model.config.mrope_section is not None, device=self.runner.device,
+                            eos_token_ids=self.eos_token_ids)
+        if self.dead is not None:
+            raise self._dead_error()
+        if self._queued >= self.config.max_queued:
+            raise Overloaded(f"the engine queue is full ({self._queued} requests waiting)")
+        self._queued += 1
+        self._sinks[seq.seq_id] = (loop, sink)
+        self._inbox.put(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Nothing more reaches its sink; its blocks are free at the next step (a no-op once it has finished)."""
+        self._sinks.pop(seq.seq_id, None)
+        seq.cancelled.set()
+        self._inbox.put(None)  # wake the worker if it sleeps
+
+    async def generate(self, inp: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """One sequence's chunks, coalesced to at most one per `stream_interval_s` (first and last at once)."""
+        out: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
+        seq = self.submit(inp, out.put_nowait)
+        last_yield = 0.0
+        try:
+            while True:
+                items = [await out.get()]
+                wait = last_yield + self.config.stream_interval_s - time.monotonic()
+                if wait > 0 and not isinstance(items[0], BaseException) and items[0].finish_reason is None:
+                    await asyncio.sleep(wait)  # coalesce: at most one message per interval per stream
+                while not out.empty():
+                    items.append(out.get_nowait())
+                chunk, error = TokenChunk(), None
+                for item in items:
+                    if isinstance(item, BaseException):
+                        error = item  # the worker sends nothing after an error
+                        break
+                    chunk.merge(item)
+                if chunk.token_ids:  # tokens made before a fault still reach the client
+                    last_yield = time.monotonic()
+                    yield chunk
+                if error is not None:
+                    raise error
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            self.cancel(seq)  # a consumer that went away frees the sequence at the next step
+
+    def _loop(self) -> None:
+        cores = None
+        if (floor := self.config.cpu_threads) is not None:
+            threads = set_thread_intra_op_threads(floor)
+            if (ceiling := self.config.cpu_threads_max or floor) > floor:
+                try:
+                    cores = CoresFollowLoad(floor, ceiling)
+                except OSError as e:  # no /proc (not Linux): stay at the floor
+                    logger.warning("engine worker: cannot read the node's load (%s), %d threads throughout", e, floor)
+            logger.info("engine worker: %d torch threads%s", threads,
+                        f", up to {cores.ceiling} while the node's other processes leave cores idle" if cores else "")
+        keepalive = getattr(self.model, "keepalive", None)  # tensor-parallel: the other ranks wait on us
+        while not self._closing:
+            idle = not self.scheduler.running and not self.scheduler.waiting
+            self._take_inbox(block=idle)
+            chunks = self.scheduler.schedule()
+            if cores is not None and chunks:
+                self._follow_load(cores)
+            self._queued = self.scheduler.num_waiting  # the admitted are no longer queued, even during a long step
+            try:
+                if not chunks:
+                    if idle and keepalive is not None:
+                        keepalive()
+                    continue
+                with torch.inference_mode():
+                    self._step(chunks)
+                self._flush()
+            except RankFailure as e:  # the ranks are out of step for good: fail everything, serve nothing more
+                return self._die(e)
+            except Exception as e:  # a fault in a step fails the sequences in it; the engine keeps serving
+                logger.exception("engine step failed for %d sequences", len(chunks))
+                self._outgoing.clear()  # the failed step's tokens: the error goes out instead (after earlier ones)
+                for c in chunks:
+                    self._emit(c.seq, e)
+                    self.scheduler.finish(c.seq)
+                    self.counts["failed"] += 1
+                self._flush()
+        if (close := getattr(self.model, "close", None)) is not None:
+            try:
+                close()
+            except RankFailure:  # the other ranks are gone already
+                pass
+
+    def _follow_load(self, cores: CoresFollowLoad) -> None:
+        before = cores.threads
+        if (n := cores.update()) != before:
+            set_thread_intra_op_threads(n)
+            self.counts["cpu_threads"] = n
+            self.counts["cpu_thread_changes"] += 1
+
+    def _dead_error(self) -> Overloaded:
+        return Overloaded(f"this LLM replica lost a tensor-parallel rank and is restarting ({self.dead})",
+                          retry_after_s=5)
+
+    def _die(self, e: RankFailure) -> None:
+        logger.error("engine stopped: %s", e)
+        self.dead = e
+        error = self._dead_error()
+        self._outgoing.clear()
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._emit(seq, error)
+            self.counts["failed"] += 1
+        self._flush()
+        while True:  # whatever still arrives fails at once, so that no request waits for a step that never comes
+            item = self._inbox.get()
+            if item is not None:
+                self._emit(item, error)
+                self._flush()
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self.scheduler.waiting.append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _emit(self, seq: Sequence, item: TokenChunk | BaseException) -> None:
+        if (entry := self._sinks.get(seq.seq_id)) is not None:  # None: its stream has ended, nobody listens
+            self._outgoing.setdefault(entry[0], []).append((seq, entry[1], item))
+
+    def _flush(self) -> None:
+        """One callback per event loop for everything the last step emitted (not one per sequence and token)."""
+        outgoing, self._outgoing = self._outgoing, {}
+        for loop, items in outgoing.items():
+            try:
+                loop.call_soon_threadsafe(self._deliver, items)
+            except RuntimeError:  # the event loop is gone: nobody is listening
+                for seq, _, _ in items:
+                    seq.cancelled.set()
+
+    def _deliver(self, items: list[tuple[Sequence, Sink, TokenChunk | BaseException]]) -> None:
+        for seq, sink, item in items:  # on the event loop: a stream cancelled since the step gets nothing more
+            if (entry := self._sinks.get(seq.seq_id)) is not None and entry[1] is sink:
+                sink(item)
+
+    def _step(self, chunks: list[Chunk]) -> None:
+        chunks = sorted(chunks, key=lambda c: (c.n != 1, c.start))  # one-token chunks first, shortest context first
+        sampled = self.runner.run(chunks)
+        self.counts["steps"] += 1
+        now = time.monotonic()
+        for c in chunks:
+            self.scheduler.advance(c)
+            if c.seq.scheduled_at is None:
+                c.seq.scheduled_at = now
+                self.queue_times.append(now - c.seq.arrived_at)
+        for s in sampled:
+            self._append(s, now)
+
+    def _append(self, s: Sampled, now: float) -> None:
+        """A sampled token: the scheduler applies the stop rules; its chunk goes to the sequence's sink."""
+        seq, token = s.seq, s.token
+        finish = self.scheduler.postprocess(seq, token)
+        if seq.last_token_at is not None:
+            self.inter_token_times.append(now - seq.last_token_at)
+        seq.last_token_at = now
+        self._emit(seq, TokenChunk([token], finish, [s.logprob] if s.logprob is not None else None,
+                                   seq.num_cached if seq.num_generated == 1 else None))
+        if finish is not None:
+            self.counts["finished"] += 1
+
+
+__all__ = ["Engine", "EngineConfig"]

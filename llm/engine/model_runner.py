@@ -1,0 +1,99 @@
+"""The model runner: one step's inputs (embeddings with the images merged in, positions, the attention metadata),
+the forward pass, the logits of the rows that sample, and the sampled tokens. It owns the KV cache tensors."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from llm.engine.decode_step import StaticDecode
+from llm.engine.sampling import sample
+from llm.engine.scheduler import Chunk
+from llm.engine.sequence import Sequence
+from llm.model import cpu_kernels
+from llm.model.attention import BatchMeta, ChunkSpec
+from llm.model.merge import merge_image_embeds
+from schemas import TokenLogprob
+
+
+@dataclass(slots=True)
+class Sampled:
+    seq: Sequence
+    token: int
+    logprob: TokenLogprob | None
+
+
+class ModelRunner:
+    """`static_decode`: decode-only steps go through llm/engine/decode_step.py (its cache gets one more block, the null
+    block of padding rows); `cuda_graphs`: and replay captured graphs (cuda only)."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, *, max_num_seqs: int, max_model_len: int,
+                 static_decode: bool, cuda_graphs: bool):
+        self.model, self.block_size = model, block_size
+        self.device = model.lm_head.weight.device
+        if self.device.type == "cpu":
+            cpu_kernels.load()  # decode attention in place; built once per machine, loaded in ~1 s after
+        self.cache = model.new_cache(num_blocks + static_decode, block_size)
+        self.static = StaticDecode(model, self.cache, max_num_seqs, max_model_len, cuda_graphs) \
+            if static_decode else None
+
+    def _embed(self, chunk: Chunk) -> torch.Tensor:
+        """Input embeddings of the chunk's tokens, image rows merged in: the one merge."""
+        seq, a, b = chunk.seq, chunk.start, chunk.start + chunk.n
+        x = self.model.embed(torch.tensor(seq.token_ids[a:b]))  # (n, D)
+        rows = seq.image_rows(a, b)
+        return x if rows is None else merge_image_embeds(x, *rows)
+
+    def _inputs(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings (T, D) and positions (3, T) of the batch; decode tokens (generated text) in one lookup."""
+        n_dec = next((i for i, c in enumerate(chunks) if c.n != 1 or c.start < c.seq.prompt_len), len(chunks))
+        embeds, positions = [], []
+        if n_dec:
+            dec = chunks[:n_dec]
+            embeds.append(self.model.embed(torch.tensor([c.seq.token_ids[c.start] for c in dec])))
+            positions.append(torch.tensor([c.start + c.seq.rope_delta for c in dec]).expand(3, -1))
+        for c in chunks[n_dec:]:
+            embeds.append(self._embed(c))
+            positions.append(c.seq.positions(c.start, c.start + c.n))
+        return torch.cat(embeds), torch.cat(positions, dim=1)
+
+    def run(self, chunks: list[Chunk]) -> list[Sampled]:
+        """One forward over the chunks (one-token chunks first, shortest context first); a token for each chunk
+        that completes its sequence's known tokens."""
+        if self.static is not None and all(c.n == 1 and c.start >= c.seq.prompt_len for c in chunks):
+            return self._decode(chunks)
+        embeds, positions = self._inputs(chunks)  # (T, D), (3, T)
+        meta = BatchMeta.build([ChunkSpec(c.seq.block_ids, c.start, c.n) for c in chunks], self.block_size,
+                               self.device)
+        hidden = self.model(embeds, positions, self.cache, meta)  # (T, D)
+        ends = itertools.accumulate(c.n for c in chunks)
+        rows = [(c.seq, end - 1) for c, end in zip(chunks, ends) if c.completes]
+        return self._sample(hidden, rows) if rows else []
+
+    def _decode(self, chunks: list[Chunk]) -> list[Sampled]:
+        """A decode-only step through the static buffers (every chunk is one generated token)."""
+        seqs = [c.seq for c in chunks]
+        rows = self.static.prepare([s.token_ids[c.start] for s, c in zip(seqs, chunks)],
+                                   [c.start + s.rope_delta for s, c in zip(seqs, chunks)],
+                                   [s.block_ids for s in seqs], [c.start + 1 for c in chunks])
+        return self._sample_logits(self.static.run(len(chunks), rows), seqs)
+
+    def _sample(self, hidden: torch.Tensor, rows: list[tuple[Sequence, int]]) -> list[Sampled]:
+        return self._sample_logits(self.model.logits(hidden, [r for _, r in rows]), [s for s, _ in rows])
+
+    def _sample_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
+        """logits (B, V) of `seqs`, in order -> their next tokens (one host sync for the batch)."""
+        for s in seqs:
+            if s.params.has_penalties and s.output_counts is None:
+                s.output_counts = torch.zeros(logits.shape[-1], device=logits.device)
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                  [s.output_counts for s in seqs])
+        for s, token in zip(seqs, tokens, strict=True):
+            if s.output_counts is not None:
+                s.output_counts[token] += 1
+        return [Sampled(s, t, lp) for s, t, lp in zip(seqs, tokens, logprobs, strict=True)]
+
+
+__all__ = ["ModelRunner", "Sampled"]

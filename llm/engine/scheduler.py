@@ -1,0 +1,144 @@
+"""Which tokens run in the next step: continuous batching under a token budget, with chunked prefill.
+
+Each step, running sequences go first, oldest first: a decoding sequence gets its one token, a sequence still
+in prefill gets the next chunk that fits the budget. Then waiting sequences are admitted (first come, first
+served) while the budget, the batch size and the KV blocks allow, reusing cached prefix blocks. When the cache
+runs out mid-generation, the newest running sequence is preempted: its blocks go back to the pool and it waits
+again, to be recomputed (its prefix blocks are often still cached then).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from llm.engine.block_pool import BlockPool
+from llm.engine.sequence import Sequence
+from schemas import FinishReason
+
+
+@dataclass(slots=True)
+class Chunk:
+    seq: Sequence
+    start: int
+    n: int
+
+    @property
+    def completes(self) -> bool:
+        """It reaches the sequence's last known token, so the step samples the next one."""
+        return self.start + self.n == len(self.seq.token_ids)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int):
+        self.pool, self.max_num_seqs, self.max_num_batched_tokens = pool, max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.watermark = max(1, pool.num_blocks // 100)  # headroom so admissions do not force preemptions
+        self.num_preemptions = self.num_cancelled = 0
+
+    def _blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.pool.block_size)
+
+    def schedule(self) -> list[Chunk]:
+        self._drop_cancelled()
+        budget, out, i = self.max_num_batched_tokens, [], 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            if not self._reserve(seq, seq.num_computed + n):
+                self.preempt(seq)  # it is the newest left: nothing younger to take blocks from
+                continue
+            out.append(Chunk(seq, seq.num_computed, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            chunk = self._admit(self.waiting[0], budget)
+            if chunk is None:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(chunk.seq)
+            out.append(chunk)
+            budget -= chunk.n
+        return out
+
+    def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
+        bs = self.pool.block_size
+        hashes = seq.prefix_hashes(bs, len(seq.token_ids) - 1)  # at least one token left to compute
+        hits = self.pool.match_prefix(hashes)
+        cached = len(hits) * bs
+        n = min(len(seq.token_ids) - cached, budget)
+        need = self._blocks_for(cached + n) - len(hits)
+        headroom = self.watermark if self.running else 0
+        if need + self.pool.num_reusable(hits) + headroom > self.pool.num_free:
+            return None
+        self.pool.record_lookup(len(hashes), len(hits))
+        self.pool.take(hits)
+        seq.block_ids = hits + self.pool.allocate(need)
+        seq.block_hashes = hashes[: len(hits)]
+        seq.num_computed = cached
+        if seq.num_cached is None:  # a preempted sequence readmitted keeps what its first admission found
+            seq.num_cached = cached
+        return Chunk(seq, cached, n)
+
+    def _reserve(self, seq: Sequence, n_tokens: int) -> bool:
+        need = self._blocks_for(n_tokens) - len(seq.block_ids)
+        while need > self.pool.num_free:
+            victim = self.running[-1]
+            if victim is seq:
+                return False
+            self.preempt(victim)
+        if need > 0:
+            seq.block_ids += self.pool.allocate(need)
+        return True
+
+    def advance(self, chunk: Chunk) -> None:
+        """The chunk's KV is computed: newly full blocks become reusable by other sequences."""
+        seq, bs = chunk.seq, self.pool.block_size
+        before = len(seq.block_hashes)
+        seq.num_computed += chunk.n
+        full = seq.num_computed // bs
+        if full > before:
+            seq.block_hashes = seq.prefix_hashes(bs, full * bs)
+            for i in range(before, full):
+                self.pool.register(seq.block_ids[i], seq.block_hashes[i])
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, seq: Sequence, token: int) -> FinishReason | None:
+        """The stop rules, after a step sampled `token` for `seq`: a stop token (EOS unless the request ignores it)
+        or max_tokens finishes it (its blocks go back to the pool)."""
+        seq.token_ids.append(token)
+        finish: FinishReason | None = ("stop" if token in seq.stop_token_ids
+                                       else "length" if seq.num_generated >= seq.params.max_tokens else None)
+        if finish is not None:
+            self.finish(seq)
+        return finish
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.pool.release(seq.block_ids)
+        seq.block_ids, seq.num_computed = [], 0
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self.running if s.cancelled.is_set()]:
+            self.finish(seq)
+            self.num_cancelled += 1
+        if any(s.cancelled.is_set() for s in self.waiting):
+            self.num_cancelled += sum(s.cancelled.is_set() for s in self.waiting)
+            self.waiting = deque(s for s in self.waiting if not s.cancelled.is_set())
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+
+__all__ = ["Chunk", "Scheduler"]

@@ -1,0 +1,131 @@
+"""One request inside the engine: the checks that turn a `GenerateRequest` into a `Sequence`, and the sequence's state
+(its tokens, where its KV lives, which prompt rows are image embeddings, when it stops). State only: the model
+runner reads it to build a step's inputs, the scheduler advances it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llm.engine.block_pool import block_hash
+from llm.engine.sampling import make_generator
+from llm.model.positions import linear_positions, mrope_positions
+from schemas import GenerateRequest, InvalidRequest, SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    token_ids: list[int]  # the prompt, then every generated token
+    prompt_len: int
+    prompt_positions: torch.Tensor  # (3, P) CPU: M-RoPE positions of the prompt
+    rope_delta: int  # a generated token at index i sits at position i + rope_delta
+    is_multimodal: torch.Tensor  # (P,) bool CPU: image placeholder positions of the prompt
+    image_embeds: torch.Tensor | None  # (num placeholders, D) on the model's device, in prompt order
+    image_spans: list[tuple[int, int, str]]  # per image: placeholder run [start, end) and its content key
+    params: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()  # the request's, and EOS unless it ignores EOS
+    generator: torch.Generator | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
+    num_computed: int = 0  # tokens whose KV is in the cache
+    num_cached: int | None = None  # prompt tokens found in the prefix cache when first admitted
+    output_counts: torch.Tensor | None = None  # (V,) generated-token counts, for penalties
+    arrived_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # first step with this sequence in it
+    last_token_at: float | None = None
+    _mm_rows: torch.Tensor = field(init=False)  # (P+1,) image rows before each prompt position
+
+    def __post_init__(self) -> None:
+        assert self.prompt_positions.shape == (3, self.prompt_len), self.prompt_positions.shape
+        self._mm_rows = torch.cat([torch.zeros(1, dtype=torch.long), self.is_multimodal.long().cumsum(0)])
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    def positions(self, a: int, b: int) -> torch.Tensor:
+        """(3, b - a) positions of tokens [a, b): the prompt's own, then cache index + rope delta."""
+        p = self.prompt_len
+        parts = []
+        if a < p:
+            parts.append(self.prompt_positions[:, a : min(b, p)])
+        if b > p:
+            parts.append((torch.arange(max(a, p), b) + self.rope_delta).expand(3, -1))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def image_rows(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For tokens [a, b): their placeholder mask (b - a,) and the image embedding rows that fill it, in order
+        (a chunk may cut an image: its rows follow the cut); None when no image token is among them."""
+        pa, pb = min(a, self.prompt_len), min(b, self.prompt_len)
+        r0, r1 = int(self._mm_rows[pa]), int(self._mm_rows[pb])
+        if r1 == r0:
+            return None
+        assert self.image_embeds is not None
+        mask = torch.zeros(b - a, dtype=torch.bool)
+        mask[: pb - pa] = self.is_multimodal[pa:pb]
+        return mask, self.image_embeds[r0:r1]
+
+    def _image_keys(self, a: int, b: int) -> list[str]:
+        return [f"{key}@{max(a, s) - s}" for s, e, key in self.image_spans if s < b and e > a]
+
+    def prefix_hashes(self, block_size: int, n_tokens: int) -> list[bytes]:
+        """Hashes of the full blocks among the first `n_tokens` tokens, chained from the start."""
+        hashes = list(self.block_hashes[: n_tokens // block_size])
+        parent = hashes[-1] if hashes else b""
+        for i in range(len(hashes), n_tokens // block_size):
+            a, b = i * block_size, (i + 1) * block_size
+            parent = block_hash(parent, self.token_ids[a:b], self._image_keys(a, b))
+            hashes.append(parent)
+        return hashes
+
+
+def make_sequence(inp: GenerateRequest, seq_id: int, *, max_model_len: int, image_token_id: int, merge_size: int,
+                  mrope: bool, device: torch.device, eos_token_ids: frozenset[int] = frozenset()) -> Sequence:
+    """The request's checks (context length, embedding rows against placeholders and grids), then its state."""
+    n_prompt, n_max = len(inp.prompt_token_ids), inp.sampling.max_tokens
+    if n_prompt == 0:
+        raise InvalidRequest("the prompt is empty")
+    if n_prompt + n_max > max_model_len:
+        raise InvalidRequest(f"{n_prompt} prompt tokens + max_tokens {n_max} exceed the context length of "
+                             f"{max_model_len}", param="max_tokens", code="context_length_exceeded")
+    ids = torch.tensor(inp.prompt_token_ids, dtype=torch.long)  # (P,)
+    is_mm = ids == image_token_id
+    counts = [int(e.shape[0]) for e in inp.image_embeds]  # tokens per image: its embedding rows
+    if mrope:  # M-RoPE positions follow the grid: the rows must too
+        for i, (grid, n) in enumerate(zip(inp.image_grid_thw, counts, strict=True)):
+            expected = grid[0] * grid[1] * grid[2] // merge_size**2
+            if n != expected:
+                raise ValueError(f"image {i}: {n} embedding rows for a grid of {expected} tokens")
+    n_mm = int(is_mm.sum())
+    if sum(counts) != n_mm:  # counted on the CPU ids
+        raise ValueError(f"{sum(counts)} image embeddings for {n_mm} placeholder tokens")
+    starts = is_mm.nonzero().flatten().tolist()
+    spans, k = [], 0
+    for i, n in enumerate(counts):
+        if starts[k + n - 1] != starts[k] + n - 1:
+            raise ValueError(f"the {n} placeholder tokens of image {i} are not one contiguous run")
+        # No key: a unique one, so that this prompt's image blocks never match another's.
+        key = inp.image_keys[i] if inp.image_keys else f"unshared-{inp.request_id}-{i}"
+        spans.append((starts[k], starts[k] + n, key))
+        k += n
+    # NOTE: after the checks above, which are the LLM side's one check of the images against the prompt
+    positions, rope_delta = (mrope_positions(ids, image_token_id, inp.image_grid_thw, merge_size) if mrope
+                             else linear_positions(ids))  # 1-D RoPE LMs (LLaVA's Llama)
+    image_embeds = torch.cat(inp.image_embeds) if inp.image_embeds else None
+    p = inp.sampling
+    stop_ids = p.stop_token_ids if p.ignore_eos else p.stop_token_ids | eos_token_ids
+    return Sequence(seq_id, inp.request_id, list(inp.prompt_token_ids), n_prompt, positions, rope_delta, is_mm,
+                    image_embeds, spans, p, stop_ids, make_generator(p, device))
+
+
+__all__ = ["Sequence", "make_sequence"]

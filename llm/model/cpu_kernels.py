@@ -1,0 +1,147 @@
+"""The engine's CPU kernels (llm/model/cpu_kernels.cpp), built at replica start: paged decode attention that reads the
+KV blocks in place, and one-op versions of what torch runs as several small ops per layer: the residual add fused
+into RMSNorm, and RoPE. Each rounds where the torch ops it replaces round (to the model's dtype between ops), so
+they compute the same thing; tests hold both paths to transformers. SiLU-mul stays torch's two ops: torch's
+vectorised exp beat a plain C++ loop (BENCHMARKS.md has what each kernel bought). A bfloat16 linear of a few rows
+(decode batches) goes to a kernel of ours too: on CPUs without AVX-512-BF16, ATen runs bfloat16 GEMMs in a scalar
+fallback; ours widens each weight to float32 in registers and feeds FMAs (AVX2 builds only).
+
+Attention: the eager path (llm/model/attention.py) gathers every decode row's blocks into a contiguous copy, then runs
+two batched matmuls. This kernel reads each key and value once, where it lies: one task per (sequence, KV head)
+on the calling thread's OpenMP team (at::parallel_for), the KV head's keys loaded once for its whole GQA group of
+query heads; scores, a float32 softmax and the weighted sum of values per task, nothing materialised but the
+scores. Keys past a row's context are never read. The idea is vLLM's and SGLang's CPU decode kernels (paged
+attention per sequence and head); the code is ours.
+
+The kernels are compiled with torch's cpp_extension (ninja, the machine's C++ compiler, -O3 -march=native) the
+first time a process asks for them; the build is cached under TORCH_EXTENSIONS_DIR, so later processes load it in
+about a second. Where they cannot be built (no compiler), `load()` says why once and returns None, and the layers
+keep torch's ops (and attention the gather).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+
+_lock = threading.Lock()
+# Kernel calls so far: the dispatcher does not see these calls, so op counts (tests, `make bench-kernels`) add them.
+calls = 0
+_module: object | None = None
+_tried = False
+
+
+def _cpu_key() -> str:
+    """A short hash of this CPU's instruction-set flags: a build with -march=native is cached per kind of CPU, so a
+    cache shared between machines (a home directory on NFS, an image) never hands one CPU another's build."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+@contextlib.contextmanager
+def _builder_lock(name: str):
+    """Hold an flock on the build directory while building, and remove a `lock` file that no one holds.
+
+    NOTE: torch's cpp_extension marks a build in progress with a plain `lock` file and waits, forever, while one
+    exists; a process killed mid-build (a replica restarted, a test run interrupted) leaves it behind, and every later
+    replica start hangs. An flock dies with its process: whoever holds it is the only builder alive, so a `lock` file
+    it finds is stale."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    with open(build_dir / "builder.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
+def load():
+    """The compiled module, or None where it cannot be built (said once in the log)."""
+    global _module, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            from torch.utils.cpp_extension import load as build
+
+            t0 = time.monotonic()
+            try:
+                flags = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
+                name = f"vlm_cpu_kernels_{_cpu_key()}"
+                with _builder_lock(name):
+                    _module = build(name, sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+                logger.info("CPU kernels ready in %.1f s", time.monotonic() - t0)
+            except Exception as e:  # no compiler, no ninja, no headers: torch's ops still work
+                logger.warning("CPU kernels could not be built (%s); the layers use torch's ops", e)
+    return _module
+
+
+def available() -> bool:
+    """Built in this process (by `load()`); never builds it."""
+    return _module is not None
+
+
+def on(x: torch.Tensor) -> bool:
+    """Whether x's ops go to these kernels: on CPU, once built, and not while torch.compile traces (it cannot see
+    into them: a compiled step uses torch's ops, which Inductor fuses itself)."""
+    return _module is not None and x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (T, D) += delta (in place, if given); returns RMSNorm(x) * weight."""
+    global calls
+    calls += 1
+    return _module.add_rms_norm(x, delta, weight, eps)
+
+
+def rope_(qkv: torch.Tensor, cis: torch.Tensor) -> None:
+    """Rotate the first cis.shape[1] heads of qkv (T, H, hd) in place; cis (T, n, hd/2, 2) float32 (cos, sin)."""
+    global calls
+    calls += 1
+    _module.rope_(qkv, cis)
+
+
+def paged_decode_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (B, nh, hd); kv_cache (2 * nkv, num_blocks, block_size, hd): keys then values; block_tables (B, W) int32;
+    context_lens (B,) int32, keys per row (>= 1) -> (B, nh, hd). `load()` must have returned the module."""
+    global calls
+    calls += 1
+    return _module.paged_decode(q, kv_cache, block_tables, context_lens, scale)
+
+
+# Rows up to which a bfloat16 linear goes to the kernel: decode batches (BENCHMARKS.md, the decode step); a prefill
+# chunk's GEMM keeps ATen's.
+MAX_LINEAR_ROWS = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x (T, K), weight (N, K), bias), by the bfloat16 kernel where it applies (AVX2 builds, T <=
+    MAX_LINEAR_ROWS, K a multiple of 8), else by torch."""
+    global calls
+    if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= MAX_LINEAR_ROWS and x.shape[1] % 8 == 0
+            and weight.dtype == torch.bfloat16 and weight.is_contiguous() and on(x) and hasattr(_module, "linear")):
+        calls += 1
+        return _module.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+__all__ = ["MAX_LINEAR_ROWS", "add_rms_norm", "available", "linear", "load", "on", "paged_decode_cpu", "rope_"]

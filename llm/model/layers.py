@@ -1,0 +1,153 @@
+"""The decoder's layers, written for few ops per layer in a decode step: fused q/k/v and gate/up projections, RoPE
+as one complex multiply in place, one KV write, a residual carried beside one-op RMSNorms.
+
+Same math as transformers' Qwen2 / Llama; the differences are in layout only:
+- q_proj, k_proj, v_proj are one `qkv_proj` (and gate_proj, up_proj one `gate_up_proj`), concatenated at load.
+- Within each q and k head the rows are interleaved at load ((0, hd/2), (1, hd/2 + 1), ...), so that RoPE's
+  rotate-half pairs are adjacent and the rotation is a complex multiply (the layout Meta's original Llama and
+  gpt-fast use). q and k are permuted alike, so every q.k, and so attention, is unchanged; the cache holds keys
+  in that order.
+- 1/sqrt(head_dim) is folded into the queries' rotation, so attention applies no scale of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llm.model import cpu_kernels
+from llm.model.attention import BatchMeta, paged_attention
+from llm.model.parallel import TPGroup
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of the residual stream x (T, D), after adding `delta` to x in place (the residual carried
+        into the norm: one op with the CPU kernels, two without)."""
+        if cpu_kernels.on(x):
+            return cpu_kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        if delta is not None:
+            x.add_(delta)
+        return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one op (float32 inside)
+
+
+def interleave_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows (or bias entries) of a q or k projection, per head: (0, hd/2), (1, hd/2 + 1), ... (see above)."""
+    half = head_dim // 2
+    perm = torch.stack([torch.arange(half), torch.arange(half) + half], -1).flatten()  # (hd,)
+    return w.view(-1, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
+
+
+class Rotary:
+    """RoPE as unit complex numbers, one table row per position (cos and sin of position * inv_freq in float32, as
+    transformers computes them), kept as real pairs (P, hd/2, 2). M-RoPE takes each frequency from its own axis."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, mrope_section: tuple[int, ...] | None,
+                 device: torch.device | str = "cpu"):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # (hd/2,)
+        angles = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq  # (P, hd/2)
+        self.table = torch.stack([angles.cos(), angles.sin()], -1).to(device)  # (P, hd/2, 2)
+        sections = mrope_section or (head_dim // 2,)
+        axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(sections)])  # (hd/2,) which axis
+        self.axis, self.freq = axis.to(device), torch.arange(head_dim // 2, device=device)
+        self.scale = head_dim**-0.5
+
+    def step(self, positions: torch.Tensor, nh: int, nkv: int) -> torch.Tensor:
+        """positions (3, T) -> (T, nh + nkv, hd/2, 2): the queries' rotations (scaled), then the keys'."""
+        cis = self.table[positions[self.axis].T, self.freq]  # (T, hd/2, 2): frequency i at its axis's position
+        T = cis.shape[0]
+        return torch.cat([(cis * self.scale)[:, None].expand(T, nh, -1, -1), cis[:, None].expand(T, nkv, -1, -1)], 1)
+
+    @staticmethod
+    def apply_(qkv: torch.Tensor, cis: torch.Tensor) -> None:
+        """Rotate the q and k heads of qkv (T, H, hd) in place by cis (T, nh + nkv, hd/2, 2)."""
+        n = cis.shape[1]
+        if cpu_kernels.on(qkv):
+            cpu_kernels.rope_(qkv, cis)
+        elif torch.compiler.is_compiling():  # Inductor generates no complex code: the same product in real pairs
+            x = qkv[:, :n].unflatten(-1, (-1, 2)).float()  # (T, n, hd/2, 2)
+            c, s = cis[..., 0], cis[..., 1]
+            out = torch.stack([x[..., 0] * c - x[..., 1] * s, x[..., 0] * s + x[..., 1] * c], -1)
+            qkv[:, :n] = out.flatten(-2).to(qkv.dtype)
+        elif qkv.dtype in (torch.float32, torch.float64):  # one complex multiply, in place
+            torch.view_as_complex(qkv.unflatten(-1, (-1, 2)))[:, :n].mul_(torch.view_as_complex(cis))
+        else:  # no complex bfloat16: rotate in float32 (as transformers' cos/sin are) and write back
+            qk = torch.view_as_complex(qkv[:, :n].float().unflatten(-1, (-1, 2))).mul_(torch.view_as_complex(cis))
+            qkv[:, :n] = torch.view_as_real(qk).flatten(-2)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose bfloat16 decode rows go to the CPU kernel (llm/cpu_kernels.py) where it is built."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """nn.Linear over this rank's slice of the input features: the ranks' partial products are summed (one
+    all-reduce), then the bias is added once. With one rank it is nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return cpu_kernels.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(cpu_kernels.linear(x, self.weight, None))  # (T, out)
+        return y if self.bias is None else y + self.bias
+
+
+class Attention(nn.Module):
+    """This rank's heads: nh / N query heads and nkv / N KV heads (whole GQA groups stay together)."""
+
+    def __init__(self, c, tp: TPGroup):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_heads // tp.world_size, c.num_kv_heads // tp.world_size, c.head_dim
+        self.qkv_proj = Linear(c.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=c.qkv_bias)
+        self.o_proj = RowParallelLinear(self.nh * self.hd, c.hidden_size, c.o_bias, tp)
+
+    def forward(self, x, cis, kv_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x).view(T, self.nh + 2 * self.nkv, self.hd)  # (T, nh + 2nkv, hd)
+        Rotary.apply_(qkv, cis)
+        out = paged_attention(qkv[:, : self.nh], qkv[:, self.nh :], kv_cache, meta, scale=1.0)  # (T, nh, hd)
+        return self.o_proj(out.reshape(T, self.nh * self.hd))  # (T, D)
+
+
+class MLP(nn.Module):
+    def __init__(self, c, tp: TPGroup):
+        super().__init__()
+        self.inter = c.intermediate_size // tp.world_size  # this rank's share of the MLP
+        self.gate_up_proj = Linear(c.hidden_size, 2 * self.inter, bias=c.mlp_bias)
+        self.down_proj = RowParallelLinear(self.inter, c.hidden_size, c.mlp_bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # (T, 2I)
+        return self.down_proj(F.silu(gate_up[:, : self.inter]).mul_(gate_up[:, self.inter :]))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c, tp: TPGroup):
+        super().__init__()
+        self.self_attn = Attention(c, tp)
+        self.mlp = MLP(c, tp)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, delta, cis, kv_cache, meta: BatchMeta) -> torch.Tensor:
+        """x (T, D) is the residual stream, summed in place (a fresh tensor of the forward); `delta` is the previous
+        layer's MLP output, not yet added (None before the first layer). Returns this layer's MLP output."""
+        attn = self.self_attn(self.input_layernorm(x, delta), cis, kv_cache, meta)
+        return self.mlp(self.post_attention_layernorm(x, attn))
+
+
+__all__ = ["Attention", "DecoderLayer", "MLP", "RMSNorm", "Rotary", "RowParallelLinear", "interleave_rope_rows"]

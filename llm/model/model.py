@@ -1,0 +1,187 @@
+"""A compact Qwen2 / Llama decoder (Qwen2-VL's and LLaVA's language models) over a flat (T, D) token layout.
+
+The module names match the checkpoint's (`layers.0.self_attn.o_proj`, ...), so weights load by name; q/k/v and
+gate/up are fused at load (llm/model/layers.py says how).
+With `mrope_section=None` the same code is a plain 1-D RoPE decoder; Llama differs from Qwen2 only in which
+projections have biases (Qwen2: q/k/v; Llama: `attention_bias` for q/k/v/o, `mlp_bias` for the MLP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig
+
+from llm.model.attention import BatchMeta
+from llm.model.kv_cache import KVCache
+from llm.model.layers import DecoderLayer, Linear, RMSNorm, Rotary, interleave_rope_rows
+from llm.model.parallel import TPGroup, check_divisible
+from schemas import load_components
+
+
+@dataclass(frozen=True, slots=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = True  # Qwen2's q/k/v projections have biases, its o_proj none
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.num_heads % self.num_kv_heads == 0, (self.num_heads, self.num_kv_heads)
+        if self.mrope_section is not None:
+            assert sum(self.mrope_section) == self.head_dim // 2, (self.mrope_section, self.head_dim)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> TextConfig:
+        return cls.from_hf(AutoConfig.from_pretrained(model_dir))
+
+    @classmethod
+    def from_hf(cls, config: Any) -> TextConfig:
+        """From the checkpoint's transformers config (the whole model's, or its text part's)."""
+        tc = getattr(config, "text_config", config)
+        if getattr(tc, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported")
+        if (act := getattr(tc, "hidden_act", "silu")) != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; only 'silu' (SwiGLU MLP) is")
+        rope = dict(tc.rope_parameters or {})
+        # NOTE: transformers 5 keeps Qwen2-VL's legacy `"type": "mrope"` next to `"rope_type": "default"`.
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in ("default", "mrope"):
+            raise ValueError(f"rope type {rope_type!r} is not supported; only plain RoPE ('default', or Qwen2-VL's "
+                             f"M-RoPE) is implemented")
+        mrope = rope.get("mrope_section")
+        # Llama-family configs say which projections have biases; Qwen2's have no such fields (q/k/v biased), nor do
+        # Mistral's (none biased).
+        is_qwen = str(getattr(tc, "model_type", "")).startswith("qwen2")
+        attention_bias = getattr(tc, "attention_bias", None)
+        if not is_qwen and getattr(tc, "sliding_window", None):  # Mistral's window; Qwen2's needs use_sliding_window
+            raise ValueError(f"sliding-window attention (window {tc.sliding_window}) is not supported")
+        return cls(
+            vocab_size=tc.vocab_size,
+            hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size,
+            num_layers=tc.num_hidden_layers,
+            num_heads=tc.num_attention_heads,
+            num_kv_heads=tc.num_key_value_heads or tc.num_attention_heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            rms_norm_eps=tc.rms_norm_eps,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            mrope_section=tuple(mrope) if mrope else None,
+            max_position_embeddings=tc.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=is_qwen if attention_bias is None else bool(attention_bias),
+            o_bias=bool(attention_bias),
+            mlp_bias=bool(getattr(tc, "mlp_bias", False)),
+        )
+
+
+class Qwen2LM(nn.Module):
+    """The decoder of any TextConfig: Qwen2 (Qwen2-VL) or Llama (LLaVA); the biases and RoPE follow the config.
+
+    With `tp` of N ranks it is one rank's shard (llm/model/parallel.py): its heads, its share of the MLP and of the
+    vocabulary in lm_head; only rank 0 has the embedding table."""
+
+    def __init__(self, c: TextConfig, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.config, self.tp = c, tp
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if tp.rank == 0 else None
+        self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = Linear(c.hidden_size, tp.rows(c.vocab_size), bias=False)
+        self.rotary: Rotary | None = None  # built on the model's device by from_pretrained
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        tp: TPGroup = TPGroup(), config: TextConfig | None = None) -> Qwen2LM:
+        """Reads only the language model, its embedding table and lm_head (never the vision weights); with `tp`,
+        only this rank's slices of them. `config`: when the caller has it (schemas.ModelSpec)."""
+        c = config or TextConfig.from_pretrained(model_dir)
+        check_divisible(c.num_heads, c.num_kv_heads, c.intermediate_size, tp.world_size)
+
+        def index(component: str, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+            if component == "lm_head":
+                return tp.index("lm_head.weight", shape)
+            if name == "embed_tokens.weight" and tp.rank > 0:  # only rank 0 embeds; a tied lm_head is a slice of it
+                return tp.index("lm_head.weight", shape) if c.tie_word_embeddings else None
+            return tp.index(name, shape)
+
+        parts = load_components(model_dir, {"text", "lm_head"}, index=index if tp.world_size > 1 else None)
+        state = dict(parts["text"])
+        lm_head = parts["lm_head"].get("weight")
+        if lm_head is None and not c.tie_word_embeddings:
+            raise ValueError(f"{model_dir}: no lm_head.weight and tie_word_embeddings is false")
+        if lm_head is None:  # tied: rank 0 holds the whole table and slices it; the others read only their slice
+            table = state["embed_tokens.weight"] if tp.rank == 0 else state.pop("embed_tokens.weight")
+            lm_head = table[tp.index("lm_head.weight", tuple(table.shape))] if tp.rank == 0 else table
+        rows = tp.rows(c.vocab_size)
+        state["lm_head.weight"] = F.pad(lm_head, (0, 0, 0, rows - lm_head.shape[0]))  # (V / N, D), the last padded
+        with torch.device("meta"):
+            model = cls(c, tp)
+        model.load_state_dict(fuse_projections(state, c.num_layers, c.head_dim), strict=True, assign=True)
+        model = model.to(device=device, dtype=dtype).eval()
+        model.rotary = Rotary(c.head_dim, c.rope_theta, c.max_position_embeddings, c.mrope_section, device)
+        return model
+
+    def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        c, p = self.config, self.lm_head.weight
+        nkv = c.num_kv_heads // self.tp.world_size  # this rank's KV heads
+        return KVCache.allocate(c.num_layers, num_blocks, block_size, nkv, c.head_dim, p.device, p.dtype)
+
+    def kv_bytes_per_token(self) -> int:
+        """Of this rank's shard: the cache budget is per device."""
+        c = self.config
+        nkv = c.num_kv_heads // self.tp.world_size
+        return KVCache.bytes_per_token(c.num_layers, nkv, c.head_dim, self.lm_head.weight.dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids.to(self.embed_tokens.weight.device))  # (T, D)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: BatchMeta) -> torch.Tensor:
+        """A flat batch of chunks: inputs_embeds (T, D), positions (3, T) -> final hidden states (T, D)."""
+        attn = self.layers[0].self_attn
+        cis = self.rotary.step(positions.to(self.lm_head.weight.device), attn.nh, attn.nkv)  # once per step
+        x, delta = inputs_embeds.clone(), None  # the residual stream, summed in place by the layers
+        for i, layer in enumerate(self.layers):
+            delta = layer(x, delta, cis, cache.kv[i], meta)
+        return self.norm(x, delta)
+
+    def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """Of the rows `rows` of hidden (all of them if None); one rank's: llm/model/parallel.py gathers them."""
+        assert self.tp.world_size == 1, "ParallelLM.logits gathers the vocabulary slices of the ranks"
+        return self.lm_head(hidden if rows is None else hidden[rows]).float()  # (B, V)
+
+
+def fuse_projections(state: dict[str, torch.Tensor], num_layers: int, head_dim: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's q/k/v and gate/up tensors (whole, or this rank's slices) as the fused qkv_proj and
+    gate_up_proj, q and k rows interleaved per head for the complex RoPE (llm/model/layers.py)."""
+    out = dict(state)
+    for i in range(num_layers):
+        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            if f"{a}q_proj.{kind}" in out:
+                q, k, v = (out.pop(f"{a}{n}_proj.{kind}") for n in "qkv")
+                out[f"{a}qkv_proj.{kind}"] = torch.cat([interleave_rope_rows(q, head_dim),
+                                                        interleave_rope_rows(k, head_dim), v])
+            if f"{m}gate_proj.{kind}" in out:
+                out[f"{m}gate_up_proj.{kind}"] = torch.cat([out.pop(f"{m}gate_proj.{kind}"),
+                                                            out.pop(f"{m}up_proj.{kind}")])
+    return out
+
+
+__all__ = ["Qwen2LM", "TextConfig", "fuse_projections"]

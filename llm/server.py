@@ -1,0 +1,219 @@
+"""LLM deployment: token ids + ObjectRefs of image embeddings in, a stream of TokenChunks out."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import ray
+import torch
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.exceptions import (ActorUnavailableError, NodeDiedError, ObjectLostError, RayActorError,
+                            TaskCancelledError, WorkerCrashedError)
+
+from deployments.ingress.router import PrefixAffinityRouter
+from encoders import EmbeddingLRU, EncoderRunner
+from llm import Engine, EngineConfig, Qwen2LM, TextConfig, num_kv_blocks
+from llm.channel import Outbox
+from llm.model.parallel import ParallelLM, TPGroup, init_process_group
+from llm.tp import COLLECTIVE_TIMEOUT_S, Ranks
+from schemas import (AppArgs, Batch, ChannelOpen, EncoderUnavailable, GenerateRequest, InvalidRequest, ModelSpec,
+                     Routed, TokenChunk, observe, root_cause, this_replica)
+from schemas.metrics import EncoderMetrics, LLMMetrics
+
+logger = logging.getLogger("ray.serve")
+# Errors that mean "the encoder replica (or its node) went away", not "this image is bad".
+_REPLICA_GONE = (RayActorError, ActorUnavailableError, WorkerCrashedError, ObjectLostError, NodeDiedError,
+                 TaskCancelledError)
+
+
+def _bad_image(index: int, e: InvalidRequest) -> InvalidRequest:
+    """An image the encoder could not read is the client's error; say which one."""
+    return InvalidRequest(f"image {index}: {e.message}", param="messages")
+
+
+def reserved_cpus() -> int:
+    """The CPUs Ray reserved for this replica (its `num_cpus`), at least one: Ray's own rule for OMP_NUM_THREADS.
+
+    NOTE: the engine's threads spin between ops; more of them than the replica reserved take cores from the
+    encoders and the ingress on the same node (on 2 cores, 2 engine threads made the served app 40% slower).
+    """
+    try:
+        return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+    except Exception:  # not in a Ray worker
+        return max(1, os.cpu_count() or 1)
+
+
+# NOTE: the router is set here, not in serve_config.yaml: `serve deploy` imports a class path named in the YAML on
+# the client, where `deployments` is not importable; the YAML can still override its kwargs.
+@serve.deployment(name="LLM", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=256,
+                  request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter))
+class LLM:
+    def __init__(self, args: dict[str, Any], model_factory: Callable[..., Qwen2LM] | None = None):
+        self.args = AppArgs.model_validate(args)
+        self.spec = spec = ModelSpec.from_args(self.args)  # the checkpoint's facts, read once in this replica
+        device, dtype = spec.device, spec.dtype
+        llm_args = self.args.llm
+        cpu_threads = cpu_threads_max = None
+        if device == "cpu":  # NOTE: one thread process-wide; the cores go to the engine's worker (engine/threads.py)
+            cpu_threads = llm_args.cpu_threads or reserved_cpus()
+            if llm_args.cpu_threads is None:  # from the reserved CPUs up to all of the node's while they are idle
+                cpu_threads_max = len(os.sched_getaffinity(0))
+            torch.set_num_threads(1)
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device is cuda but this LLM replica has no GPU: set its ray_actor_options num_gpus: 1")
+        self.ranks: Ranks | None = None
+        if (tp := llm_args.tensor_parallel_size) > 1:
+            model = self._start_ranks(tp, device, dtype)
+        elif model_factory is not None:
+            model = model_factory(self.args.model, device=device, dtype=dtype)
+        else:
+            model = Qwen2LM.from_pretrained(self.args.model, device=device, dtype=dtype,
+                                            config=TextConfig.from_hf(spec.hf_config))
+        max_model_len = spec.max_model_len
+        num_blocks = num_kv_blocks(
+            model.kv_bytes_per_token(), block_size=llm_args.block_size, max_model_len=max_model_len,
+            device=torch.device(device), kv_cache_tokens=llm_args.kv_cache_tokens,
+            gpu_memory_utilization=llm_args.gpu_memory_utilization, cpu_kv_cache_gib=llm_args.cpu_kv_cache_gib)
+        engine_config = EngineConfig(
+            max_model_len=max_model_len, num_blocks=num_blocks, block_size=llm_args.block_size,
+            max_num_seqs=llm_args.max_num_seqs, max_num_batched_tokens=llm_args.max_num_batched_tokens,
+            max_queued=llm_args.max_queued_requests, enable_prefix_caching=llm_args.enable_prefix_caching,
+            stream_interval_s=llm_args.stream_interval_ms / 1000, cpu_threads=cpu_threads,
+            cpu_threads_max=cpu_threads_max, cuda_graphs=llm_args.cuda_graphs)
+        self.engine = Engine(model, engine_config, image_token_id=spec.image_tokens.placeholder_id,
+                             merge_size=spec.merge_size, eos_token_ids=spec.eos_token_ids)
+        self.metrics = LLMMetrics(self.engine.stats, self.engine.drain_timings)
+        self.replica_id = this_replica() if llm_args.token_channel else None  # None: own streams only, no channels
+        self.channels: dict[str, Outbox] = {}  # ingress id -> its open channel here (deployments/ingress/channel.py)
+        # Messages sent back to ingress replicas: chunks on generations' own streams, and channel messages
+        self.sent = {"stream_messages": 0, "channel_messages": 0, "channel_generations": 0, "channels_opened": 0}
+        self._metrics_task: asyncio.Task | None = None
+        self.vision = self.vision_cache = None
+        if self.args.encoder.colocated:  # the encoder lives here, sharing this replica's device with the engine
+            self.vision = EncoderRunner(spec, self.args.encoder, on_batch=EncoderMetrics().on_batch)
+            self.vision_cache = EmbeddingLRU(int(self.args.encoder.cache_gib * (1 << 30)))
+        logger.info("llm ready: %s on %s (%s, %s engine threads, %d tensor-parallel ranks), context %d, KV cache %d "
+                    "tokens (%.2f GiB per rank)%s", self.args.model, device, dtype,
+                    f"{cpu_threads}-{cpu_threads_max}" if cpu_threads_max else cpu_threads or "default",
+                    llm_args.tensor_parallel_size, max_model_len, num_blocks * llm_args.block_size,
+                    self.engine.runner.cache.nbytes / (1 << 30), ", encoder colocated" if self.vision else "")
+
+    def _start_ranks(self, world_size: int, device: str, dtype: torch.dtype) -> ParallelLM:
+        """This replica is rank 0 of `world_size`; the others are actors in its placement group (llm/tp.py)."""
+        group, shard = TPGroup(0, world_size), []
+
+        def join(init_method: str) -> None:
+            init_process_group(0, world_size, init_method, torch.device(device, 0) if device == "cuda"
+                               else torch.device("cpu"), COLLECTIVE_TIMEOUT_S)
+            shard.append(Qwen2LM.from_pretrained(self.args.model, device=device, dtype=dtype, tp=group,
+                                                 config=TextConfig.from_hf(self.spec.hf_config)))
+
+        self.ranks = Ranks(world_size, device)
+        self.ranks.start(self.args.model, device, str(dtype).removeprefix("torch."), self.args.llm.cpu_threads, join)
+        return ParallelLM(shard[0])
+
+    def check_health(self) -> None:
+        """Serve restarts a replica whose engine stopped or whose tensor-parallel rank ended."""
+        if self.engine.dead is not None:
+            raise RuntimeError(f"the engine stopped: {self.engine.dead}")
+        if self.ranks is not None:
+            self.ranks.check()
+
+    async def _fetch_embeds(self, refs: list[Any]) -> list[torch.Tensor]:
+        for ref in refs:  # invariant: the ingress passes references, never embeddings
+            if not isinstance(ref, ray.ObjectRef):
+                raise TypeError(f"image embeddings must arrive as ObjectRefs, got {type(ref).__name__}")
+        tasks = [asyncio.ensure_future(ref) for ref in refs]
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=self.args.encoder.timeout_s) if tasks else (set(), set())
+        finally:  # also when this generation is cancelled: no task left to fail unobserved
+            for task in tasks:
+                task.cancel()
+                task.add_done_callback(observe)
+        lost = [i for i, t in enumerate(tasks) if t in pending]
+        for i, task in enumerate(tasks):
+            if task in done and task.exception() is not None:
+                cause = root_cause(task.exception())
+                if isinstance(cause, InvalidRequest):
+                    raise _bad_image(i, cause) from None
+                if not isinstance(cause, _REPLICA_GONE):
+                    raise task.exception()
+                lost.append(i)
+        if lost:  # the ingress retries these images once on another encoder replica
+            raise EncoderUnavailable(f"no embeddings for images {sorted(lost)}", sorted(lost))
+        return [t.result() for t in tasks]
+
+    async def _encode_here(self, images: list[bytes], keys: list[str]) -> list[torch.Tensor]:
+        """Colocated mode: encode the request's images in this replica (a local cache stands in for the shared one)."""
+        assert self.vision is not None and self.vision_cache is not None, "images as bytes need encoder.colocated"
+
+        async def one(i: int, data: bytes) -> torch.Tensor:
+            key = keys[i] if keys else None
+            if key is not None and (hit := self.vision_cache.get(key)) is not None:
+                return hit
+            try:
+                embeds = await self.vision.encode(data)
+            except InvalidRequest as e:
+                raise _bad_image(i, e) from None
+            if key is not None:
+                self.vision_cache.put(key, embeds)
+            return embeds
+
+        return list(await asyncio.gather(*(one(i, data) for i, data in enumerate(images))))
+
+    async def stats(self) -> dict[str, float]:
+        return {**self.engine.stats(), **self.sent, "channels_open": len(self.channels)}
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Routed]:
+        """The chunks of one generation; with `request.channel` a `Routed` first, and the chunks through that
+        ingress's channel when it has one open here (deployments/ingress/channel.py)."""
+        if self._metrics_task is None:  # started on the replica's event loop, which __init__ may not run on
+            self._metrics_task = asyncio.create_task(self.metrics.run())
+        if request.images:
+            embeds = await self._encode_here(request.images, request.image_keys)
+        else:
+            embeds = await self._fetch_embeds(request.image_embeds)
+        inp = dataclasses.replace(request, image_embeds=embeds, images=[])  # what the engine takes: the tensors
+        box = self.channels.get(request.channel) if request.channel and self.replica_id else None
+        if box is None:
+            if request.channel and self.replica_id:
+                yield Routed(self.replica_id, via_channel=False)
+            async for chunk in self.engine.generate(inp):
+                self.sent["stream_messages"] += 1
+                yield chunk
+            return
+        done, sink = box.attach(request.request_id)  # attached before any await: the channel cannot close between
+        try:
+            seq = self.engine.submit(inp, sink)
+        except BaseException:
+            box.detach(request.request_id)
+            raise
+        self.sent["channel_generations"] += 1
+        try:
+            yield Routed(self.replica_id, via_channel=True)
+            await done  # the chunks go out through the channel; this call ends when the last one has
+        finally:
+            box.detach(request.request_id)
+            self.engine.cancel(seq)
+
+    async def channel(self, req: ChannelOpen) -> AsyncIterator[Batch]:
+        """One ingress's token channel: each step's chunks of all its generations here, as one message."""
+        if req.replica_id != self.replica_id:
+            raise RuntimeError(f"a channel for LLM replica {req.replica_id} reached {self.replica_id}")
+        llm_args = self.args.llm
+        box = Outbox(self.replica_id, llm_args.stream_interval_ms / 1000, llm_args.token_channel_idle_s)
+        self.channels[req.ingress_id] = box
+        self.sent["channels_opened"] += 1
+        try:
+            async for batch in box.stream():
+                self.sent["channel_messages"] += 1
+                yield batch
+        finally:
+            if self.channels.get(req.ingress_id) is box:
+                del self.channels[req.ingress_id]

@@ -1,0 +1,77 @@
+"""What a process knows about the checkpoint it serves, worked out once: `ModelSpec.load` reads the transformers
+config (and the generation config and the image preprocessing config) a single time; everything else receives it.
+
+The app builder builds one (so a bad checkpoint or setting fails at deploy time), and so does each replica when it
+starts: the ingress, each encoder and each LLM replica (`device` and `dtype` resolve in the process that serves)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+from schemas.config import AppArgs, resolve_device, resolve_dtype, resolve_max_model_len
+
+if TYPE_CHECKING:
+    from encoders.family import Family, ImageProcessing, ImageTokens
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    model_dir: str
+    hf_config: Any  # the checkpoint's transformers config (text_config, vision_config, token ids)
+    family: Family  # the encoders' registry entry: preprocessing, encoder, image token ids
+    image_tokens: ImageTokens  # the placeholder id of an image's run, its markers, the ids a prompt may not carry
+    processing: ImageProcessing  # an image's size -> its tokens (merge_size, max_image_tokens)
+    max_model_len: int  # the context: admission at the ingress, the KV cache at the LLM
+    eos_token_ids: frozenset[int]
+    device: str  # "cpu" or "cuda", resolved in this process
+    dtype: torch.dtype
+
+    @property
+    def text_config(self) -> Any:
+        return getattr(self.hf_config, "text_config", self.hf_config)
+
+    @property
+    def merge_size(self) -> int:
+        return self.processing.merge_size
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, family: str | None = None, max_model_len: int | None = None,
+             device: str = "auto", dtype: str = "auto") -> ModelSpec:
+        """An unsupported checkpoint, or a `max_model_len` over the checkpoint's positions, raises `ValueError`."""
+        # NOTE: imported here: the registry imports every family's modules, and the encoders import schemas.
+        from encoders.registry import family_of
+
+        fam = family_of(model_dir, family)  # first: an unsupported model_type fails here, listing the families
+        if family is None:
+            config = AutoConfig.from_pretrained(model_dir)
+        else:  # the checkpoint is that family's under another model_type: read its config as that family's
+            config_dict, _ = PretrainedConfig.get_config_dict(model_dir)
+            config = AutoConfig.for_model(family, **{k: v for k, v in config_dict.items() if k != "model_type"})
+        text = getattr(config, "text_config", config)
+        dev = resolve_device(device, torch.cuda.is_available())
+        return cls(str(model_dir), config, fam, fam.image_tokens(config),
+                   fam.processing.from_pretrained(model_dir, config),
+                   resolve_max_model_len(max_model_len, text.max_position_embeddings),
+                   frozenset(eos_token_ids(model_dir, config)), dev, getattr(torch, resolve_dtype(dtype, dev)))
+
+    @classmethod
+    def from_args(cls, args: AppArgs) -> ModelSpec:
+        return cls.load(args.model, family=args.family, max_model_len=args.llm.max_model_len, device=args.device,
+                        dtype=args.dtype)
+
+
+def eos_token_ids(model_dir: str | Path, config: Any) -> set[int]:
+    """generation_config.json's EOS ids (what transformers' generate stops on), else the config's."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = getattr(getattr(config, "text_config", config), "eos_token_id", None)
+    return set([eos] if isinstance(eos, int) else eos or [])
+
+
+__all__ = ["ModelSpec", "eos_token_ids"]

@@ -1,0 +1,132 @@
+"""Streaming detokenization keeps multi-byte characters whole; stop strings cut across chunk boundaries."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deployments.ingress.detokenize import IncrementalDetokenizer, StopMatcher
+from deployments.ingress.detokenize import decoder
+from deployments.ingress.prompt import load_tokenizer
+
+TEXTS = ["Hello, world!", "你好，世界", "emoji 🙂👍🏽 and (12,34)", "mixed ünïcödé ✓ text\nwith lines"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_incremental_equals_full_decode(checkpoint, text, step):
+    tokenizer = load_tokenizer(checkpoint)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add(ids[i : i + step]) for i in range(0, len(ids), step)] + [detok.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)  # never a half character on the wire
+
+
+def test_special_tokens_are_not_text(checkpoint):
+    tokenizer = load_tokenizer(checkpoint)
+    ids = tokenizer.encode("hi", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.add(ids) + detok.flush() == "hi"
+
+
+@pytest.mark.parametrize(
+    ("chunks", "stops", "expected"),
+    [
+        (["Hello wor", "ld, stop here"], ["world"], "Hello "),
+        (["ab", "c", "STO", "P", "tail"], ["STOP"], "abc"),
+        (["no stop in ", "this text"], ["zzz"], "no stop in this text"),
+        (["two ", "stops: B then A"], ["A", "B"], "two stops: "),
+        (["x"], [], "x"),
+    ],
+)
+def test_stop_matcher(chunks, stops, expected):
+    m = StopMatcher(stops)
+    out = "".join(m.feed(c) for c in chunks) + m.flush()
+    assert out == expected
+    assert m.stopped == (expected != "".join(chunks))
+
+
+class _Reference:
+    """IncrementalDetokenizer as it was: both windows through tokenizer.decode on every chunk."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def _decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, ids):
+        self.ids += ids
+        prefix_text, new_text = self._decode(self.ids[self.prefix : self.read]), self._decode(self.ids[self.prefix :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return new_text[len(prefix_text) :]
+        return ""
+
+    def flush(self):
+        prefix_text, new_text = self._decode(self.ids[self.prefix : self.read]), self._decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return new_text[len(prefix_text) :]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_ids_in_random_chunks_give_the_same_pieces_as_before(checkpoint, seed):
+    """Any ids (special tokens, bytes that are no UTF-8), chunked anyhow: the same pieces as the decode-everything
+    version, in the same chunks."""
+    tokenizer, rng = load_tokenizer(checkpoint), random.Random(seed)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(300)]
+    new, old = IncrementalDetokenizer(tokenizer), _Reference(tokenizer)
+    at = 0
+    while at < len(ids):
+        step = rng.choice([1, 1, 1, 2, 5])
+        assert new.add(ids[at : at + step]) == old.add(ids[at : at + step])
+        at += step
+    assert new.flush() == old.flush()
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decoder_is_the_tokenizers_decode(checkpoint, skip_special_tokens):
+    tokenizer, rng = load_tokenizer(checkpoint), random.Random(0)
+    decode = decoder(tokenizer, skip_special_tokens)
+    for n in (0, 1, 2, 7, 40):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(n)]
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                               clean_up_tokenization_spaces=False)
+
+
+def test_without_stop_strings_the_text_passes_straight_through():
+    m = StopMatcher([])
+    assert [m.feed(t) for t in ["a", "", "bc"]] == ["a", "", "bc"] and m.flush() == "" and not m.stopped
+
+
+def _old_stop_matcher(stops: list[str], chunks: list[str]) -> list[str]:
+    """StopMatcher as it was (a find per stop string), fed `chunks` and flushed: what it sent each time."""
+    hold, buffer, stopped, out = max((len(s) for s in stops), default=1) - 1, "", False, []
+    for text in chunks:
+        if stopped:
+            out.append("")
+            continue
+        buffer += text
+        hits = [i for i in (buffer.find(s) for s in stops) if i >= 0]
+        if hits:
+            out.append(buffer[: min(hits)])
+            buffer, stopped = "", True
+        else:
+            cut = max(len(buffer) - hold, 0)
+            out.append(buffer[:cut])
+            buffer = buffer[cut:]
+    return out + ["" if stopped else buffer]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stop_matcher_sends_what_it_sent_before(seed):
+    """Random texts over a small alphabet (so that stops hit, overlap and span chunks), random stops, any chunks."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice("ab c.") for _ in range(rng.randrange(0, 60)))
+    stops = ["".join(rng.choice("ab c.") for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(0, 4))]
+    cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randrange(1, 12))))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    m = StopMatcher(stops)
+    assert [m.feed(c) for c in chunks] + [m.flush()] == _old_stop_matcher(stops, chunks)

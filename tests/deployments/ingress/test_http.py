@@ -1,0 +1,49 @@
+"""HTTP helpers of the ingress: the body is read within its limit, and a client that leaves mid-body is not our
+fault (no 500, no error log)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from ray.exceptions import TaskCancelledError
+from starlette.requests import Request
+
+from deployments.ingress.http import error_body, read_json
+from schemas import InvalidRequest
+
+
+def _request(chunks: list[bytes | str | BaseException], content_length: int | None = None) -> Request:
+    headers = [(b"content-length", str(content_length).encode())] if content_length is not None else []
+
+    async def receive():
+        item = chunks.pop(0)
+        if isinstance(item, BaseException):  # what Ray Serve raises when the proxy cancels the request
+            raise item
+        if isinstance(item, str):  # an ASGI message such as http.disconnect
+            return {"type": item}
+        return {"type": "http.request", "body": item, "more_body": bool(chunks)}
+
+    return Request({"type": "http", "method": "POST", "headers": headers}, receive)
+
+
+def test_body_is_read_and_parsed():
+    assert asyncio.run(read_json(_request([b'{"a": ', b"1}"]), 100)) == {"a": 1}
+
+
+@pytest.mark.parametrize("declared", [None, 10])
+def test_body_over_the_limit_is_413_whatever_content_length_says(declared):
+    with pytest.raises(InvalidRequest) as e:
+        asyncio.run(read_json(_request([b"x" * 60, b"x" * 60], declared), 100))
+    assert e.value.status == 413
+
+
+@pytest.mark.parametrize("leaving", ["http.disconnect", TaskCancelledError()])
+def test_a_client_that_leaves_mid_body_is_499_and_not_logged_as_ours(caplog, leaving):
+    with pytest.raises(InvalidRequest) as e:
+        asyncio.run(read_json(_request([b'{"messages": [', leaving], 100000), 1 << 20))
+    assert (e.value.status, e.value.code) == (499, "client_closed")
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        status, _, body = error_body(e.value, "chatcmpl-x")
+    assert status == 499 and body.error.code == "client_closed" and not caplog.records

@@ -1,0 +1,106 @@
+"""Request -> prompt at the ingress: the context-overflow policy drops whole turns (and their images), never part of
+one, and says what did not fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.ingress.prepare import Preparer
+from schemas import AppArgs, InvalidRequest
+from schemas.openai import ChatCompletionRequest
+from tests.helpers import data_url, make_image
+
+CONTEXT = 160
+
+
+@pytest.fixture(scope="module")
+def prep(checkpoint) -> Preparer:
+    return Preparer(AppArgs(model=str(checkpoint), llm={"max_model_len": CONTEXT}))
+
+
+def _image(seed: int, width: int = 112) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(make_image(width, 56, seed=seed))}}
+
+
+def _conversation(turns: int) -> list[dict]:
+    """A system message, then `turns` user turns (each with an image and ~20 words) and assistant answers."""
+    messages = [{"role": "system", "content": "You look at pictures."}]
+    for t in range(turns):
+        messages.append({"role": "user", "content": [_image(t), {"type": "text", "text": f"turn {t} " + "w " * 20}]})
+        messages.append({"role": "assistant", "content": f"answer {t} " + "a " * 10})
+    messages.append({"role": "user", "content": [_image(99), {"type": "text", "text": "and this one?"}]})
+    return messages
+
+
+def _prepare(prep: Preparer, messages: list[dict], **fields):
+    req = ChatCompletionRequest(messages=messages, **fields)
+    prep.check(req)
+    return prep.prepare(req, {})
+
+
+def test_a_prompt_that_fits_is_left_whole(prep):
+    p = _prepare(prep, _conversation(1), context_overflow="drop_oldest_turns", max_tokens=8)
+    assert p.dropped_messages == 0 and len(p.images) == 2
+
+
+def test_error_policy_states_the_numbers(prep):
+    with pytest.raises(InvalidRequest) as e:
+        _prepare(prep, _conversation(6), max_tokens=8)
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded" and e.value.param == "messages"
+    assert "prompt tokens + max_tokens 8 exceed the context length of 160" in e.value.message
+
+
+def test_drop_oldest_turns_keeps_system_and_whole_newest_turns(prep):
+    messages = _conversation(6)
+    p = _prepare(prep, messages, context_overflow="drop_oldest_turns", max_tokens=8)
+    assert p.dropped_messages > 0 and p.dropped_messages % 2 == 0  # whole user + assistant turns
+    kept = messages[:1] + messages[1 + p.dropped_messages:]
+    # The same prompt as a request that never had the dropped turns: nothing cut inside a turn or an image run.
+    alone = _prepare(prep, kept, max_tokens=8)
+    assert p.prompt == alone.prompt and p.image_keys == alone.image_keys and p.grids == alone.grids
+    assert len(p.prompt) + 8 <= CONTEXT
+    text = prep.tokenizer.decode(p.prompt)
+    assert "You look at pictures." in text and "and this one?" in text
+    # Minimal: keeping one more turn would not have fitted.
+    one_more = messages[:1] + messages[1 + p.dropped_messages - 2:]
+    with pytest.raises(InvalidRequest):
+        _prepare(prep, one_more, max_tokens=8)
+
+
+def test_dropped_images_go_with_their_turns(prep):
+    messages = _conversation(6)
+    p = _prepare(prep, messages, context_overflow="drop_oldest_turns", max_tokens=8)
+    kept_images = (len(messages) - 1 - p.dropped_messages) // 2 + 1
+    assert len(p.images) == len(p.image_keys) == len(p.grids) == kept_images
+    image_token_id = prep.image_token_id
+    expected = sum(t * h * w // 4 for t, h, w in p.grids)
+    assert sum(1 for t in p.prompt if t == image_token_id) == expected
+
+
+def test_a_last_turn_over_the_context_is_still_an_error(prep):
+    messages = [{"role": "user", "content": "old"}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "word " * 300}]
+    with pytest.raises(InvalidRequest) as e:
+        _prepare(prep, messages, context_overflow="drop_oldest_turns")
+    assert "(after dropping the 2 oldest messages)" in e.value.message and "context length of 160" in e.value.message
+
+
+def test_server_default_policy_applies_when_the_request_names_none(checkpoint):
+    prep = Preparer(AppArgs(model=str(checkpoint), llm={"max_model_len": CONTEXT},
+                            limits={"context_overflow": "drop_oldest_turns"}))
+    assert _prepare(prep, _conversation(6), max_tokens=8).dropped_messages > 0
+    with pytest.raises(InvalidRequest):  # the request's own choice wins
+        _prepare(prep, _conversation(6), max_tokens=8, context_overflow="error")
+
+
+def test_every_turn_of_a_conversation_has_its_first_turns_routing_key(prep):
+    conversation = _conversation(1)  # system, user, assistant, user
+    turns = [_prepare(prep, conversation[:n], max_tokens=8) for n in (2, 4)]
+    assert turns[0].routing_key == turns[1].routing_key
+    # The system message and the first user turn, images included, make the key; nothing later does.
+    first = conversation[:2]
+    other_text = [first[0], {"role": "user", "content": [first[1]["content"][0], {"type": "text", "text": "hi"}]}]
+    other_image = [first[0], {"role": "user", "content": [_image(5), first[1]["content"][1]]}]
+    other_system = [{"role": "system", "content": "You read."}, first[1]]
+    keys = {_prepare(prep, m, max_tokens=8).routing_key for m in (other_text, other_image, other_system)}
+    assert len(keys) == 3 and turns[0].routing_key not in keys

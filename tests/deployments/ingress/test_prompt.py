@@ -1,0 +1,63 @@
+"""Prompt ids: the checkpoint's chat template, one contiguous placeholder run per image, no injected slots."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.ingress.prompt import build_prompt, load_tokenizer
+from schemas import InvalidRequest
+from schemas.openai import ChatCompletionRequest
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+def _messages(*content):
+    return ChatCompletionRequest(messages=[{"role": "user", "content": list(content)}]).messages
+
+
+def test_expands_each_image_to_its_count(checkpoint, reference):
+    tokenizer = load_tokenizer(checkpoint)
+    pad, start, end = (reference.config.image_token_id, reference.config.vision_start_token_id,
+                       reference.config.vision_end_token_id)
+    ids = build_prompt(tokenizer, _messages(IMAGE, {"type": "text", "text": "and"}, IMAGE), pad, [6, 2])
+    assert ids.count(pad) == 8
+    first = ids.index(pad)
+    assert ids[first - 1] == start and ids[first : first + 6] == [pad] * 6 and ids[first + 6] == end
+    second = ids.index(pad, first + 6)
+    assert ids[second - 1] == start and ids[second : second + 2] == [pad] * 2 and ids[second + 2] == end
+    # The rest is exactly the template's rendering.
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}],
+        tokenize=False, add_generation_prompt=True)
+    assert [t for t in ids if t != pad] == [t for t in tokenizer.encode(text, add_special_tokens=False) if t != pad]
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_typed_placeholder_token_is_rejected(checkpoint, reference):
+    tokenizer = load_tokenizer(checkpoint)
+    with pytest.raises(InvalidRequest, match=r"2 '<\|image_pad\|>' tokens for 1 images"):
+        build_prompt(tokenizer, _messages(IMAGE, {"type": "text", "text": "look <|image_pad|>"}),
+                     reference.config.image_token_id, [4])
+
+
+@pytest.mark.parametrize("typed", ["<|vision_start|>", "<|vision_end|>", "<|video_pad|>"])
+def test_typed_markers_are_rejected(checkpoint, reference, typed):
+    cfg, tokenizer = reference.config, load_tokenizer(checkpoint)
+    messages = _messages(IMAGE, {"type": "text", "text": f"look {typed}"})
+    build_prompt(tokenizer, messages, cfg.image_token_id, [4])  # without the rule: accepted
+    with pytest.raises(InvalidRequest, match="text must not contain that reserved token"):
+        build_prompt(tokenizer, messages, cfg.image_token_id, [4], [cfg.vision_start_token_id, cfg.vision_end_token_id],
+                     [cfg.video_token_id])
+
+
+def test_string_content_and_roles(checkpoint, reference):
+    tokenizer = load_tokenizer(checkpoint)
+    messages = ChatCompletionRequest(messages=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "again"},
+    ]).messages
+    text = tokenizer.decode(build_prompt(tokenizer, messages, reference.config.image_token_id, []))
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert "<|im_start|>assistant\nhello<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")

@@ -1,0 +1,67 @@
+"""Facts load once: each process reads the checkpoint's transformers config a single time (schemas/model_spec.py),
+and the spec holds what the ingress and the LLM must agree on."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from transformers import AutoConfig, GenerationConfig
+
+from deployments.ingress import Ingress
+from encoders.server import Encoder
+from llm.server import LLM
+from schemas import ModelSpec
+
+
+@pytest.fixture
+def config_loads(monkeypatch):
+    """How many times the transformers config (config.json) and the generation config are read."""
+    counts = {"config": 0, "generation": 0}
+    config_load, generation_load = AutoConfig.from_pretrained, GenerationConfig.from_pretrained
+
+    def config(*args, **kwargs):
+        counts["config"] += 1
+        return config_load(*args, **kwargs)
+
+    def generation(*args, **kwargs):
+        counts["generation"] += 1
+        return generation_load(*args, **kwargs)
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", config)
+    monkeypatch.setattr(GenerationConfig, "from_pretrained", generation)
+    return counts
+
+
+def test_the_spec_holds_the_checkpoints_facts(checkpoint, reference):
+    spec = ModelSpec.load(checkpoint, max_model_len=256, device="cpu", dtype="auto")
+    cfg = reference.config
+    assert spec.image_tokens.placeholder_id == cfg.image_token_id
+    assert spec.image_tokens.per_image_ids == (cfg.vision_start_token_id, cfg.vision_end_token_id)
+    assert spec.merge_size == cfg.vision_config.spatial_merge_size
+    assert spec.max_model_len == 256 and spec.device == "cpu" and str(spec.dtype) == "torch.float32"
+    assert spec.text_config.hidden_size == cfg.text_config.hidden_size
+    with pytest.raises(ValueError, match="exceeds the checkpoint's"):
+        ModelSpec.load(checkpoint, max_model_len=1 << 30)
+
+
+@pytest.fixture
+def no_ray_left():
+    """The replicas' classes built here, outside Serve, may start a local Ray (their metrics): stop it again, so
+    that the served tests of this session start theirs."""
+    was_up = ray.is_initialized()
+    yield
+    if not was_up and ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("replica", ["ingress", "encoder", "llm", "llm colocated"])
+def test_each_replica_reads_the_config_once(checkpoint, config_loads, no_ray_left, replica):
+    args = {"model": str(checkpoint), "encoder": {"startup_check": False, "colocated": replica == "llm colocated"}}
+    if replica == "ingress":
+        Ingress.func_or_class(None, None, args)
+    elif replica == "encoder":
+        Encoder.func_or_class(args, None)
+    else:
+        LLM.func_or_class(args).engine.close()
+    assert config_loads["config"] == 1, f"the {replica} replica read config.json {config_loads['config']} times"
+    assert config_loads["generation"] <= 1
