@@ -125,7 +125,7 @@ class EncoderArgs(_Strict):
         False, description="Decode large JPEGs at reduced size (faster; pixels differ slightly from a full decode)."
     )
     colocated: bool = Field(
-        False, description="Encode images inside the LLM replica (one GPU; the baseline that disaggregation beats)."
+        False, description="Encode images inside the LLM replica, on its device, instead of on encoder replicas."
     )
     vision_device: Device | None = Field(None, description="Device of the vision tower; default: the app's device.")
     vision_dtype: DType | None = Field(None, description="dtype of the vision tower; default: the app's dtype.")
@@ -152,7 +152,7 @@ class AppArgs(_Strict):
     served_model_name: str | None = Field(None, description="Name in /v1/models and responses; default: the folder name.")
     family: str | None = Field(
         None, description="Model family (qwen2_vl, qwen2_5_vl, llava, llava_next); default: config.json's model_type.")
-    device: Device = Field("auto", description="cuda when the Ray cluster has GPUs, else cpu; or set one.")
+    device: Device = Field("auto", description="auto: cuda in each replica that was given a GPU, else cpu; or set one.")
     dtype: DType = Field("auto", description="Weights and activations: bfloat16 on cuda, float32 on cpu when auto.")
     limits: Limits = Field(default_factory=Limits, description="Input limits; every one gets a 4xx past it.")
     encoder: EncoderArgs = Field(default_factory=EncoderArgs, description="Encoder replica settings.")

@@ -83,7 +83,7 @@ class Rotary:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose bfloat16 decode rows go to the CPU kernel (llm/cpu_kernels.py) where it is built."""
+    """nn.Linear whose bfloat16 decode rows go to the CPU kernel (cpu_kernels.py) where it is built."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.linear(x, self.weight, self.bias)

@@ -1,4 +1,4 @@
-"""The linear kernel for bfloat16 decode rows (llm/cpu_kernels.cpp) against the float32 product rounded once."""
+"""The linear kernel for bfloat16 decode rows (llm/model/cpu_kernels.cpp) against the float32 product rounded once."""
 
 from __future__ import annotations
 
