@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.op_count import OpCount
 from llm import BatchMeta, ChunkSpec, cpu_kernels
 from llm.decode_step import StaticDecode, bucket_for, buckets_up_to
-from tests.bench.op_count import OpCount
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
 BS, MAX_LEN = 4, 96

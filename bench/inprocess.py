@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from bench.metrics import RequestResult
+from bench.workload import BenchRequest, chat_body
 from encoders import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, load_rgb
 from llm import Engine, EngineConfig, Qwen2LM, SequenceInput, build_prompt, load_tokenizer, num_kv_blocks
 from schemas import LLMArgs, SamplingParams
 from schemas.openai import ChatCompletionRequest
-from tests.bench.metrics import RequestResult
-from tests.bench.workload import BenchRequest, chat_body
 
 
 class InProcess:

@@ -1,4 +1,4 @@
-"""Child of `tests/bench/step_ab.py`: times one decode step (forward + logits + argmax) of the bench checkpoint with
+"""Child of `bench/step_ab.py`: times one decode step (forward + logits + argmax) of the bench checkpoint with
 the `llm` package of the tree given as argv[1] (the current one or a baseline commit's), on a worker thread with
 the threads the engine gives it, and counts the ops it dispatches per layer (views excluded: they move no data).
 Prints one JSON line: {"<dtype> b<batch>": [ms, ops per layer], ...}. Uses only the API both trees share."""
@@ -13,9 +13,9 @@ import time
 sys.path.insert(0, sys.argv[1])
 
 import torch  # noqa: E402
+from op_count import OpCount  # noqa: E402  (beside this script: bench/op_count.py)
 
 from llm import BatchMeta, ChunkSpec, Qwen2LM  # noqa: E402
-from op_count import OpCount  # noqa: E402  (beside this script: tests/bench/op_count.py)
 from llm.threads import set_thread_intra_op_threads  # noqa: E402
 
 BS, NUM_BLOCKS = 16, 3000
