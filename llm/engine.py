@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from llm.scheduler import Chunk, Scheduler
 from llm.sequence import Sequence, SequenceInput, make_sequence
 from llm.threads import set_thread_intra_op_threads
 from schemas import Overloaded, TokenChunk
+
+if TYPE_CHECKING:
+    from llm.model import Qwen2LM
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ import socket
 import numpy as np
 from PIL import Image
 
-
 # Small limits for the end-to-end app, so that every limit can be hit cheaply.
 LIMITS = {"max_request_bytes": 2 << 20, "max_image_pixels": 640 * 640, "max_images_per_request": 4,
           "default_max_tokens": 16}

@@ -7,7 +7,7 @@ import torch
 from transformers import LlavaForConditionalGeneration
 
 from demo.tiny_llava import build_llava_checkpoint
-from tests.deployments.parity import deployed, CASES, assert_greedy_equals_reference, processor_generate
+from tests.deployments.parity import CASES, assert_greedy_equals_reference, deployed, processor_generate
 
 pytestmark = pytest.mark.e2e  # MAX_TOKENS: the tiny checkpoint's greedy margins are above 0.02 for that many steps
 

@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from demo.tiny_qwen2_5_vl import build_qwen2_5_vl_checkpoint
-from tests.deployments.parity import deployed, CASES, assert_greedy_equals_reference
+from tests.deployments.parity import CASES, assert_greedy_equals_reference, deployed
 
 pytestmark = pytest.mark.e2e
 APP = "qwen25"

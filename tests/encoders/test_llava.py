@@ -11,8 +11,17 @@ from transformers.models.clip.image_processing_pil_clip import CLIPImageProcesso
 from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
 from demo.tiny_llava import build_llava_checkpoint, build_llava_tokenizer
-from encoders import FAMILIES, EncoderRunner, ImageTokens, LlavaImageProcessing, LlavaVisionEncoder, family_of
-from encoders import image_size, image_tokens_of, load_rgb
+from encoders import (
+    FAMILIES,
+    EncoderRunner,
+    ImageTokens,
+    LlavaImageProcessing,
+    LlavaVisionEncoder,
+    family_of,
+    image_size,
+    image_tokens_of,
+    load_rgb,
+)
 from schemas import EncoderArgs
 from tests.helpers import image_bytes, make_image
 

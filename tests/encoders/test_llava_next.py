@@ -13,8 +13,17 @@ from transformers.models.llava_next.image_processing_pil_llava_next import Llava
 
 from demo.tiny_llava import build_llava_tokenizer
 from demo.tiny_llava_next import GRID_PINPOINTS, build_llava_next_checkpoint, rename_to_layout
-from encoders import FAMILIES, EncoderRunner, ImageTokens, LlavaNextImageProcessing, LlavaNextVisionEncoder
-from encoders import family_of, image_size, image_tokens_of, load_rgb
+from encoders import (
+    FAMILIES,
+    EncoderRunner,
+    ImageTokens,
+    LlavaNextImageProcessing,
+    LlavaNextVisionEncoder,
+    family_of,
+    image_size,
+    image_tokens_of,
+    load_rgb,
+)
 from schemas import EncoderArgs
 from tests.helpers import image_bytes, make_image
 

@@ -7,8 +7,7 @@ import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from encoders import Qwen2VLVisionEncoder
-from llm import BatchMeta, ChunkSpec, Qwen2LM, merge_image_embeds, mrope_positions
-from llm import cpu_kernels
+from llm import BatchMeta, ChunkSpec, Qwen2LM, cpu_kernels, merge_image_embeds, mrope_positions
 from llm.model import fuse_projections
 from tests.helpers import make_image
 
