@@ -88,6 +88,15 @@ def run_server(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest], s
     from bench.workload import chat_body
 
     with serve_app(ckpt, max_images=args.images_max, overrides={"dtype": args.dtype, **args.app_args}) as url:
+        from ray import serve
+
+        # The app has one LLM replica (serve_app's default): its counters are every message sent to the ingress.
+        llm = serve.get_deployment_handle("LLM", app_name="bench")
+
+        def messages_sent() -> int:
+            stats = llm.stats.remote().result()
+            return stats["stream_messages"] + stats["channel_messages"]
+
         model = served_model_name(url)
         _say(f"server up at {url} (model {model!r}); {len(warm)} warm-up request(s)")
         # Short but complete requests, a few at once, so the batched paths and each image size are warm too.
@@ -96,10 +105,13 @@ def run_server(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest], s
             if not r.ok:
                 _say(f"warm-up request {r.index} failed: {r.error}")
         for c, requests in sets.items():
-            n = len(requests)
+            n, sent = len(requests), messages_sent()
             results, wall = load(url, [chat_body(r, model) for r in requests], c, _arrivals(args, n),
                                  args.request_timeout)
             agg = aggregate(results, wall, *_slos(args))
+            agg["llm_messages"] = messages_sent() - sent
+            tokens = sum(r.output_tokens for r in results if r.ok)
+            agg["messages_per_token"] = agg["llm_messages"] / tokens if tokens else None
             runs["ours"][c], records["ours"][c] = agg, [r.to_json() for r in results]
             _say(f"ours c={c}: {n} requests in {wall:.1f}s, {agg['out_tok_per_s']:.1f} out tok/s, "
                  f"{agg['failed']} failed")
@@ -215,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         run_in_process(args, ckpt, warm, sets, runs, records)
     if not args.skip_baselines:
         run_baselines(args, ckpt, warm, sets, runs, records, checks)
+    for c, agg in runs["ours"].items():  # what serving costs: the served path against the same engine in-process
+        inproc = runs["ours-in-process"].get(c)
+        agg["served_over_in_process"] = (agg["out_tok_per_s"] / inproc["out_tok_per_s"]
+                                         if inproc and inproc["out_tok_per_s"] else None)
 
     mode = f"Poisson {args.request_rate} req/s" if args.request_rate else "closed loop"
     print(f"\n{machine['date']}  {machine['platform']}  {machine['cpu']}  {machine['cores']} cores  "
