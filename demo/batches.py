@@ -144,7 +144,7 @@ class Encoder:
 
     @staticmethod
     def probe_targets(items: list[dict], width: int, owners: list[list[int]], asks: list[list[int]],
-                      starts: list[list[int]], grids: list[list[tuple[int, int]]]) -> dict[str, torch.Tensor]:  # fmt: skip
+                      starts: list[list[int]], grids: list[list[tuple[int, int]]]) -> dict[str, torch.Tensor]:
         """The targets of demo/supervision.Probes: vision (sum tokens, 10) in the merger's order (images in turn,
         cells row-major), pictures (B, T), route_queries (B, T) and route_keys (B, T, T) (answer -> image tokens
         of its shapes), ask_queries and ask_keys (answer -> the words of its question that name them)."""

@@ -1,4 +1,5 @@
-"""Ask the running server about an image: python -m demo.chat demo/shapes.png "Where is the white star?" --draw boxes.png
+"""Ask the running server about an image:
+python -m demo.chat demo/shapes.png "Where is the white star?" --draw boxes.png
 (--draw: the answer's grounding boxes drawn on the image)."""
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
-from demo.scenes import KINDS, iou, make_eval_set, parse_box
 from demo.batches import Encoder, model_inputs
+from demo.scenes import KINDS, iou, make_eval_set, parse_box
 
 EVAL_SEED = 1234  # training draws from --seed (0); the in-training check from 10_000
 # The bar: exact-match share for the answer kinds, mean IoU for grounding.

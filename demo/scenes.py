@@ -234,5 +234,5 @@ def iou(a: tuple[float, float, float, float], b: tuple[float, float, float, floa
     return inter / union if union > 0 else 0.0
 
 
-__all__ = ["COLOURS", "KINDS", "SHAPES", "Scene", "Shape", "coverage", "iou", "make_eval_set", "make_item", "make_scene",
-           "pair_questions", "parse_box"]  # fmt: skip
+__all__ = ["COLOURS", "KINDS", "SHAPES", "Scene", "Shape", "coverage", "iou", "make_eval_set", "make_item",
+           "make_scene", "pair_questions", "parse_box"]  # fmt: skip

@@ -22,13 +22,15 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from demo.batches import Encoder, model_inputs, sample_conversation
+
 # NOTE: corpus and mrope_section come from build_tiny, so both checkpoints share one
 # tokenizer recipe and one config recipe.
 from demo.build_tiny import QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS, corpus, mrope_section
 from demo.build_tiny import build_tokenizer as build_tiny_tokenizer
-from demo.batches import Encoder, model_inputs, sample_conversation
 from demo.scenes import COLOURS, SHAPES, make_eval_set
 from demo.supervision import Probes
+
 MODEL_SIZES: dict[str, int] = dict(
     hidden_size=192, num_layers=3, num_heads=6, num_kv_heads=2, intermediate_size=512,
     vision_embed_dim=96, vision_depth=3, vision_heads=4, vision_mlp_ratio=2,
@@ -160,7 +162,8 @@ def lr_at(progress: float, peak: float, warmup: float = 0.05, floor: float = 0.0
 
 
 def save_checkpoint(model, tokenizer, out: Path, dtype: torch.dtype) -> None:
-    """The same files as demo/build_tiny.py: config, weights, tokenizer + chat template, generation and image configs."""
+    """The same files as demo/build_tiny.py: config, weights, tokenizer + chat template, generation and image
+    configs."""
     out.mkdir(parents=True, exist_ok=True)
     model.to(dtype).save_pretrained(out)
     model.to(torch.float32)
@@ -173,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="demo/qwen2-vl-shapes", help="checkpoint directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget of the training loop")
-    parser.add_argument("--steps", type=int, default=0, help="a fixed number of steps (the schedule follows "
-                        "steps, not the clock); 0: as many as --minutes allows, the schedule following the clock")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=0, help="a fixed number of steps (the schedule follows steps, "
+                        "not the clock); 0: as many as --minutes allows, the schedule following the clock")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=16, help="conversations per step")
     parser.add_argument("--max-turns", type=int, default=4, help="questions per training conversation, at most")
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -261,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         if step % 20 == 0:
             probed = "  ".join(f"{k} {v.item():.3f}" for k, v in aux.items())
             probed += f"  token shapes {probes.seen['shape_accuracy'].item():.2f}"
-            print(f"step {step:5d}  {elapsed / 60:5.1f} min  lr {lr:.2e}  loss {loss.item():.3f}  ema {loss_ema or 0:.3f}  {probed}",
+            losses = f"loss {loss.item():.3f}  ema {loss_ema or 0:.3f}"
+            print(f"step {step:5d}  {elapsed / 60:5.1f} min  lr {lr:.2e}  {losses}  {probed}",
                   flush=True)  # fmt: skip
         if step % args.eval_every == 0 and progress >= args.vision_until:
             scores = teacher_forced_check(model, encoder, check_items, answer_loss.coord_of)

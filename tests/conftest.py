@@ -98,3 +98,12 @@ def base_url(ray_serve, app_args) -> str:
 def client(base_url):
     with httpx.Client(base_url=base_url, timeout=60) as c:
         yield c
+
+
+def pytest_collection_modifyitems(items):
+    """Mark `cluster` every test that starts Ray: through the `ray_serve` fixture (directly or by a fixture that
+    needs it), or as an e2e test, which brings up an app in a cluster of its own (the multi-node and front-door
+    tests). `make test-fast` (`-m "not cluster"`) is the rest: the unit tier."""
+    for item in items:
+        if "ray_serve" in getattr(item, "fixturenames", ()) or item.get_closest_marker("e2e"):
+            item.add_marker(pytest.mark.cluster)

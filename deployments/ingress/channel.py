@@ -13,8 +13,8 @@ same between its engine core and its front end (one output batch per step); this
   stream carries nothing more and ends once its last chunk is handed to the channel, or raises `ChannelLost` if the
   channel closed first.
 - The LLM replica closes a channel that has had no generation for `idle_s` (so that a draining replica drains:
-  Serve waits for its calls to end); the ingress reopens it on the next `Routed(via_channel=False)`. A channel stream that ends on the ingress fails the
-  generations still attached to it.
+  Serve waits for its calls to end); the ingress reopens it on the next `Routed(via_channel=False)`. A channel
+  stream that ends on the ingress fails the generations still attached to it.
 - Messages: at most one per `interval_s` per channel; a first token, a last one and an error go at once.
 
 This module is the ingress half (`ChannelHub`, `TokenStream`); the LLM half is `llm/channel.py` (`Outbox`), and

@@ -99,7 +99,7 @@ _encode = msgspec.json.Encoder(enc_hook=_plain).encode
 def json_text(obj: Any) -> str:
     """Compact JSON of plain data (dicts, lists, str, numbers, None) as pydantic's model_dump_json writes it:
     non-ASCII as UTF-8, NaN and infinities as null; only floats from 1e16 up are spelled otherwise (1e16, not
-    1e+16). msgspec, as it measured faster than orjson and json (tests/bench/sse_bench.py)."""
+    1e+16). msgspec, as it measured faster than orjson and json (bench/sse_bench.py)."""
     return _encode(obj).decode()
 
 

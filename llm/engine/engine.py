@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from llm.engine.sequence import Sequence, make_sequence
 from llm.engine.threads import CoresFollowLoad, set_thread_intra_op_threads
 from llm.model.parallel import RankFailure
 from schemas import GenerateRequest, Overloaded, TokenChunk
+
+if TYPE_CHECKING:
+    from llm.model import Qwen2LM
 
 logger = logging.getLogger(__name__)
 

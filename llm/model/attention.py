@@ -106,10 +106,10 @@ def decode_groups(num_blocks: list[int], slack: float = 0.3, min_slack: int = 8)
     while i1 > 0:
         i0, hi, lo = i1 - 1, num_blocks[i1 - 1], num_blocks[i1 - 1]
         while i0 > 0:
-            h, l = max(hi, num_blocks[i0 - 1]), min(lo, num_blocks[i0 - 1])
-            if h - l > max(slack * h, min_slack):
+            h, lw = max(hi, num_blocks[i0 - 1]), min(lo, num_blocks[i0 - 1])
+            if h - lw > max(slack * h, min_slack):
                 break
-            i0, hi, lo = i0 - 1, h, l
+            i0, hi, lo = i0 - 1, h, lw
         groups.append((i0, i1))
         i1 = i0
     return groups[::-1]

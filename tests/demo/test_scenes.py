@@ -21,7 +21,7 @@ def test_answers_are_exact_for_what_is_drawn():
     for _ in range(30):
         scene = make_scene(rng)
         assert 1 <= len(scene.objects) <= 3 and 112 <= min(scene.image.size) and max(scene.image.size) <= 336
-        for kind, question, answer, obj in scene.questions():
+        for kind, _question, answer, obj in scene.questions():
             if kind == "colour":
                 assert answer == obj.colour in COLOURS and [o.shape for o in scene.objects].count(obj.shape) == 1
             elif kind == "shape":

@@ -16,8 +16,15 @@ from deployments.ingress.detokenize import TextDelta
 from deployments.ingress.prompt import load_tokenizer
 from deployments.ingress.responses import ContentChunks, logprob_items, sse_stream
 from schemas import TokenLogprob
-from schemas.openai import (ChatCompletionChunk, ChatCompletionRequest, ChoiceLogprobs, ChunkChoice, Delta,
-                            TokenLogprobOut, TopLogprob)
+from schemas.openai import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Delta,
+    TokenLogprobOut,
+    TopLogprob,
+)
 
 DEMO = Path(__file__).parents[2] / "demo" / "qwen2-vl-shapes"
 HEADS = [{"id": "chatcmpl-0", "created": 1_700_000_000, "model": "qwen2-vl-shapes"},

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.bench.peer_servers import OURS_ENV, ingress_of, ingress_ports, serve_env
+from bench.peer_servers import OURS_ENV, ingress_of, ingress_ports, serve_env
 from tests.helpers import data_url, free_port, leave_mid_stream, make_image
 
 pytestmark = pytest.mark.e2e

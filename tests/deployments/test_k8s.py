@@ -33,8 +33,10 @@ def test_the_manifest_is_serve_config_with_the_cluster_overrides_only():
     deployments = ("applications", 0, "deployments")
     assert _differences(local, served) == {
         ("http_options", "host"), ("applications", 0, "args", "model"),
-        (*deployments, encoder, "ray_actor_options", "num_cpus"), (*deployments, encoder, "ray_actor_options", "num_gpus"),
-        (*deployments, encoder, "ray_actor_options", "resources"), (*deployments, encoder, "autoscaling_config", "max_replicas"),
+        (*deployments, encoder, "ray_actor_options", "num_cpus"),
+        (*deployments, encoder, "ray_actor_options", "num_gpus"),
+        (*deployments, encoder, "ray_actor_options", "resources"),
+        (*deployments, encoder, "autoscaling_config", "max_replicas"),
         (*deployments, llm, "ray_actor_options", "num_cpus"), (*deployments, llm, "ray_actor_options", "num_gpus"),
         (*deployments, llm, "ray_actor_options", "resources"),
     }  # fmt: skip

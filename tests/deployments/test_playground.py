@@ -75,7 +75,8 @@ def test_chat_about_an_image_with_boxes_history_and_errors(page_url, browser, tm
     WebDriverWait(browser, 10).until(lambda b: answer.get_attribute("data-boxes") == "1")
     # The box is drawn over the uploaded image: the canvas is the image's size and has the box's colour on it.
     size, red = browser.execute_script("""
-        const c = arguments[0].querySelector('canvas.boxes'), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        const c = arguments[0].querySelector('canvas.boxes');
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
         let red = 0; for (let i = 0; i < d.length; i += 4) if (d[i] == 225 && d[i+1] == 29 && d[i+2] == 72) red++;
         return [[c.width, c.height], red];""", answer)  # fmt: skip
     assert size == [320, 240] and red > 100, (size, red)

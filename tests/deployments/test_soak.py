@@ -1,11 +1,11 @@
 """A short soak (`make soak` is the long one): mixed good, bad, cancelled and streaming requests leave no 5xx,
-no replica or object-store growth past the bounds of tests/soak.py, and no sequence or KV block held."""
+no replica or object-store growth past the bounds of bench/soak.py, and no sequence or KV block held."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.soak import Bounds, Mix, report, soak
+from bench.soak import Bounds, Mix, report, soak
 
 pytestmark = pytest.mark.e2e
 

@@ -1,26 +1,120 @@
-"""Through the deployed app over HTTP, greedy output equals transformers' generate on the same checkpoint."""
+"""Through the deployed app over HTTP, each family's greedy output equals transformers' generate on the same
+checkpoint: one test per claim, over the four families (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5, LLaVA-NeXT)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import pytest
+import torch
+from PIL import Image
+from transformers import (
+    LlavaForConditionalGeneration,
+    LlavaNextForConditionalGeneration,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
+)
 
-from tests.deployments.parity import CASES, MAX_TOKENS, assert_greedy_equals_reference, openai_messages
+from demo.tiny_llava import build_llava_checkpoint
+from demo.tiny_llava_next import build_llava_next_checkpoint
+from demo.tiny_qwen2_5_vl import build_qwen2_5_vl_checkpoint
+from tests.deployments.parity import (
+    CASES,
+    MAX_TOKENS,
+    assert_greedy_equals_reference,
+    deployed,
+    openai_messages,
+    processor_generate,
+    reference_generate,
+)
 
 pytestmark = pytest.mark.e2e
 
 
+@dataclass(frozen=True, slots=True)
+class Family:
+    app: str | None  # its own app at /<app>; None: the session's app on the session's checkpoint (tests/conftest.py)
+    build: Callable[[Path], Path] | None  # a directory -> the tiny random checkpoint built in it
+    model: type  # transformers' model class: the reference
+    generate: Callable = reference_generate  # transformers' pipeline for a conversation (tests/deployments/parity.py)
+
+
+# The tiny checkpoints (init std 1.0) keep every top-1/top-2 greedy gap of these cases above 0.02 for MAX_TOKENS steps.
+FAMILIES = {
+    "qwen2_vl": Family(None, None, Qwen2VLForConditionalGeneration),
+    # NOTE: seed 1: every top-1/top-2 logit gap over these cases' 24 greedy steps is > 0.025 (seed 0: 0.012).
+    "qwen2_5_vl": Family("qwen25", lambda d: build_qwen2_5_vl_checkpoint(d / "qwen2.5-vl-tiny", seed=1),
+                         Qwen2_5_VLForConditionalGeneration),
+    "llava": Family("llava", lambda d: build_llava_checkpoint(d / "llava-tiny"), LlavaForConditionalGeneration,
+                    processor_generate),
+    "llava_next": Family("llava-next", lambda d: build_llava_next_checkpoint(d / "llava-next-tiny"),
+                         LlavaNextForConditionalGeneration, processor_generate),
+}  # fmt: skip
+
+
+@dataclass(slots=True)
+class Served:
+    client: httpx.Client
+    checkpoint: Path
+    reference: torch.nn.Module
+    generate: Callable
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def served(request, tmp_path_factory):
+    """One family at a time: its app up (or the session's), its checkpoint, and transformers on the same weights."""
+    family = FAMILIES[request.param]
+    if family.app is None:
+        checkpoint, reference = request.getfixturevalue("checkpoint"), request.getfixturevalue("reference")
+        with httpx.Client(base_url=request.getfixturevalue("base_url"), timeout=60) as client:
+            yield Served(client, checkpoint, reference, family.generate)
+        return
+    checkpoint = family.build(tmp_path_factory.mktemp(request.param))
+    reference = family.model.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with deployed(request.getfixturevalue("ray_serve"), request.getfixturevalue("app_args"), checkpoint,
+                  family.app) as client:
+        yield Served(client, checkpoint, reference, family.generate)
+
+
+def _greedy_tokens(client: httpx.Client, conversation) -> list[int]:
+    body = {"messages": openai_messages(conversation), "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_the_app_serves_the_checkpoint(served):
+    assert [m["id"] for m in served.client.get("/v1/models").json()["data"]] == [served.checkpoint.name]
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_equals_transformers(case, client, checkpoint, reference):
-    assert_greedy_equals_reference(client, checkpoint, reference, CASES[case])
+def test_greedy_equals_transformers(case, served):
+    assert_greedy_equals_reference(served.client, served.checkpoint, served.reference, CASES[case],
+                                   generate=served.generate)
 
 
-def test_streaming_equals_non_streaming(client):
+def test_changing_one_image_changes_the_tokens_and_they_still_equal_transformers(served):
+    """On random weights, equal tokens alone would pass with the images ignored on both sides: the tokens must
+    follow the image. The 300x140 image of three, turned upside down (same size, so the same prompt length)."""
+    conversation = CASES["three_images"]
+    (role, parts), = conversation
+    changed = [(role, [p.transpose(Image.Transpose.ROTATE_180) if i == 2 else p for i, p in enumerate(parts)])]
+    assert not isinstance(parts[2], str)
+    assert _greedy_tokens(served.client, changed) != _greedy_tokens(served.client, conversation)
+    assert_greedy_equals_reference(served.client, served.checkpoint, served.reference, changed,
+                                   generate=served.generate)
+
+
+def test_streaming_equals_non_streaming(served):
     body = {"messages": openai_messages(CASES["three_images"]), "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True}
-    whole = client.post("/v1/chat/completions", json=body).json()
-    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+    whole = served.client.post("/v1/chat/completions", json=body).json()
+    with served.client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
@@ -32,3 +126,12 @@ def test_streaming_equals_non_streaming(client):
     assert tokens == whole["choices"][0]["token_ids"]
     assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+
+
+def test_llava_full_feature_strategy_keeps_the_cls_token(ray_serve, app_args, tmp_path_factory):
+    """With vision_feature_select_strategy "full", an image takes h*w + 1 tokens, still equal to transformers."""
+    ckpt = build_llava_checkpoint(tmp_path_factory.mktemp("llava-full") / "llava-full", select_strategy="full")
+    reference = LlavaForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with deployed(ray_serve, app_args, ckpt, "llava-full") as client:
+        for case in ("one_image", "three_images"):
+            assert_greedy_equals_reference(client, ckpt, reference, CASES[case], generate=processor_generate)

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llm.engine.decode_step import StaticDecode, bucket_for, buckets_up_to
 from llm.model import BatchMeta, ChunkSpec, cpu_kernels
-from tests.bench.op_count import OpCount
+from bench.op_count import OpCount
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
 BS, MAX_LEN = 4, 96

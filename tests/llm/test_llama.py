@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (AutoProcessor, LlamaConfig, LlamaForCausalLM, LlavaForConditionalGeneration, MistralConfig,
-                          MistralForCausalLM)
+from transformers import (
+    AutoProcessor,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlavaForConditionalGeneration,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 from demo.build_tiny import init_weights
 from demo.tiny_llava import build_llava_checkpoint

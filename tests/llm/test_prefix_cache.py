@@ -68,7 +68,7 @@ def test_preemption_under_a_small_cache_keeps_outputs_exact(checkpoint, referenc
 
     results = asyncio.run(together())
     assert engine.stats()["preemptions"] > 0
-    for (inp, ref), (ours, _) in zip(requests, results, strict=True):
+    for (_, ref), (ours, _) in zip(requests, results, strict=True):
         assert ours == reference_generate(reference, ref, max_new_tokens=20)
     assert engine.pool.num_free == engine.pool.num_blocks
 

@@ -25,7 +25,7 @@ def test_per_step_logprobs_match_transformers_in_a_mixed_batch(checkpoint, refer
             return lps
         return await asyncio.gather(*(one(inp) for inp, _ in requests))
 
-    for (inp, ref), lps in zip(requests, asyncio.run(together()), strict=True):
+    for (_, ref), lps in zip(requests, asyncio.run(together()), strict=True):
         out = reference_generate(reference, ref, 12, output_logits=True, return_dict_in_generate=True)
         tokens = out.sequences[0, ref["input_ids"].shape[1]:].tolist()
         assert len(lps) == len(tokens) == len(out.logits)

@@ -9,7 +9,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from schemas import AppArgs, resolve_device, resolve_dtype, resolve_max_model_len
-from schemas.config import EncoderArgs, LLMArgs, Limits
+from schemas.config import EncoderArgs, Limits, LLMArgs
 
 ROOT = Path(__file__).resolve().parents[2]
 

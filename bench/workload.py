@@ -82,7 +82,7 @@ def make_workload(tokenizer: PreTrainedTokenizerBase, n: int, *, seed: int, inpu
     """n requests; request i depends only on (seed, i), so a shorter run is a prefix of a longer one.
 
     fixed_sizes: every request carries exactly image_sizes, in that order (images_min/max are then ignored), for
-    workloads that name their images rather than draw them (tests/bench/peer.py).
+    workloads that name their images rather than draw them (bench/peer.py).
     """
     if not 0 <= images_min <= images_max:
         raise ValueError(f"need 0 <= images-min <= images-max, got {images_min}..{images_max}")

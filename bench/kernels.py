@@ -1,4 +1,4 @@
-"""The engine's CPU hot spots, each against the way it was done before (`python -m tests.bench.kernels`).
+"""The engine's CPU hot spots, each against the way it was done before (`python -m bench.kernels`).
 
 1. Decode attention for one layer over the paged cache, 32 sequences of 90..450 tokens (seeded), the bench
    checkpoint's heads (8 query heads on 4 KV heads of 64): the first code (token-major cache, one padded
@@ -11,7 +11,7 @@
 
 3. The whole decode step (forward + logits, batches 1, 8 and 32, float32 and bfloat16) with this tree's `llm`
    against a baseline commit's (`--baseline`, default e422682: before the fused layers), ops per layer and ms,
-   in alternating child processes (tests/bench/step_ab.py). Its last line:
+   in alternating child processes (bench/step_ab.py). Its last line:
    `decode step: N ops per layer; bf16 batch 1 A ms (was B); bf16 batch 32 C ms (was D)`.
 
 Medians of repeated timings taken round-robin over the cases, so a burst of other load hits them alike. Prints
@@ -143,7 +143,7 @@ def bench_threads(checkpoint: Path, threads: int, rounds: int) -> list[tuple[str
     rows = []
     for dtype in ("float32", "bfloat16"):
         for case, label in (("teams", "loading thread has a team too (before)"), ("solo", "worker's team alone (now)")):
-            out = subprocess.run([sys.executable, "-m", "tests.bench.kernels", "--child", case, "--dtype", dtype,
+            out = subprocess.run([sys.executable, "-m", "bench.kernels", "--child", case, "--dtype", dtype,
                                   "--checkpoint", str(checkpoint), "--threads", str(threads),
                                   "--rounds", str(rounds)], check=True, capture_output=True, text=True).stdout
             for batch, ms in json.loads(out.strip().splitlines()[-1]).items():
@@ -152,7 +152,7 @@ def bench_threads(checkpoint: Path, threads: int, rounds: int) -> list[tuple[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tests.bench.kernels", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per case (medians)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the measured thread")
     p.add_argument("--out-dir", default="bench_results", help="where the bench checkpoint is cached")
@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(_forward_case(args.child, Path(args.checkpoint), args.dtype, args.threads, args.rounds)))
         return 0
-    from tests.bench.report import machine_info
-    from tests.bench.server import bench_checkpoint
+    from bench.report import machine_info
+    from bench.server import bench_checkpoint
 
     machine = machine_info()
     print(f"{machine['date']}  {machine['cpu']}  {machine['cores']} cores  torch {machine['torch']}\n")
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype, batch, label, ms in rows2:
         before = next(m for d, b, lab, m in rows2 if d == dtype and b == batch and lab.endswith("(before)"))
         print(f"| {dtype} | {batch} | {label} | {ms:.1f} | {before / ms:.2f}x |")
-    from tests.bench.step_ab import baseline_tree, compare, report
+    from bench.step_ab import baseline_tree, compare, report
 
     print(f"\n3. Decode step (forward + logits) of the bench checkpoint, this tree against {args.baseline}\n")
     results = compare(checkpoint, baseline_tree(args.baseline, Path(args.out_dir)), threads=args.threads,

@@ -15,17 +15,16 @@ import json
 import platform
 import statistics
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import numpy as np
 import torch
 
-from tests.bench.client import _one
-from tests.bench.server import CHECKPOINT_PARAMS, bench_checkpoint, serve_app
-from tests.bench.workload import data_url, noise_png
-
+from bench.client import _one
+from bench.server import CHECKPOINT_PARAMS, bench_checkpoint, serve_app
+from bench.workload import data_url, noise_png
 
 # Encoder-heavy: a ViT with about 6x the bench checkpoint's compute per patch, and images of 768 patches each.
 ENCODER_HEAVY = {**CHECKPOINT_PARAMS, "vision_embed_dim": 256, "vision_depth": 8, "max_pixels": 448 * 448}
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {f"{name} p50_ms": round(statistics.median(v) * 1000, 1) for name, v in (("on", on), ("off", off))}
     summary |= {f"{name} mean_ms": round(statistics.mean(v) * 1000, 1) for name, v in (("on", on), ("off", off))}
     summary["speedup_p50"] = round(statistics.median(off) / statistics.median(on), 2)
-    print(f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}  {platform.processor() or platform.machine()}  "
+    print(f"{datetime.now(UTC).isoformat(timespec='seconds')}  {platform.processor() or platform.machine()}  "
           f"torch {torch.__version__}; {args.conversations} conversations, {args.images} images {size[0]}x{size[1]} "
           f"+ {args.words} words")
     print(f"second-turn TTFT p50: {args.compare} on {summary['on p50_ms']} ms, off {summary['off p50_ms']} ms "

@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.bench.server import _merge
+from bench.server import _merge
 from tests.helpers import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-# NOTE: as tests/bench/server.py: Serve's default proxy readiness and health checks (5 s / 10 s) kill the proxy on a
+ROOT = Path(__file__).resolve().parents[1]
+# NOTE: as bench/server.py: Serve's default proxy readiness and health checks (5 s / 10 s) kill the proxy on a
 # loaded 2-core machine, and 32 streams load it. They are health checks only, not a serving setting.
 OURS_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
 # vLLM's defaults, plus what this comparison or this machine needs (each printed with the results):

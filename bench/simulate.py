@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tests.bench.metrics import RequestResult
+from bench.metrics import RequestResult
 
 
 @dataclass(slots=True)

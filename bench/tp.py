@@ -1,4 +1,4 @@
-"""Tensor parallelism on this machine's CPUs (`python -m tests.bench.tp`): one decode step of the bench checkpoint
+"""Tensor parallelism on this machine's CPUs (`python -m bench.tp`): one decode step of the bench checkpoint
 (forward + logits, batches of 1 and 32 sequences of 90..450 tokens) on one rank against two gloo ranks.
 
 Cases, each in fresh processes: one rank with all the cores' threads (the baseline), one rank with one thread,
@@ -22,7 +22,7 @@ from llm import Qwen2LM
 from llm.engine.threads import set_thread_intra_op_threads
 from llm.model import BatchMeta
 from llm.model.parallel import ParallelLM, TPGroup, init_process_group, serve_rank
-from tests.bench.kernels import BS, _decode_batch, _timed
+from bench.kernels import BS, _decode_batch, _timed
 from tests.helpers import free_port
 
 CPU = torch.device("cpu")
@@ -67,12 +67,12 @@ def _case(checkpoint: str, dtype: str, world_size: int, threads: int | None, rou
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tests.bench.tp", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.tp", description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per case (medians)")
     p.add_argument("--out-dir", default="bench_results", help="where the bench checkpoint is cached")
     args = p.parse_args(argv)
-    from tests.bench.report import machine_info
-    from tests.bench.server import bench_checkpoint
+    from bench.report import machine_info
+    from bench.server import bench_checkpoint
 
     machine = machine_info()
     checkpoint = str(bench_checkpoint(Path(args.out_dir)))

@@ -1,4 +1,4 @@
-"""`python -m tests.bench.run`: the serving benchmark (modelled on `vllm bench serve`); see tests/bench/README.md."""
+"""`python -m bench.run`: the serving benchmark (modelled on `vllm bench serve`); see bench/README.md."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ import time
 import traceback
 from pathlib import Path
 
-from tests.bench import report
-from tests.bench.metrics import aggregate
-from tests.bench.server import CHECKPOINT_PARAMS, bench_checkpoint
-from tests.bench.workload import BenchRequest, make_workload, output_range, parse_sizes, poisson_arrivals
+from bench import report
+from bench.metrics import aggregate
+from bench.server import CHECKPOINT_PARAMS, bench_checkpoint
+from bench.workload import BenchRequest, make_workload, output_range, parse_sizes, poisson_arrivals
 
 QUICK = dict(concurrency="1,4", num_prompts=8, input_len=64, output_len=16, images_max=2,
              image_sizes="64x64,112x112", baseline_max_prompts=8)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tests.bench.run", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     p.add_argument("--quick", action="store_true", help=f"a ~1 minute smoke run: {QUICK} (explicit flags win)")
     p.add_argument("--concurrency", default="1,4,16,32", help="comma-separated: most requests in flight per run")
     p.add_argument("--num-prompts", type=int, default=None, help="requests per run (default: max(8, 2*concurrency))")
@@ -83,11 +83,20 @@ def _slos(args: argparse.Namespace) -> tuple[float, float]:
 
 def run_server(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest], sets: dict[int, list[BenchRequest]],
                runs: dict, records: dict) -> None:
-    from tests.bench.client import load
-    from tests.bench.server import serve_app, served_model_name
-    from tests.bench.workload import chat_body
+    from bench.client import load
+    from bench.server import serve_app, served_model_name
+    from bench.workload import chat_body
 
     with serve_app(ckpt, max_images=args.images_max, overrides={"dtype": args.dtype, **args.app_args}) as url:
+        from ray import serve
+
+        # The app has one LLM replica (serve_app's default): its counters are every message sent to the ingress.
+        llm = serve.get_deployment_handle("LLM", app_name="bench")
+
+        def messages_sent() -> int:
+            stats = llm.stats.remote().result()
+            return stats["stream_messages"] + stats["channel_messages"]
+
         model = served_model_name(url)
         _say(f"server up at {url} (model {model!r}); {len(warm)} warm-up request(s)")
         # Short but complete requests, a few at once, so the batched paths and each image size are warm too.
@@ -96,10 +105,13 @@ def run_server(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest], s
             if not r.ok:
                 _say(f"warm-up request {r.index} failed: {r.error}")
         for c, requests in sets.items():
-            n = len(requests)
+            n, sent = len(requests), messages_sent()
             results, wall = load(url, [chat_body(r, model) for r in requests], c, _arrivals(args, n),
                                  args.request_timeout)
             agg = aggregate(results, wall, *_slos(args))
+            agg["llm_messages"] = messages_sent() - sent
+            tokens = sum(r.output_tokens for r in results if r.ok)
+            agg["messages_per_token"] = agg["llm_messages"] / tokens if tokens else None
             runs["ours"][c], records["ours"][c] = agg, [r.to_json() for r in results]
             _say(f"ours c={c}: {n} requests in {wall:.1f}s, {agg['out_tok_per_s']:.1f} out tok/s, "
                  f"{agg['failed']} failed")
@@ -107,7 +119,7 @@ def run_server(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest], s
 
 def run_in_process(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest],
                    sets: dict[int, list[BenchRequest]], runs: dict, records: dict) -> None:
-    from tests.bench.inprocess import InProcess
+    from bench.inprocess import InProcess
 
     runner = InProcess(ckpt, args.baseline_threads, dtype=args.dtype)
     runner.run([dataclasses.replace(r, output_len=min(8, r.output_len)) for r in warm], min(4, len(warm)))
@@ -120,7 +132,7 @@ def run_in_process(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest
 
 def run_baselines(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest], sets: dict[int, list[BenchRequest]],
                   runs: dict, records: dict, checks: dict) -> None:
-    from tests.bench.baselines import HFRunner, run_one_at_a_time, run_static_batches
+    from bench.baselines import HFRunner, run_one_at_a_time, run_static_batches
 
     runner = HFRunner(ckpt, args.baseline_threads, dtype=args.dtype)
     probe = warm + [r for rs in sets.values() for r in rs]
@@ -215,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         run_in_process(args, ckpt, warm, sets, runs, records)
     if not args.skip_baselines:
         run_baselines(args, ckpt, warm, sets, runs, records, checks)
+    for c, agg in runs["ours"].items():  # what serving costs: the served path against the same engine in-process
+        inproc = runs["ours-in-process"].get(c)
+        agg["served_over_in_process"] = (agg["out_tok_per_s"] / inproc["out_tok_per_s"]
+                                         if inproc and inproc["out_tok_per_s"] else None)
 
     mode = f"Poisson {args.request_rate} req/s" if args.request_rate else "closed loop"
     print(f"\n{machine['date']}  {machine['platform']}  {machine['cpu']}  {machine['cores']} cores  "

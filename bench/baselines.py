@@ -11,9 +11,9 @@ from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
 from transformers.generation.streamers import BaseStreamer
 
-from tests.bench.metrics import RequestResult
-from tests.bench.simulate import Timing, simulate
-from tests.bench.workload import BenchRequest, hf_messages
+from bench.metrics import RequestResult
+from bench.simulate import Timing, simulate
+from bench.workload import BenchRequest, hf_messages
 
 
 class _StepClock(BaseStreamer):

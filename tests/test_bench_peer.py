@@ -9,9 +9,9 @@ import pytest
 import yaml
 from PIL import Image
 
-from tests.bench.peer import build_requests, parse_args
-from tests.bench.peer_report import WORKLOADS, prompt_check, ratio_lines, ratios, system_table
-from tests.bench.peer_servers import ROOT, ingress_of, ingress_ports, ours_config, serve_env
+from bench.peer import build_requests, parse_args
+from bench.peer_report import WORKLOADS, prompt_check, ratio_lines, ratios, system_table
+from bench.peer_servers import ROOT, ingress_of, ingress_ports, ours_config, serve_env
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from tests.bench.metrics import RequestResult
+from bench.metrics import RequestResult
 
 
 async def _one(client: httpx.AsyncClient, index: int, body: dict, t0: float, timeout: float) -> RequestResult:

@@ -1,7 +1,7 @@
 """A decode step of the bench checkpoint with this tree's `llm` against a baseline commit's, in one run.
 
 The baseline's `llm` and `schemas` are exported with `git archive` into bench_results/baseline-<rev>; each round
-runs one child process per tree (tests/bench/step_child.py), alternating, so a burst of other load hits both alike;
+runs one child process per tree (bench/step_child.py), alternating, so a burst of other load hits both alike;
 the figure per case is the median over rounds of each child's median.
 """
 
@@ -15,7 +15,7 @@ import tarfile
 from io import BytesIO
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("step_child.py")
 
 

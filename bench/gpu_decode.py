@@ -1,4 +1,4 @@
-"""The engine on one GPU (`python -m tests.bench.gpu_decode`, needs CUDA): a correctness check, then decode speed of a
+"""The engine on one GPU (`python -m bench.gpu_decode`, needs CUDA): a correctness check, then decode speed of a
 Qwen2-VL-2B-shaped random checkpoint in bfloat16 against the memory-bandwidth limit.
 
 1. Tiny checkpoint: greedy tokens of our engine on cuda float32, eager and with CUDA graphs (the static decode
@@ -108,7 +108,7 @@ def decode(tmp: Path, batches: list[int], output_len: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tests.bench.gpu_decode", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_decode", description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--output-len", type=int, default=256)
     args = p.parse_args(argv)

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from bench.metrics import RequestResult
+from bench.workload import BenchRequest, chat_body
 from deployments.ingress.prompt import build_prompt, load_tokenizer
 from encoders import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, load_rgb
 from llm import Engine, EngineConfig, Qwen2LM, num_kv_blocks
 from schemas import GenerateRequest, LLMArgs, SamplingParams
 from schemas.openai import ChatCompletionRequest
-from tests.bench.metrics import RequestResult
-from tests.bench.workload import BenchRequest, chat_body
 
 
 class InProcess:

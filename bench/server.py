@@ -25,8 +25,9 @@ CHECKPOINT_PARAMS: dict = dict(
 
 def bench_checkpoint(root: Path, params: dict = CHECKPOINT_PARAMS) -> Path:
     """root/ckpt-<hash of params>; built next to it and renamed, so a half-written one never looks complete."""
-    from demo.build_tiny import build_checkpoint
     from transformers.utils import logging as hf_logging
+
+    from demo.build_tiny import build_checkpoint
 
     key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
     out = root / f"ckpt-{key}"

@@ -15,7 +15,10 @@ COLUMNS = [("req/s", "req_per_s", None), ("out tok/s", "out_tok_per_s", None),
            ("TPOT p50", "tpot_ms", "p50"), ("TPOT p99", "tpot_ms", "p99"),
            ("ITL p50", "itl_ms", "p50"), ("ITL p99", "itl_ms", "p99"), ("tok/chunk", "tokens_per_chunk", None),
            ("E2E p50", "e2e_ms", "p50"), ("E2E p99", "e2e_ms", "p99"),
-           ("goodput", "goodput_req_per_s", None), ("failed", "failed", None)]  # fmt: skip
+           ("goodput", "goodput_req_per_s", None), ("failed", "failed", None),
+           # ours only: LLM-replica messages (own streams + channels) per output token, and out tok/s served over
+           # out tok/s of the same engine in-process on the same requests
+           ("msg/tok", "messages_per_token", None), ("/in-proc", "served_over_in_process", None)]  # fmt: skip
 
 
 def machine_info() -> dict:
@@ -39,9 +42,11 @@ def machine_info() -> dict:
 
 
 def _cell(agg: dict, key: str, sub: str | None) -> str:
-    value = agg[key] if sub is None else agg[key][sub]
+    value = agg.get(key) if sub is None else agg[key][sub]
     if value is None:
         return "-"
+    if key in ("messages_per_token", "served_over_in_process"):
+        return f"{value:.3f}" if key == "messages_per_token" else f"{value:.2f}x"
     if key == "failed":
         return f"{value}/{agg['requests']}"
     if key == "tokens_per_chunk":
@@ -82,6 +87,14 @@ def format_tables(runs: dict[str, dict[int, dict]], concurrencies: list[int], mo
                     parts.append(f"/ {base} = {ours['out_tok_per_s'] / other['out_tok_per_s']:.2f}x")
             if parts:
                 lines.append(f"  c={c} {mine:<15} " + "  ".join(parts))
+    lines += ["", "the served path (ours) against the same engine in-process, and its LLM-replica messages:"]
+    for c in concurrencies:
+        agg = runs.get("ours", {}).get(c)
+        if agg and agg.get("llm_messages") is not None:
+            ratio, rate = agg.get("served_over_in_process"), agg.get("messages_per_token")
+            lines.append(f"  c={c}: served / in-process out tok/s = " + ("-" if ratio is None else f"{ratio:.2f}x")
+                         + f"; {agg['llm_messages']} messages, " + ("-" if rate is None else f"{rate:.3f}")
+                         + " per output token")
     lines += ["", f"TPOT check: p99 TPOT at c={max(concurrencies)} / p50 TPOT at c={min(concurrencies)} "
                   "(1.0 = no slowdown under load):"]
     for system, check in tpot_check(runs, concurrencies).items():

@@ -1,4 +1,4 @@
-"""The ingress's per-token work, each against the way it was done before (`python -m tests.bench.sse_bench`).
+"""The ingress's per-token work, each against the way it was done before (`python -m bench.sse_bench`).
 
 1. One content delta to its SSE event: the old path (pydantic models, `model_dump_json`; copied below as the
    baseline) against `deployments.ingress.responses.ContentChunks` (head encoded once, msgspec for the rest), for a
@@ -34,7 +34,7 @@ from deployments.ingress.responses import ContentChunks, logprob_items
 from schemas import TokenLogprob
 from schemas.openai import ChatCompletionChunk, ChoiceLogprobs, ChunkChoice, Delta, TokenLogprobOut, TopLogprob
 
-DEMO = Path(__file__).parents[2] / "demo" / "qwen2-vl-shapes"
+DEMO = Path(__file__).parents[1] / "demo" / "qwen2-vl-shapes"
 HEAD = {"id": "chatcmpl-5f0c6a0e8d9b4c2a9e1f3b7d6a8c4e21", "created": 1_700_000_000, "model": "qwen2-vl-shapes"}
 ANSWER = ("The red circle is at the top left, (12,34),(56,78); the blue square 你好 is below it 🙂. " * 40)[:4000]
 STOPS = ["</answer>", "Observation:"]

@@ -1,4 +1,4 @@
-"""`python -m tests.bench.encoder` (`make bench-encoder`): the encoder tier alone, no server.
+"""`python -m bench.encoder` (`make bench-encoder`): the encoder tier alone, no server.
 
 1. images/s of `Qwen2VLVisionEncoder` (the replicas' loading code) per image size and packed batch size, the ViT
    forward alone and with our preprocessing before it;
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from bench import report
+from bench.encoder_transfer import base64_decode, elapsed_ms, transfer
+from bench.server import bench_checkpoint
+from bench.workload import parse_sizes
 from demo.build_tiny import build_checkpoint
-from tests.bench import report
-from tests.bench.encoder_transfer import base64_decode, elapsed_ms, transfer
-from tests.bench.server import bench_checkpoint
-from tests.bench.workload import parse_sizes
 from tests.helpers import make_image
 
 # NOTE: Qwen2-VL-2B-Instruct's preprocessor_config.json allows up to 12845056 pixels; the bench checkpoint's
@@ -33,7 +33,7 @@ DEMO_HIDDEN = inspect.signature(build_checkpoint).parameters["hidden_size"].defa
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tests.bench.encoder", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.encoder", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=None,
                    help="a Qwen2-VL checkpoint directory (default: the bench's random one, built if missing)")
     p.add_argument("--max-pixels", type=int, default=QWEN2_VL_MAX_PIXELS, help="preprocessing's pixel cap")
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = Path(args.checkpoint) if args.checkpoint else bench_checkpoint(out_dir)
         shape, rows = encoder_throughput(ckpt, args)
         llm_hidden = shape["llm_hidden"]
-        note = ("the bench's random checkpoint (tests/bench/server.py, far smaller than Qwen2-VL-2B's ViT of "
+        note = ("the bench's random checkpoint (bench/server.py, far smaller than Qwen2-VL-2B's ViT of "
                 "embed 1280 x depth 32, mlp_ratio 4: read the scaling, not the absolute figures)"
                 if args.checkpoint is None else str(ckpt))
         results["encoder"] = {"checkpoint": str(ckpt), "shape": shape, "rows": rows}

@@ -14,18 +14,18 @@ import asyncio
 import json
 import platform
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import numpy as np
 import torch
 
-from tests.bench.client import _one
-from tests.bench.metrics import RequestResult, aggregate
-from tests.bench.prefix import ENCODER_HEAVY
-from tests.bench.server import bench_checkpoint, serve_app
-from tests.bench.workload import data_url, noise_png
+from bench.client import _one
+from bench.metrics import RequestResult, aggregate
+from bench.prefix import ENCODER_HEAVY
+from bench.server import bench_checkpoint, serve_app
+from bench.workload import data_url, noise_png
 
 
 def _body(content, max_tokens: int) -> dict:
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 images, probes, wall = asyncio.run(run(url, one))
                 report.setdefault(mode, {})[n] = {"images": aggregate(images, wall, 1e9, 1e9),
                                                   "probes": aggregate(probes, wall, 1e9, 1e9)}
-    stamp = datetime.now(timezone.utc)
+    stamp = datetime.now(UTC)
     header = (f"{stamp.isoformat(timespec='seconds')}  {platform.processor() or platform.machine()}  torch "
               f"{torch.__version__}  {torch.get_num_threads()} threads; {args.image_requests} image requests of "
               f"{args.size[0]}x{args.size[1]} images at {args.rate}/s, {args.probes} text probes")
