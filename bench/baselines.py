@@ -64,11 +64,16 @@ class HFRunner:
         width = max(map(len, rows))
         input_ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows])
         attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        return {"input_ids": input_ids, "attention_mask": attention_mask,
-                "mm_token_type_ids": (input_ids == self.image_token_id).int(), **kwargs}
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "mm_token_type_ids": (input_ids == self.image_token_id).int(),
+            **kwargs,
+        }
 
-    def generate(self, requests: list[BenchRequest], steps: int | None = None,
-                 scores: bool = False) -> tuple[torch.Tensor, list[float], float, list[int], tuple]:
+    def generate(
+        self, requests: list[BenchRequest], steps: int | None = None, scores: bool = False
+    ) -> tuple[torch.Tensor, list[float], float, list[int], tuple]:
         """One batch, timed from before image decoding (a server does that work too) to generate's return.
 
         Returns (new tokens (B, steps), step times, end time, prompt lengths, per-step logits), times from start.
@@ -79,12 +84,19 @@ class HFRunner:
         start = time.perf_counter()
         inputs = self._inputs(requests)
         with torch.inference_mode():
-            out = self.model.generate(**inputs, do_sample=False, max_new_tokens=steps, min_new_tokens=steps,
-                                      pad_token_id=self.pad_id, streamer=clock, return_dict_in_generate=True,
-                                      output_logits=scores)  # raw: min_new_tokens puts -inf in the scores
+            out = self.model.generate(
+                **inputs,
+                do_sample=False,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                pad_token_id=self.pad_id,
+                streamer=clock,
+                return_dict_in_generate=True,
+                output_logits=scores,
+            )  # raw: min_new_tokens puts -inf in the scores
         end = time.perf_counter() - start
         prompt_lens = inputs["attention_mask"].sum(-1).tolist()
-        new = out.sequences[:, inputs["input_ids"].shape[1]:]
+        new = out.sequences[:, inputs["input_ids"].shape[1] :]
         return new, [t - start for t in clock.times], end, prompt_lens, out.logits or ()
 
     def time_batch(self, requests: list[BenchRequest], own_end: bool) -> tuple[list[Timing], float]:
@@ -92,8 +104,10 @@ class HFRunner:
         _, times, end, prompt_lens, _ = self.generate(requests)
         if len(times) != max(r.output_len for r in requests):
             raise RuntimeError(f"generate made {len(times)} steps, expected {max(r.output_len for r in requests)}")
-        timings = [Timing(times[: r.output_len], times[r.output_len - 1] if own_end else end, p)
-                   for r, p in zip(requests, prompt_lens, strict=True)]
+        timings = [
+            Timing(times[: r.output_len], times[r.output_len - 1] if own_end else end, p)
+            for r, p in zip(requests, prompt_lens, strict=True)
+        ]
         return timings, end
 
     def self_check(self, requests: list[BenchRequest], steps: int = 8) -> str | None:
@@ -116,13 +130,21 @@ class HFRunner:
             gap = float(top2[0] - top2[1])
             diff = max(float((alone_scores[i][0] - batch_scores[i][row]).abs().max()) for i in range(k + 1))
             kind = "near-tie, harmless" if gap <= 10 * max(diff, 1e-6) else "NOT a near-tie"
-            problems.append(f"request {req.index}: step {k} differs ({kind}: top-2 gap {gap:.2e}, "
-                            f"max |logit diff| up to there {diff:.2e})")
+            problems.append(
+                f"request {req.index}: step {k} differs ({kind}: top-2 gap {gap:.2e}, "
+                f"max |logit diff| up to there {diff:.2e})"
+            )
         return "; ".join(problems) or None
 
 
-def run_one_at_a_time(runner: HFRunner, requests: list[BenchRequest], concurrency: int, max_measured: int,
-                      cache: dict[int, Timing], arrivals: list[float] | None) -> tuple[list[RequestResult], float]:
+def run_one_at_a_time(
+    runner: HFRunner,
+    requests: list[BenchRequest],
+    concurrency: int,
+    max_measured: int,
+    cache: dict[int, Timing],
+    arrivals: list[float] | None,
+) -> tuple[list[RequestResult], float]:
     """A server that serves one request at a time, FIFO. A request's service does not depend on the load, so each
     is timed once (into `cache`); past `max_measured`, request i reuses request i % max_measured's service (a
     bootstrap of the measured distribution), so the queueing still sees the full load."""
@@ -137,8 +159,9 @@ def run_one_at_a_time(runner: HFRunner, requests: list[BenchRequest], concurrenc
     return simulate(len(requests), concurrency, 1, serve_one, expected, arrivals)
 
 
-def run_static_batches(runner: HFRunner, requests: list[BenchRequest], concurrency: int,
-                       arrivals: list[float] | None) -> tuple[list[RequestResult], float]:
+def run_static_batches(
+    runner: HFRunner, requests: list[BenchRequest], concurrency: int, arrivals: list[float] | None
+) -> tuple[list[RequestResult], float]:
     """A server that takes up to `concurrency` waiting requests, runs them as one padded batch to the longest
     output, and answers all of them when the batch ends. Only each request's own tokens count as output."""
 

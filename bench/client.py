@@ -69,8 +69,9 @@ async def _one(client: httpx.AsyncClient, index: int, body: dict, t0: float, tim
     return result
 
 
-async def run_load(base_url: str, bodies: list[dict], concurrency: int, arrivals: list[float] | None,
-                   timeout: float) -> tuple[list[RequestResult], float]:
+async def run_load(
+    base_url: str, bodies: list[dict], concurrency: int, arrivals: list[float] | None, timeout: float
+) -> tuple[list[RequestResult], float]:
     """At most `concurrency` in flight; closed loop (next request as soon as a slot frees) or Poisson arrivals.
 
     Returns the results in request order and the wall time from the start to the last completion.
@@ -92,6 +93,7 @@ async def run_load(base_url: str, bodies: list[dict], concurrency: int, arrivals
     return list(results), wall
 
 
-def load(base_url: str, bodies: list[dict], concurrency: int, arrivals: list[float] | None,
-         timeout: float) -> tuple[list[RequestResult], float]:
+def load(
+    base_url: str, bodies: list[dict], concurrency: int, arrivals: list[float] | None, timeout: float
+) -> tuple[list[RequestResult], float]:
     return asyncio.run(run_load(base_url, bodies, concurrency, arrivals, timeout))

@@ -29,8 +29,15 @@ from bench.workload import data_url, noise_png
 
 
 def _body(content, max_tokens: int) -> dict:
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
 
 
 def image_requests(n: int, images: int, size: tuple[int, int], seed: int) -> list[dict]:
@@ -80,8 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--disaggregated-args", type=json.loads, default={},
-                   help='JSON merged into the disaggregated run\'s app args, e.g. \'{"llm": {"cpu_threads": 1}}\'')
+    p.add_argument(
+        "--disaggregated-args",
+        type=json.loads,
+        default={},
+        help='JSON merged into the disaggregated run\'s app args, e.g. \'{"llm": {"cpu_threads": 1}}\'',
+    )
     p.add_argument("--out-dir", default="bench_results")
     args = p.parse_args(argv)
     counts = [int(n) for n in str(args.images).split(",")]
@@ -94,15 +105,23 @@ def main(argv: list[str] | None = None) -> int:
                 one = argparse.Namespace(**{**vars(args), "images": n})
                 asyncio.run(run(url, argparse.Namespace(**{**vars(one), "image_requests": 2, "seed": args.seed + 1})))
                 images, probes, wall = asyncio.run(run(url, one))
-                report.setdefault(mode, {})[n] = {"images": aggregate(images, wall, 1e9, 1e9),
-                                                  "probes": aggregate(probes, wall, 1e9, 1e9)}
+                report.setdefault(mode, {})[n] = {
+                    "images": aggregate(images, wall, 1e9, 1e9),
+                    "probes": aggregate(probes, wall, 1e9, 1e9),
+                }
     stamp = datetime.now(UTC)
-    header = (f"{stamp.isoformat(timespec='seconds')}  {platform.processor() or platform.machine()}  torch "
-              f"{torch.__version__}  {torch.get_num_threads()} threads; {args.image_requests} image requests of "
-              f"{args.size[0]}x{args.size[1]} images at {args.rate}/s, {args.probes} text probes")
+    header = (
+        f"{stamp.isoformat(timespec='seconds')}  {platform.processor() or platform.machine()}  torch "
+        f"{torch.__version__}  {torch.get_num_threads()} threads; {args.image_requests} image requests of "
+        f"{args.size[0]}x{args.size[1]} images at {args.rate}/s, {args.probes} text probes"
+    )
     print(header)
-    rows = [("image TTFT p50", "images", "ttft_ms", "p50"), ("image TTFT p99", "images", "ttft_ms", "p99"),
-            ("probe TPOT p50", "probes", "tpot_ms", "p50"), ("probe TPOT p99", "probes", "tpot_ms", "p99")]
+    rows = [
+        ("image TTFT p50", "images", "ttft_ms", "p50"),
+        ("image TTFT p99", "images", "ttft_ms", "p99"),
+        ("probe TPOT p50", "probes", "tpot_ms", "p50"),
+        ("probe TPOT p99", "probes", "tpot_ms", "p99"),
+    ]
     for n in counts:
         print(f"\n{n} images per request{'':>3} {'disaggregated':>14} {'colocated':>10} {'colocated/disagg':>17}")
         for name, part, metric, pct in rows:
@@ -128,7 +147,9 @@ def plot(path: Path, report: dict[str, dict[int, dict]], counts: list[int], titl
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for mode, by_n in report.items():
         left.plot(counts, [by_n[n]["images"]["ttft_ms"]["p50"] for n in counts], marker="o", label=f"{mode} p50")
-        left.plot(counts, [by_n[n]["images"]["ttft_ms"]["p99"] for n in counts], marker="o", ls="--", label=f"{mode} p99")
+        left.plot(
+            counts, [by_n[n]["images"]["ttft_ms"]["p99"] for n in counts], marker="o", ls="--", label=f"{mode} p99"
+        )
         right.plot(counts, [by_n[n]["probes"]["tpot_ms"]["p99"] for n in counts], marker="o", label=mode)
     for ax, ylabel in ((left, "image request TTFT (ms)"), (right, "text streams' p99 TPOT (ms)")):
         ax.set_xticks(counts, [str(n) for n in counts])

@@ -34,18 +34,25 @@ DEMO_HIDDEN = inspect.signature(build_checkpoint).parameters["hidden_size"].defa
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.encoder", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=None,
-                   help="a Qwen2-VL checkpoint directory (default: the bench's random one, built if missing)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="a Qwen2-VL checkpoint directory (default: the bench's random one, built if missing)",
+    )
     p.add_argument("--max-pixels", type=int, default=QWEN2_VL_MAX_PIXELS, help="preprocessing's pixel cap")
     p.add_argument("--sizes", default="224x224,448x448,896x672", help="WxH, encoder throughput")
     p.add_argument("--batches", default="1,4,16", help="images per packed ViT forward")
-    p.add_argument("--prep-sizes", default="224x224,448x448,896x672,640x480,1280x720,1920x1080",
-                   help="WxH, preprocessing against transformers")
+    p.add_argument(
+        "--prep-sizes",
+        default="224x224,448x448,896x672,640x480,1280x720,1920x1080",
+        help="WxH, preprocessing against transformers",
+    )
     p.add_argument("--tokens", default="64,256,1024,4096", help="embedding rows, Ray transfer")
     p.add_argument("--base64-sizes", default="100000,1000000,8000000", help="decoded bytes, base64")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (the median is reported)")
-    p.add_argument("--skip", default="", help="comma-separated sections to leave out: encoder,preprocess,"
-                                              "transfer,base64")
+    p.add_argument(
+        "--skip", default="", help="comma-separated sections to leave out: encoder,preprocess,transfer,base64"
+    )
     p.add_argument("--out-dir", default="bench_results", help="the JSON (and the bench checkpoint) go here")
     args = p.parse_args(argv)
     if args.repeats < 3:
@@ -78,9 +85,12 @@ def encoder_throughput(ckpt: Path, args: argparse.Namespace) -> tuple[dict, list
     encoder = Qwen2VLVisionEncoder(ckpt)
     encoder.processing = dataclasses.replace(encoder.processing, max_pixels=args.max_pixels)
     vit = encoder.vit.config
-    shape = {"vision": f"embed {vit.embed_dim} x depth {vit.depth}, {vit.num_heads} heads, mlp_ratio {vit.mlp_ratio}",
-             "llm_hidden": encoder.hidden_size, "vision_params": sum(p.numel() for p in encoder.vit.parameters()),
-             "torch_threads": torch.get_num_threads()}
+    shape = {
+        "vision": f"embed {vit.embed_dim} x depth {vit.depth}, {vit.num_heads} heads, mlp_ratio {vit.mlp_ratio}",
+        "llm_hidden": encoder.hidden_size,
+        "vision_params": sum(p.numel() for p in encoder.vit.parameters()),
+        "torch_threads": torch.get_num_threads(),
+    }
     cases = []
     for w, h in parse_sizes(args.sizes):
         for batch in _ints(args.batches):
@@ -96,9 +106,17 @@ def encoder_throughput(ckpt: Path, args: argparse.Namespace) -> tuple[dict, list
     rows = []
     for (size, images, pre), pre_i, fwd_i in zip(cases, pre_ms, fwd_ms, strict=True):
         batch, pre_t, fwd_t = len(images), statistics.median(pre_i), statistics.median(fwd_i)
-        rows.append({"size": size, "patches": pre[0][0].shape[0], "batch": batch, "forward ms": fwd_t,
-                     "img/s forward": batch / fwd_t * 1000, "preprocess ms/img": pre_t / batch,
-                     "img/s with preprocess": batch / (pre_t + fwd_t) * 1000})
+        rows.append(
+            {
+                "size": size,
+                "patches": pre[0][0].shape[0],
+                "batch": batch,
+                "forward ms": fwd_t,
+                "img/s forward": batch / fwd_t * 1000,
+                "preprocess ms/img": pre_t / batch,
+                "img/s with preprocess": batch / (pre_t + fwd_t) * 1000,
+            }
+        )
     return shape, rows
 
 
@@ -124,9 +142,16 @@ def preprocessing_vs_transformers(args: argparse.Namespace) -> list[dict]:
             times = [(elapsed_ms(ours_fn), elapsed_ms(ref_fn)) for _ in range(max(args.repeats, 15))]
             ours_ms, ref_ms = (statistics.median(t) for t in zip(*times))
             rw, rh = ours.resized_size(w, h)
-            rows.append({"size": f"{w}x{h}", "resized to": f"{rw}x{rh}", "ours ms": ours_ms, "transformers ms": ref_ms,
-                         "speedup": ref_ms / ours_ms,
-                         "max abs diff": float((pixel_values - expected["pixel_values"]).abs().max())})
+            rows.append(
+                {
+                    "size": f"{w}x{h}",
+                    "resized to": f"{rw}x{rh}",
+                    "ours ms": ours_ms,
+                    "transformers ms": ref_ms,
+                    "speedup": ref_ms / ours_ms,
+                    "max abs diff": float((pixel_values - expected["pixel_values"]).abs().max()),
+                }
+            )
         return rows
     finally:
         torch.set_num_threads(threads)
@@ -136,31 +161,47 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
     machine = report.machine_info()
-    print(f"{machine['date']}  {machine['cpu']} ({machine['cores']} cores), torch {machine['torch']}, "
-          f"transformers {machine['transformers']}, ray {machine['ray']}; load average {machine['loadavg_at_start']}; "
-          f"each figure is the median of {args.repeats}+ timed runs")
-    results: dict = {"machine": machine, "args": {k: v if not isinstance(v, set) else sorted(v)
-                                                  for k, v in vars(args).items()}}
+    print(
+        f"{machine['date']}  {machine['cpu']} ({machine['cores']} cores), torch {machine['torch']}, "
+        f"transformers {machine['transformers']}, ray {machine['ray']}; load average {machine['loadavg_at_start']}; "
+        f"each figure is the median of {args.repeats}+ timed runs"
+    )
+    results: dict = {
+        "machine": machine,
+        "args": {k: v if not isinstance(v, set) else sorted(v) for k, v in vars(args).items()},
+    }
     llm_hidden = QWEN2_VL_2B_HIDDEN
     if "encoder" not in args.skip:
         ckpt = Path(args.checkpoint) if args.checkpoint else bench_checkpoint(out_dir)
         shape, rows = encoder_throughput(ckpt, args)
         llm_hidden = shape["llm_hidden"]
-        note = ("the bench's random checkpoint (bench/server.py, far smaller than Qwen2-VL-2B's ViT of "
-                "embed 1280 x depth 32, mlp_ratio 4: read the scaling, not the absolute figures)"
-                if args.checkpoint is None else str(ckpt))
+        note = (
+            "the bench's random checkpoint (bench/server.py, far smaller than Qwen2-VL-2B's ViT of "
+            "embed 1280 x depth 32, mlp_ratio 4: read the scaling, not the absolute figures)"
+            if args.checkpoint is None
+            else str(ckpt)
+        )
         results["encoder"] = {"checkpoint": str(ckpt), "shape": shape, "rows": rows}
-        print(table(f"1. Qwen2VLVisionEncoder on cpu, float32, {shape['torch_threads']} torch threads; "
-                    f"{shape['vision']} ({shape['vision_params']:,} parameters), llm_hidden {shape['llm_hidden']}: "
-                    f"{note}. 'patches' per image (4 patches = 1 embedding row); max_pixels {args.max_pixels}. "
-                    "'img/s with preprocess' = images / (their preprocessing, one after another, + the forward).",
-                    rows))
+        print(
+            table(
+                f"1. Qwen2VLVisionEncoder on cpu, float32, {shape['torch_threads']} torch threads; "
+                f"{shape['vision']} ({shape['vision_params']:,} parameters), llm_hidden {shape['llm_hidden']}: "
+                f"{note}. 'patches' per image (4 patches = 1 embedding row); max_pixels {args.max_pixels}. "
+                "'img/s with preprocess' = images / (their preprocessing, one after another, + the forward).",
+                rows,
+            )
+        )
     if "preprocess" not in args.skip:
         rows = preprocessing_vs_transformers(args)
         results["preprocess"] = rows
-        print(table("2. Preprocessing one image (resize, rescale, normalize, patchify; already-decoded RGB), ms, "
-                    "one thread each: ours (encoders/qwen2_vl.py) against transformers' Qwen2VLImageProcessorPil "
-                    "(the fast one needs torchvision, absent here). 'max abs diff' of pixel_values.", rows))
+        print(
+            table(
+                "2. Preprocessing one image (resize, rescale, normalize, patchify; already-decoded RGB), ms, "
+                "one thread each: ours (encoders/qwen2_vl.py) against transformers' Qwen2VLImageProcessorPil "
+                "(the fast one needs torchvision, absent here). 'max abs diff' of pixel_values.",
+                rows,
+            )
+        )
     if "transfer" not in args.skip:
         hiddens = sorted({QWEN2_VL_2B_HIDDEN, llm_hidden, DEMO_HIDDEN}, reverse=True)
         rows = transfer(_ints(args.tokens), hiddens, ["float32", "bfloat16"], args.repeats, zero_copy=False)
@@ -169,12 +210,17 @@ def main(argv: list[str] | None = None) -> int:
         for row, z, o in zip(rows, fast, ours, strict=True):
             row |= {"zero-copy ms": z["ms"], "zero-copy MB/s": z["MB/s"], "ours ms": o["ms"], "ours MB/s": o["MB/s"]}
         results["transfer"] = rows
-        print(table("3. Embedding (tokens, hidden) from an actor's return to another actor holding it (the "
-                    "ObjectRef passed in a list and awaited), one node: consumer's time.time() after the await minus "
-                    "the producer's just before its return, median; 'ms over floor' subtracts the empty tensor's "
-                    "time; MB/s = MB / ms (whole trip). 'zero-copy': the same with "
-                    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1 in the workers; 'ours': the producer registers "
-                    "schemas/transfer.py's serializer, as Encoder replicas do.", rows))
+        print(
+            table(
+                "3. Embedding (tokens, hidden) from an actor's return to another actor holding it (the "
+                "ObjectRef passed in a list and awaited), one node: consumer's time.time() after the await minus "
+                "the producer's just before its return, median; 'ms over floor' subtracts the empty tensor's "
+                "time; MB/s = MB / ms (whole trip). 'zero-copy': the same with "
+                "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1 in the workers; 'ours': the producer registers "
+                "schemas/transfer.py's serializer, as Encoder replicas do.",
+                rows,
+            )
+        )
     if "base64" not in args.skip:
         rows = base64_decode(_ints(args.base64_sizes), max(args.repeats, 15))
         results["base64"] = rows

@@ -61,8 +61,9 @@ def _actors():
     return Producer, Consumer
 
 
-def transfer(tokens: list[int], hiddens: list[int], dtypes: list[str], repeats: int, zero_copy: bool,
-             ours: bool = False) -> list[dict]:
+def transfer(
+    tokens: list[int], hiddens: list[int], dtypes: list[str], repeats: int, zero_copy: bool, ours: bool = False
+) -> list[dict]:
     """Producer's `return` -> consumer holding the tensor, per (tokens, hidden, dtype), both actors on this node.
 
     The producer stamps time.time() just before returning; the consumer stamps it when `await ref` gives the
@@ -78,8 +79,14 @@ def transfer(tokens: list[int], hiddens: list[int], dtypes: list[str], repeats: 
     env = {"PYTHONWARNINGS": "ignore"}  # with zero-copy, torch warns on each receiver that its tensor is read-only
     if zero_copy:
         env["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] = "1"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning",
-             object_store_memory=512 * MIB, runtime_env={"env_vars": env})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level="warning",
+        object_store_memory=512 * MIB,
+        runtime_env={"env_vars": env},
+    )
     try:
         Producer, Consumer = _actors()
         producer, consumer = Producer.remote(ours), Consumer.remote()
@@ -101,8 +108,16 @@ def transfer(tokens: list[int], hiddens: list[int], dtypes: list[str], repeats: 
         for i, (n, hidden, dtype) in enumerate(cases):
             ms = statistics.median(run[i][0] for run in runs) * 1000
             nbytes = runs[0][i][1]
-            rows.append({"tokens": n, "hidden": hidden, "dtype": dtype, "MB": nbytes / 1e6, "ms": ms,
-                         "MB/s": nbytes / 1e6 / (ms / 1000) if nbytes else None})
+            rows.append(
+                {
+                    "tokens": n,
+                    "hidden": hidden,
+                    "dtype": dtype,
+                    "MB": nbytes / 1e6,
+                    "ms": ms,
+                    "MB/s": nbytes / 1e6 / (ms / 1000) if nbytes else None,
+                }
+            )
         floor = rows[0]["ms"]
         for row in rows:
             row["ms over floor"] = row["ms"] - floor

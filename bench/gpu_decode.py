@@ -32,8 +32,16 @@ SHAPE_2B = dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, i
 
 
 def _engine(model: Qwen2LM, blocks: int, max_seqs: int, graphs: bool = False) -> Engine:
-    config = EngineConfig(max_model_len=2048, num_blocks=blocks, block_size=16, max_num_seqs=max_seqs,
-                          max_num_batched_tokens=8192, max_queued=4096, stream_interval_s=0.0, cuda_graphs=graphs)
+    config = EngineConfig(
+        max_model_len=2048,
+        num_blocks=blocks,
+        block_size=16,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=8192,
+        max_queued=4096,
+        stream_interval_s=0.0,
+        cuda_graphs=graphs,
+    )
     return Engine(model, config, image_token_id=-1, merge_size=2, eos_token_ids=set())
 
 
@@ -53,14 +61,20 @@ def check(tmp: Path) -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 900, (n,), generator=g).tolist() for n in (5, 40, 130, 300, 17, 77)]
     outs = {}
-    for device, dtype, graphs in (("cpu", torch.float32, False), ("cuda", torch.float32, False),
-                                  ("cuda", torch.float32, True), ("cuda", torch.bfloat16, True)):
+    for device, dtype, graphs in (
+        ("cpu", torch.float32, False),
+        ("cuda", torch.float32, False),
+        ("cuda", torch.float32, True),
+        ("cuda", torch.bfloat16, True),
+    ):
         model = Qwen2LM.from_pretrained(ckpt, device=device, dtype=dtype)
         outs[(device, dtype, graphs)] = asyncio.run(_run(_engine(model, 256, 8, graphs), prompts, 24))
     cpu = outs[("cpu", torch.float32, False)]
     same = cpu == outs[("cuda", torch.float32, False)] == outs[("cuda", torch.float32, True)]
-    print(f"check: cuda float32 greedy tokens (eager, and CUDA graphs) == cpu float32: {same}; cuda bfloat16 with "
-          f"graphs generated {sum(map(len, outs[('cuda', torch.bfloat16, True)]))} tokens")
+    print(
+        f"check: cuda float32 greedy tokens (eager, and CUDA graphs) == cpu float32: {same}; cuda bfloat16 with "
+        f"graphs generated {sum(map(len, outs[('cuda', torch.bfloat16, True)]))} tokens"
+    )
     if not same:
         raise SystemExit("cuda and cpu disagree")
 
@@ -84,16 +98,21 @@ def decode(tmp: Path, batches: list[int], output_len: int) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_tokens.weight")
     bw = bandwidth_gbs()
     kv_per_step = lambda b: b * (128 + output_len / 2) * model.kv_bytes_per_token()  # noqa: E731 mean context
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; weights read per step "
-          f"{weight_bytes / 1e9:.2f} GB (bf16, without the embedding table) + the batch's KV; copy bandwidth "
-          f"{bw:.0f} GB/s\n")
-    print("| batch | CUDA graphs | output tok/s | steps/s | ms/step | bandwidth limit steps/s | share of it |\n"
-          "| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; weights read per step "
+        f"{weight_bytes / 1e9:.2f} GB (bf16, without the embedding table) + the batch's KV; copy bandwidth "
+        f"{bw:.0f} GB/s\n"
+    )
+    print(
+        "| batch | CUDA graphs | output tok/s | steps/s | ms/step | bandwidth limit steps/s | share of it |\n"
+        "| --- | --- | --- | --- | --- | --- | --- |"
+    )
     g = torch.Generator().manual_seed(1)
     for b, graphs in ((b, graphs) for b in batches for graphs in (False, True)):
         limit = bw * 1e9 / (weight_bytes + kv_per_step(b))
-        engine = _engine(model, blocks=max(b * (128 + output_len) // 16 + 2 * b, 2048 // 16) + 16, max_seqs=b,
-                         graphs=graphs)
+        engine = _engine(
+            model, blocks=max(b * (128 + output_len) // 16 + 2 * b, 2048 // 16) + 16, max_seqs=b, graphs=graphs
+        )
         prompts = [torch.randint(3, 900, (128,), generator=g).tolist() for _ in range(b)]
         asyncio.run(_run(engine, prompts[:1], 8))  # warm-up
         steps0 = engine.counts["steps"]
@@ -103,8 +122,10 @@ def decode(tmp: Path, batches: list[int], output_len: int) -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
         steps = engine.counts["steps"] - steps0
-        print(f"| {b} | {'on' if graphs else 'off'} | {sum(map(len, outs)) / wall:.0f} | {steps / wall:.0f} | "
-              f"{1000 * wall / steps:.1f} | {limit:.0f} | {steps / wall / limit:.1%} |")
+        print(
+            f"| {b} | {'on' if graphs else 'off'} | {sum(map(len, outs)) / wall:.0f} | {steps / wall:.0f} | "
+            f"{1000 * wall / steps:.1f} | {limit:.0f} | {steps / wall / limit:.1%} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,16 +33,33 @@ class InProcess:
         self.processing = Qwen2VLImageProcessing.from_pretrained(checkpoint)
         self.vision = Qwen2VLVisionEncoder(checkpoint, dtype=getattr(torch, dtype))
         model = Qwen2LM.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
-        blocks = num_kv_blocks(model.kv_bytes_per_token(), block_size=llm_args.block_size, max_model_len=max_model_len,
-                               device=torch.device("cpu"), kv_cache_tokens=None, gpu_memory_utilization=0.9,
-                               cpu_kv_cache_gib=llm_args.cpu_kv_cache_gib)
-        engine_config = EngineConfig(max_model_len=max_model_len, num_blocks=blocks, block_size=llm_args.block_size,
-                                     max_num_seqs=llm_args.max_num_seqs,
-                                     max_num_batched_tokens=llm_args.max_num_batched_tokens, max_queued=10_000,
-                                     stream_interval_s=llm_args.stream_interval_ms / 1000, cpu_threads=threads)
+        blocks = num_kv_blocks(
+            model.kv_bytes_per_token(),
+            block_size=llm_args.block_size,
+            max_model_len=max_model_len,
+            device=torch.device("cpu"),
+            kv_cache_tokens=None,
+            gpu_memory_utilization=0.9,
+            cpu_kv_cache_gib=llm_args.cpu_kv_cache_gib,
+        )
+        engine_config = EngineConfig(
+            max_model_len=max_model_len,
+            num_blocks=blocks,
+            block_size=llm_args.block_size,
+            max_num_seqs=llm_args.max_num_seqs,
+            max_num_batched_tokens=llm_args.max_num_batched_tokens,
+            max_queued=10_000,
+            stream_interval_s=llm_args.stream_interval_ms / 1000,
+            cpu_threads=threads,
+        )
         self.image_token_id = config.image_token_id
-        self.engine = Engine(model, engine_config, image_token_id=config.image_token_id,
-                             merge_size=self.processing.merge_size, eos_token_ids=set())
+        self.engine = Engine(
+            model,
+            engine_config,
+            image_token_id=config.image_token_id,
+            merge_size=self.processing.merge_size,
+            eos_token_ids=set(),
+        )
 
     def _prepare(self, req: BenchRequest) -> tuple[list[int], list, list, list[str]]:
         messages = ChatCompletionRequest.model_validate(chat_body(req, "m")).messages

@@ -35,9 +35,8 @@ import torch.nn.functional as F
 
 from llm import Qwen2LM
 from llm.engine.threads import set_thread_intra_op_threads
-from llm.model import BatchMeta, ChunkSpec, paged_attention
+from llm.model import BatchMeta, ChunkSpec, cpu_kernels, paged_attention
 from llm.model import attention as attention_module
-from llm.model import cpu_kernels
 
 NH, NKV, HD, BS = 8, 4, 64, 16
 
@@ -93,10 +92,12 @@ def bench_attention(rounds: int, threads: int) -> list[tuple[str, str, float]]:
             finally:
                 attention_module.decode_groups, cpu_kernels._module = one_group, kernels
 
-        cases = {"masked SDPA, one padded batch (before)": before,
-                 "grouped matmuls, one padded batch": lambda: gather(lambda n: [(0, len(n))] if n else []),
-                 "grouped matmuls, length groups (the fallback)": gather,
-                 "in-place C++ kernel (now)": current}
+        cases = {
+            "masked SDPA, one padded batch (before)": before,
+            "grouped matmuls, one padded batch": lambda: gather(lambda n: [(0, len(n))] if n else []),
+            "grouped matmuls, length groups (the fallback)": gather,
+            "in-place C++ kernel (now)": current,
+        }
         times: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(rounds):
             for name, fn in cases.items():
@@ -143,9 +144,26 @@ def bench_threads(checkpoint: Path, threads: int, rounds: int) -> list[tuple[str
     rows = []
     for dtype in ("float32", "bfloat16"):
         for case, label in (("teams", "loading thread has a team too (before)"), ("solo", "worker's team alone (now)")):
-            out = subprocess.run([sys.executable, "-m", "bench.kernels", "--child", case, "--dtype", dtype,
-                                  "--checkpoint", str(checkpoint), "--threads", str(threads),
-                                  "--rounds", str(rounds)], check=True, capture_output=True, text=True).stdout
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.kernels",
+                    "--child",
+                    case,
+                    "--dtype",
+                    dtype,
+                    "--checkpoint",
+                    str(checkpoint),
+                    "--threads",
+                    str(threads),
+                    "--rounds",
+                    str(rounds),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
             for batch, ms in json.loads(out.strip().splitlines()[-1]).items():
                 rows.append((dtype, batch, label, ms))
     return rows
@@ -186,8 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     from bench.step_ab import baseline_tree, compare, report
 
     print(f"\n3. Decode step (forward + logits) of the bench checkpoint, this tree against {args.baseline}\n")
-    results = compare(checkpoint, baseline_tree(args.baseline, Path(args.out_dir)), threads=args.threads,
-                      rounds=args.step_rounds, reps=10, dtypes="float32,bfloat16", batches="1,8,32")
+    results = compare(
+        checkpoint,
+        baseline_tree(args.baseline, Path(args.out_dir)),
+        threads=args.threads,
+        rounds=args.step_rounds,
+        reps=10,
+        dtypes="float32,bfloat16",
+        batches="1,8,32",
+    )
     print("\n".join(report(results, args.baseline)))
     return 0
 

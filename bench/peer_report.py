@@ -18,7 +18,7 @@ class PeerWorkload:
     @property
     def label(self) -> str:
         spelled = [f"{w}x{h}" for w, h in self.sizes]
-        images = (f"1 image {spelled[0]}" if len(spelled) == 1 else f"{len(spelled)} images ({', '.join(spelled)})")
+        images = f"1 image {spelled[0]}" if len(spelled) == 1 else f"{len(spelled)} images ({', '.join(spelled)})"
         return f"{images}, {self.output_len} out"
 
 
@@ -43,20 +43,29 @@ def _x(value: float | None) -> str:
 def figures(runs: dict[int, dict], hi: int, lo: int) -> dict[str, float | None]:
     """The table's numbers from one system's runs of one workload ({concurrency: aggregate})."""
     high, low = runs.get(hi), runs.get(lo)
-    return {"tok_s_hi": high and high["out_tok_per_s"], "tok_s_lo": low and low["out_tok_per_s"],
-            "tpot_p50_hi": high and high["tpot_ms"]["p50"], "tpot_p99_hi": high and high["tpot_ms"]["p99"],
-            "ttft_p50_hi": high and high["ttft_ms"]["p50"], "tpot_p50_lo": low and low["tpot_ms"]["p50"]}
+    return {
+        "tok_s_hi": high and high["out_tok_per_s"],
+        "tok_s_lo": low and low["out_tok_per_s"],
+        "tpot_p50_hi": high and high["tpot_ms"]["p50"],
+        "tpot_p99_hi": high and high["tpot_ms"]["p99"],
+        "ttft_p50_hi": high and high["ttft_ms"]["p50"],
+        "tpot_p50_lo": low and low["tpot_ms"]["p50"],
+    }
 
 
 def system_table(runs: dict[str, dict[int, dict]], workloads: list[PeerWorkload], hi: int, lo: int) -> list[str]:
     """One system's markdown table ({workload key: {concurrency: aggregate}}), then any failures."""
-    lines = [f"| workload | c={hi} output tok/s | c={lo} tok/s | c={hi} TPOT p50/p99 ms | c={hi} TTFT p50 ms |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        f"| workload | c={hi} output tok/s | c={lo} tok/s | c={hi} TPOT p50/p99 ms | c={hi} TTFT p50 ms |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     notes = []
     for w in workloads:
         f = figures(runs.get(w.key, {}), hi, lo)
-        lines.append(f"| {w.label} | {_num(f['tok_s_hi'])} | {_num(f['tok_s_lo'])} | "
-                     f"{_num(f['tpot_p50_hi'])} / {_num(f['tpot_p99_hi'])} | {_num(f['ttft_p50_hi'])} |")
+        lines.append(
+            f"| {w.label} | {_num(f['tok_s_hi'])} | {_num(f['tok_s_lo'])} | "
+            f"{_num(f['tpot_p50_hi'])} / {_num(f['tpot_p99_hi'])} | {_num(f['ttft_p50_hi'])} |"
+        )
         for c, agg in sorted(runs.get(w.key, {}).items(), reverse=True):
             problems = [f"{n} x {msg}" for msg, n in agg["errors"].items()] + list(agg.get("warnings", []))
             if agg["short_outputs"]:
@@ -65,8 +74,9 @@ def system_table(runs: dict[str, dict[int, dict]], workloads: list[PeerWorkload]
     return lines + notes
 
 
-def ratios(results: dict[str, dict[str, dict[int, dict]]], workloads: list[PeerWorkload], hi: int,
-           lo: int) -> dict[str, dict[str, float | None]]:
+def ratios(
+    results: dict[str, dict[str, dict[int, dict]]], workloads: list[PeerWorkload], hi: int, lo: int
+) -> dict[str, dict[str, float | None]]:
     """ours / vLLM per workload: throughput at hi (above 1 is better), TPOT p50 at lo and TTFT p50 at hi (below 1 is
     better)."""
     out = {}
@@ -78,19 +88,27 @@ def ratios(results: dict[str, dict[str, dict[int, dict]]], workloads: list[PeerW
 
 
 def ratio_lines(r: dict[str, dict[str, float | None]], workloads: list[PeerWorkload], hi: int, lo: int) -> list[str]:
-    lines = [f"| workload | c={hi} tok/s ours/vLLM (>1: ours faster) | c={lo} TPOT p50 ours/vLLM (<1: ours faster) "
-             f"| c={hi} TTFT p50 ours/vLLM (<1: ours faster) |", "| --- | --- | --- | --- |"]
-    lines += [f"| {w.label} | {_x(r[w.key]['tok_s_hi'])} | {_x(r[w.key]['tpot_p50_lo'])} | "
-              f"{_x(r[w.key]['ttft_p50_hi'])} |" for w in workloads]
+    lines = [
+        f"| workload | c={hi} tok/s ours/vLLM (>1: ours faster) | c={lo} TPOT p50 ours/vLLM (<1: ours faster) "
+        f"| c={hi} TTFT p50 ours/vLLM (<1: ours faster) |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {w.label} | {_x(r[w.key]['tok_s_hi'])} | {_x(r[w.key]['tpot_p50_lo'])} | {_x(r[w.key]['ttft_p50_hi'])} |"
+        for w in workloads
+    ]
     ks = [w.key for w in workloads]
-    summary = (f"peer: c={hi} tok/s ours/vLLM = {', '.join(_x(r[k]['tok_s_hi']) for k in ks)}; "
-               f"c={lo} TPOT ours/vLLM = {', '.join(_x(r[k]['tpot_p50_lo']) for k in ks)}; "
-               f"c={hi} TTFT p50 ours/vLLM = {', '.join(_x(r[k]['ttft_p50_hi']) for k in ks)}")
+    summary = (
+        f"peer: c={hi} tok/s ours/vLLM = {', '.join(_x(r[k]['tok_s_hi']) for k in ks)}; "
+        f"c={lo} TPOT ours/vLLM = {', '.join(_x(r[k]['tpot_p50_lo']) for k in ks)}; "
+        f"c={hi} TTFT p50 ours/vLLM = {', '.join(_x(r[k]['ttft_p50_hi']) for k in ks)}"
+    )
     return lines + ["", summary]
 
 
-def prompt_check(records: dict[str, dict[str, dict[int, list[dict]]]],
-                 workloads: list[PeerWorkload]) -> tuple[bool, str]:
+def prompt_check(
+    records: dict[str, dict[str, dict[int, list[dict]]]], workloads: list[PeerWorkload]
+) -> tuple[bool, str]:
     """Both systems must count the same prompt tokens (usage.prompt_tokens) for every request both completed."""
     parts, ok = [], True
     for w in workloads:
@@ -104,7 +122,9 @@ def prompt_check(records: dict[str, dict[str, dict[int, list[dict]]]],
             ok = False
         counts = sorted({seen["ours"][k] for k in both})
         span = f"{counts[0]}" if len(counts) == 1 else (f"{counts[0]}-{counts[-1]}" if counts else "-")
-        parts.append(f"{w.key}: {len(both) - len(bad)}/{len(both)} equal ({span} tokens)"
-                     + (f", MISMATCH (c, request): (ours, vLLM) {bad}" if bad else ""))
+        parts.append(
+            f"{w.key}: {len(both) - len(bad)}/{len(both)} equal ({span} tokens)"
+            + (f", MISMATCH (c, request): (ours, vLLM) {bad}" if bad else "")
+        )
     verdict = "equal for both systems" if ok else "NOT equal for both systems (or not compared)"
     return ok, f"prompt tokens (usage.prompt_tokens) {verdict}: " + "; ".join(parts)

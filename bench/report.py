@@ -34,11 +34,18 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    return {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "platform": platform.platform(),
-            # other work on the machine skews every figure: a 1-minute load well above 0 before we start says so
-            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-            "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "ray": ray.__version__}
+    return {
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        # other work on the machine skews every figure: a 1-minute load well above 0 before we start says so
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "ray": ray.__version__,
+    }
 
 
 def _cell(agg: dict, key: str, sub: str | None) -> str:
@@ -60,9 +67,13 @@ def format_tables(runs: dict[str, dict[int, dict]], concurrencies: list[int], mo
     width = max(len(s) for s in SYSTEMS)
     head = f"{'system':<{width}} " + " ".join(f"{name:>10}" for name, _, _ in COLUMNS)
     for c in concurrencies:
-        lines += ["", f"concurrency {c} ({mode}); latencies in ms (ITL per token-carrying chunk), goodput in req/s "
-                  "meeting both SLOs", head,
-                  "-" * len(head)]
+        lines += [
+            "",
+            f"concurrency {c} ({mode}); latencies in ms (ITL per token-carrying chunk), goodput in req/s "
+            "meeting both SLOs",
+            head,
+            "-" * len(head),
+        ]
         for system in SYSTEMS:
             agg = runs.get(system, {}).get(c)
             if agg is not None:
@@ -92,11 +103,18 @@ def format_tables(runs: dict[str, dict[int, dict]], concurrencies: list[int], mo
         agg = runs.get("ours", {}).get(c)
         if agg and agg.get("llm_messages") is not None:
             ratio, rate = agg.get("served_over_in_process"), agg.get("messages_per_token")
-            lines.append(f"  c={c}: served / in-process out tok/s = " + ("-" if ratio is None else f"{ratio:.2f}x")
-                         + f"; {agg['llm_messages']} messages, " + ("-" if rate is None else f"{rate:.3f}")
-                         + " per output token")
-    lines += ["", f"TPOT check: p99 TPOT at c={max(concurrencies)} / p50 TPOT at c={min(concurrencies)} "
-                  "(1.0 = no slowdown under load):"]
+            lines.append(
+                f"  c={c}: served / in-process out tok/s = "
+                + ("-" if ratio is None else f"{ratio:.2f}x")
+                + f"; {agg['llm_messages']} messages, "
+                + ("-" if rate is None else f"{rate:.3f}")
+                + " per output token"
+            )
+    lines += [
+        "",
+        f"TPOT check: p99 TPOT at c={max(concurrencies)} / p50 TPOT at c={min(concurrencies)} "
+        "(1.0 = no slowdown under load):",
+    ]
     for system, check in tpot_check(runs, concurrencies).items():
         lines.append(f"  {system:<{width}} " + ("-" if check is None else f"{check:.2f}x"))
     return "\n".join(lines)

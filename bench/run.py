@@ -26,8 +26,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help=f"a ~1 minute smoke run: {QUICK} (explicit flags win)")
     p.add_argument("--concurrency", default="1,4,16,32", help="comma-separated: most requests in flight per run")
     p.add_argument("--num-prompts", type=int, default=None, help="requests per run (default: max(8, 2*concurrency))")
-    p.add_argument("--request-rate", type=float, default=None,
-                   help="Poisson arrivals at this many req/s, still capped at the concurrency (default: closed loop)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="Poisson arrivals at this many req/s, still capped at the concurrency (default: closed loop)",
+    )
     p.add_argument("--input-len", type=int, default=256, help="text tokens per prompt (images come on top)")
     p.add_argument("--output-len", type=int, default=64, help="mean output tokens (forced with ignore_eos)")
     p.add_argument("--range-ratio", type=float, default=0.5, help="output lengths uniform in len*(1 -/+ ratio)")
@@ -37,10 +41,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT at most this")
     p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: TPOT at most this")
-    p.add_argument("--baseline-max-prompts", type=int, default=None,
-                   help="cap on requests the transformers baselines run per concurrency (default: all)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="weights and activations of every system (the app's `dtype`, the in-process engine, transformers)")
+    p.add_argument(
+        "--baseline-max-prompts",
+        type=int,
+        default=None,
+        help="cap on requests the transformers baselines run per concurrency (default: all)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weights and activations of every system (the app's `dtype`, the in-process engine, transformers)",
+    )
     p.add_argument("--baseline-threads", type=int, default=2, help="torch threads for the baselines")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
     p.add_argument("--warmup", type=int, default=8, help="warm-up requests (not measured) before the runs")
@@ -48,8 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-baselines", action="store_true", help="no transformers baselines")
     p.add_argument("--skip-in-process", action="store_true", help="no in-process run of our engine")
     p.add_argument("--out-dir", default="bench_results", help="JSON, PNG and the cached checkpoint go here")
-    p.add_argument("--app-args", type=json.loads, default={},
-                   help='JSON merged into the app\'s args, e.g. \'{"llm": {"stream_interval_ms": 50}}\'')
+    p.add_argument(
+        "--app-args",
+        type=json.loads,
+        default={},
+        help='JSON merged into the app\'s args, e.g. \'{"llm": {"stream_interval_ms": 50}}\'',
+    )
     quick, _ = p.parse_known_args(argv)
     if quick.quick:
         p.set_defaults(**QUICK)
@@ -81,8 +97,14 @@ def _slos(args: argparse.Namespace) -> tuple[float, float]:
     return args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000
 
 
-def run_server(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest], sets: dict[int, list[BenchRequest]],
-               runs: dict, records: dict) -> None:
+def run_server(
+    args: argparse.Namespace,
+    ckpt: Path,
+    warm: list[BenchRequest],
+    sets: dict[int, list[BenchRequest]],
+    runs: dict,
+    records: dict,
+) -> None:
     from bench.client import load
     from bench.server import serve_app, served_model_name
     from bench.workload import chat_body
@@ -106,19 +128,27 @@ def run_server(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest], s
                 _say(f"warm-up request {r.index} failed: {r.error}")
         for c, requests in sets.items():
             n, sent = len(requests), messages_sent()
-            results, wall = load(url, [chat_body(r, model) for r in requests], c, _arrivals(args, n),
-                                 args.request_timeout)
+            results, wall = load(
+                url, [chat_body(r, model) for r in requests], c, _arrivals(args, n), args.request_timeout
+            )
             agg = aggregate(results, wall, *_slos(args))
             agg["llm_messages"] = messages_sent() - sent
             tokens = sum(r.output_tokens for r in results if r.ok)
             agg["messages_per_token"] = agg["llm_messages"] / tokens if tokens else None
             runs["ours"][c], records["ours"][c] = agg, [r.to_json() for r in results]
-            _say(f"ours c={c}: {n} requests in {wall:.1f}s, {agg['out_tok_per_s']:.1f} out tok/s, "
-                 f"{agg['failed']} failed")
+            _say(
+                f"ours c={c}: {n} requests in {wall:.1f}s, {agg['out_tok_per_s']:.1f} out tok/s, {agg['failed']} failed"
+            )
 
 
-def run_in_process(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest],
-                   sets: dict[int, list[BenchRequest]], runs: dict, records: dict) -> None:
+def run_in_process(
+    args: argparse.Namespace,
+    ckpt: Path,
+    warm: list[BenchRequest],
+    sets: dict[int, list[BenchRequest]],
+    runs: dict,
+    records: dict,
+) -> None:
     from bench.inprocess import InProcess
 
     runner = InProcess(ckpt, args.baseline_threads, dtype=args.dtype)
@@ -130,8 +160,15 @@ def run_in_process(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest
         _say(f"ours-in-process c={c}: {agg['out_tok_per_s']:.1f} out tok/s")
 
 
-def run_baselines(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest], sets: dict[int, list[BenchRequest]],
-                  runs: dict, records: dict, checks: dict) -> None:
+def run_baselines(
+    args: argparse.Namespace,
+    ckpt: Path,
+    warm: list[BenchRequest],
+    sets: dict[int, list[BenchRequest]],
+    runs: dict,
+    records: dict,
+    checks: dict,
+) -> None:
     from bench.baselines import HFRunner, run_one_at_a_time, run_static_batches
 
     runner = HFRunner(ckpt, args.baseline_threads, dtype=args.dtype)
@@ -156,8 +193,9 @@ def run_baselines(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest]
         _say(f"hf-one-at-a-time c={c}: {agg['out_tok_per_s']:.1f} out tok/s ({measured} requests timed)")
         # Same requests: the server's prompt lengths (usage) must equal transformers' for each request both ran.
         ours = {r["index"]: r["prompt_tokens"] for r in records["ours"].get(c, []) if r["ok"]}
-        mismatches.update({(c, i): (ours[i], t.prompt_tokens) for i, t in timed.items()
-                           if i in ours and ours[i] != t.prompt_tokens})
+        mismatches.update(
+            {(c, i): (ours[i], t.prompt_tokens) for i, t in timed.items() if i in ours and ours[i] != t.prompt_tokens}
+        )
         if c == 1:  # a static batch of one is the one-at-a-time server
             runs["hf-static-batch"][c] = {**agg, "note": "batch of 1: the one-at-a-time figures"}
             continue
@@ -169,8 +207,9 @@ def run_baselines(args: argparse.Namespace, ckpt: Path, warm: list[BenchRequest]
         runs["hf-static-batch"][c], records["hf-static-batch"][c] = agg, [r.to_json() for r in results]
         _say(f"hf-static-batch c={c}: {agg['out_tok_per_s']:.1f} out tok/s")
     if records["ours"]:
-        checks["prompt_tokens_match"] = ("ok" if not mismatches else
-                                         f"MISMATCH {{(c, request): (ours, transformers)}}: {mismatches}")
+        checks["prompt_tokens_match"] = (
+            "ok" if not mismatches else f"MISMATCH {{(c, request): (ours, transformers)}}: {mismatches}"
+        )
         _say(f"prompt lengths, ours vs transformers: {checks['prompt_tokens_match']}")
 
 
@@ -188,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     machine = report.machine_info()
     _say(f"{machine['date']} on {machine['cpu']} ({machine['cores']} cores), torch {machine['torch']}")
     if machine["loadavg_at_start"][0] > 0.5:
-        _say(f"WARNING: load average {machine['loadavg_at_start']} before starting (another process, or a run "
-             "that just ended): busy CPUs skew the figures")
+        _say(
+            f"WARNING: load average {machine['loadavg_at_start']} before starting (another process, or a run "
+            "that just ended): busy CPUs skew the figures"
+        )
     ckpt = bench_checkpoint(out_dir)
     shape = {**CHECKPOINT_PARAMS, "parameters": _param_count(ckpt), "path": str(ckpt)}
     _say(f"checkpoint {ckpt}: {shape['parameters']:,} parameters")
@@ -200,16 +241,28 @@ def main(argv: list[str] | None = None) -> int:
     # request i depends only on (seed, i), so the same flags give the same requests.
     sizes = [_n_prompts(args, c) for c in args.concurrencies]
     total = sum(sizes) + args.warmup
-    pool = make_workload(AutoTokenizer.from_pretrained(ckpt), total, seed=args.seed, input_len=args.input_len,
-                         images_min=args.images_min, images_max=args.images_max, image_sizes=args.sizes,
-                         output_len=args.output_len, range_ratio=args.range_ratio)
+    pool = make_workload(
+        AutoTokenizer.from_pretrained(ckpt),
+        total,
+        seed=args.seed,
+        input_len=args.input_len,
+        images_min=args.images_min,
+        images_max=args.images_max,
+        image_sizes=args.sizes,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+    )
     ends = list(itertools.accumulate(sizes))
-    sets = {c: pool[end - n: end] for c, n, end in zip(args.concurrencies, sizes, ends)}
-    warm = pool[ends[-1]:]
-    workload = {"requests": sizes, "warmup": args.warmup, "text_tokens_mean": sum(r.text_tokens for r in pool) / total,
-                "images_mean": sum(len(r.images) for r in pool) / total,
-                "output_len_range": output_range(args.output_len, args.range_ratio),
-                "output_len_mean": sum(r.output_len for r in pool) / total}
+    sets = {c: pool[end - n : end] for c, n, end in zip(args.concurrencies, sizes, ends)}
+    warm = pool[ends[-1] :]
+    workload = {
+        "requests": sizes,
+        "warmup": args.warmup,
+        "text_tokens_mean": sum(r.text_tokens for r in pool) / total,
+        "images_mean": sum(len(r.images) for r in pool) / total,
+        "output_len_range": output_range(args.output_len, args.range_ratio),
+        "output_len_mean": sum(r.output_len for r in pool) / total,
+    }
     _say(f"workload: {workload}")
 
     runs: dict = {s: {} for s in report.SYSTEMS}
@@ -229,15 +282,20 @@ def main(argv: list[str] | None = None) -> int:
         run_baselines(args, ckpt, warm, sets, runs, records, checks)
     for c, agg in runs["ours"].items():  # what serving costs: the served path against the same engine in-process
         inproc = runs["ours-in-process"].get(c)
-        agg["served_over_in_process"] = (agg["out_tok_per_s"] / inproc["out_tok_per_s"]
-                                         if inproc and inproc["out_tok_per_s"] else None)
+        agg["served_over_in_process"] = (
+            agg["out_tok_per_s"] / inproc["out_tok_per_s"] if inproc and inproc["out_tok_per_s"] else None
+        )
 
     mode = f"Poisson {args.request_rate} req/s" if args.request_rate else "closed loop"
-    print(f"\n{machine['date']}  {machine['platform']}  {machine['cpu']}  {machine['cores']} cores  "
-          f"torch {machine['torch']}  transformers {machine['transformers']}  ray {machine['ray']}")
-    print(f"checkpoint: hidden {shape['hidden_size']}, {shape['num_layers']} layers, {shape['num_heads']} heads "
-          f"({shape['num_kv_heads']} kv), ffn {shape['intermediate_size']}, vision {shape['vision_embed_dim']}x"
-          f"{shape['vision_depth']}, max_pixels {shape['max_pixels']}: {shape['parameters']:,} parameters, {args.dtype}")
+    print(
+        f"\n{machine['date']}  {machine['platform']}  {machine['cpu']}  {machine['cores']} cores  "
+        f"torch {machine['torch']}  transformers {machine['transformers']}  ray {machine['ray']}"
+    )
+    print(
+        f"checkpoint: hidden {shape['hidden_size']}, {shape['num_layers']} layers, {shape['num_heads']} heads "
+        f"({shape['num_kv_heads']} kv), ffn {shape['intermediate_size']}, vision {shape['vision_embed_dim']}x"
+        f"{shape['vision_depth']}, max_pixels {shape['max_pixels']}: {shape['parameters']:,} parameters, {args.dtype}"
+    )
     print(f"workload: {workload}; SLOs TTFT <= {args.slo_ttft_ms:.0f} ms, TPOT <= {args.slo_tpot_ms:.0f} ms")
     print(report.format_tables(runs, args.concurrencies, mode))
     for name, value in checks.items():
@@ -245,13 +303,25 @@ def main(argv: list[str] | None = None) -> int:
     if any(agg["completed"] == 0 for agg in runs["ours"].values()):
         status = 1
 
-    payload = {"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "sizes"},
-               "checkpoint": shape, "workload": workload, "mode": mode, "runs": runs,
-               "tpot_check": report.tpot_check(runs, args.concurrencies), "checks": checks, "requests": records}
+    payload = {
+        "machine": machine,
+        "args": {k: v for k, v in vars(args).items() if k != "sizes"},
+        "checkpoint": shape,
+        "workload": workload,
+        "mode": mode,
+        "runs": runs,
+        "tpot_check": report.tpot_check(runs, args.concurrencies),
+        "checks": checks,
+        "requests": records,
+    }
     json_path, png_path = out_dir / f"bench-{stamp}.json", out_dir / f"bench-{stamp}.png"
     report.write_json(json_path, payload)
-    report.plot(png_path, runs, f"{machine['date']} {machine['cpu']} ({machine['cores']} cores), {mode}, "
-                                f"in {args.input_len}+images, out ~{args.output_len}, {args.dtype}")
+    report.plot(
+        png_path,
+        runs,
+        f"{machine['date']} {machine['cpu']} ({machine['cores']} cores), {mode}, "
+        f"in {args.input_len}+images, out ~{args.output_len}, {args.dtype}",
+    )
     print(f"\nwrote {json_path} and {png_path}")
     return status
 

@@ -62,13 +62,19 @@ def _wait_healthy(base_url: str, deadline_s: float) -> None:
 
 
 def _merge(base: dict, extra: dict) -> dict:
-    return {**base, **{k: _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
-                       for k, v in extra.items()}}
+    return {
+        **base,
+        **{
+            k: _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+            for k, v in extra.items()
+        },
+    }
 
 
 @contextmanager
-def serve_app(checkpoint: Path, *, max_images: int, max_model_len: int = 4096,
-              overrides: dict | None = None) -> Iterator[str]:
+def serve_app(
+    checkpoint: Path, *, max_images: int, max_model_len: int = 4096, overrides: dict | None = None
+) -> Iterator[str]:
     """Ray + Serve in this process, our app at route /; always shut down, even when the run fails."""
     import ray
     from ray import serve
@@ -84,8 +90,14 @@ def serve_app(checkpoint: Path, *, max_images: int, max_model_len: int = 4096,
         port = free_port()
         quiet = {"log_level": "WARNING", "enable_access_log": False}  # per-request INFO lines would drown the report
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
-        args = _merge({"model": str(checkpoint), "llm": {"max_model_len": max_model_len},
-                       "limits": {"max_images_per_request": max(8, max_images)}}, overrides or {})
+        args = _merge(
+            {
+                "model": str(checkpoint),
+                "llm": {"max_model_len": max_model_len},
+                "limits": {"max_images_per_request": max(8, max_images)},
+            },
+            overrides or {},
+        )
         serve.run(build_app(args), name="bench", route_prefix="/", logging_config=quiet)
         base_url = f"http://127.0.0.1:{port}"
         _wait_healthy(base_url, 120)

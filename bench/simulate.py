@@ -27,8 +27,14 @@ class Timing:
 ServeBatch = Callable[[list[int]], tuple[list[Timing], float]]
 
 
-def simulate(n: int, concurrency: int, max_batch: int, serve_batch: ServeBatch, expected: list[int],
-             arrivals: list[float] | None = None) -> tuple[list[RequestResult], float]:
+def simulate(
+    n: int,
+    concurrency: int,
+    max_batch: int,
+    serve_batch: ServeBatch,
+    expected: list[int],
+    arrivals: list[float] | None = None,
+) -> tuple[list[RequestResult], float]:
     """Replay n requests; returns results in request order and the wall time (0 -> last completion).
 
     Completions are FIFO in request order (one batch at a time, a batch's requests in order), so send times are
@@ -43,16 +49,29 @@ def simulate(n: int, concurrency: int, max_batch: int, serve_batch: ServeBatch, 
         if send[head] > clock:  # idle server: jump to the next send
             clock = send[head]
         batch = [head]
-        while len(batch) < max_batch and batch[-1] + 1 < n and send[batch[-1] + 1] is not None \
-                and send[batch[-1] + 1] <= clock:
+        while (
+            len(batch) < max_batch
+            and batch[-1] + 1 < n
+            and send[batch[-1] + 1] is not None
+            and send[batch[-1] + 1] <= clock
+        ):
             batch.append(batch[-1] + 1)
         timings, duration = serve_batch(batch)
         for i, t in zip(batch, timings, strict=True):
             wait = clock - send[i]
             gaps = [b - a for a, b in zip(t.token_times, t.token_times[1:])]
-            results[i] = RequestResult(i, ok=True, sent=send[i], ttft=wait + t.token_times[0], e2e=wait + t.end,
-                                       itls=gaps, output_tokens=len(t.token_times), prompt_tokens=t.prompt_tokens,
-                                       expected_tokens=expected[i], chunks=len(t.token_times))
+            results[i] = RequestResult(
+                i,
+                ok=True,
+                sent=send[i],
+                ttft=wait + t.token_times[0],
+                e2e=wait + t.end,
+                itls=gaps,
+                output_tokens=len(t.token_times),
+                prompt_tokens=t.prompt_tokens,
+                expected_tokens=expected[i],
+                chunks=len(t.token_times),
+            )
             if i + concurrency < n:  # that client's next request
                 send[i + concurrency] = max(base[i + concurrency], send[i] + wait + t.end)
         clock += duration

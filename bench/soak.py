@@ -90,9 +90,12 @@ def sample(app: str) -> dict[str, Any]:
     from ray import serve
 
     rss = {name: rss_bytes(pid) for name, pid in replica_pids(app).items()}
-    return {"rss": {k: v for k, v in rss.items() if v is not None}, "store": object_store(),
-            "engine": serve.get_deployment_handle("LLM", app).stats.remote().result(),
-            "cache": serve.get_deployment_handle("EmbeddingCache", app).stats.remote().result()}
+    return {
+        "rss": {k: v for k, v in rss.items() if v is not None},
+        "store": object_store(),
+        "engine": serve.get_deployment_handle("LLM", app).stats.remote().result(),
+        "cache": serve.get_deployment_handle("EmbeddingCache", app).stats.remote().result(),
+    }
 
 
 def _drained(s: dict, before: dict, max_store: int) -> bool:
@@ -101,6 +104,7 @@ def _drained(s: dict, before: dict, max_store: int) -> bool:
 
 
 # ---- The soak -----------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Bounds:
@@ -135,9 +139,13 @@ class SoakResult:
             rows = [o for o in self.outcomes if o.category == category]
             lat = sorted(o.latency_s for o in rows) or [0.0]
             pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]  # noqa: E731
-            out[category] = {"count": len(rows), "statuses": dict(sorted(Counter(o.status for o in rows).items())),
-                             "p50_ms": 1000 * pct(0.5), "p99_ms": 1000 * pct(0.99),
-                             "failures": sum(not o.ok for o in rows)}
+            out[category] = {
+                "count": len(rows),
+                "statuses": dict(sorted(Counter(o.status for o in rows).items())),
+                "p50_ms": 1000 * pct(0.5),
+                "p99_ms": 1000 * pct(0.99),
+                "failures": sum(not o.ok for o in rows),
+            }
         return out
 
     def to_json(self) -> dict:
@@ -157,17 +165,29 @@ def check(result: SoakResult) -> list[str]:
             out.append(f"{name}: RSS grew {(rss - before['rss'][name]) / MIB:.0f} MiB, over {allowed / MIB:.0f}")
     grown = settled["store"]["bytes"] - before["store"]["bytes"]
     if grown > b.max_object_store_growth_mib * MIB:
-        out.append(f"object store: {grown / MIB:.1f} MiB more in use after settling, over "
-                   f"{b.max_object_store_growth_mib:g} MiB ({settled['store']['objects']} objects)")
+        out.append(
+            f"object store: {grown / MIB:.1f} MiB more in use after settling, over "
+            f"{b.max_object_store_growth_mib:g} MiB ({settled['store']['objects']} objects)"
+        )
     e = settled["engine"]
     if e["running"] or e["waiting"] or e["kv_usage"]:
-        out.append(f"engine after {result.settle_s:.1f}s: {e['running']} running, {e['waiting']} waiting, "
-                   f"kv_usage {e['kv_usage']:.6f} (blocks still held by sequences)")
+        out.append(
+            f"engine after {result.settle_s:.1f}s: {e['running']} running, {e['waiting']} waiting, "
+            f"kv_usage {e['kv_usage']:.6f} (blocks still held by sequences)"
+        )
     return out
 
 
-def soak(base_url: str, app: str, *, requests: int, concurrency: int = 8, seed: int = 0, warmup: int = 50,
-         bounds: Bounds | None = None) -> SoakResult:
+def soak(
+    base_url: str,
+    app: str,
+    *,
+    requests: int,
+    concurrency: int = 8,
+    seed: int = 0,
+    warmup: int = 50,
+    bounds: Bounds | None = None,
+) -> SoakResult:
     """Warm up, sample, drive the load in quarters (a sample after each: growth that goes on quarter after quarter
     is a leak, growth that stops is warm-up), let it settle, sample; `violations` lists every broken bound."""
     bounds = bounds or Bounds()
@@ -180,24 +200,31 @@ def soak(base_url: str, app: str, *, requests: int, concurrency: int = 8, seed: 
         elapsed += time.monotonic() - start
         samples.append(sample(app))
     settled, t0 = samples[-1], time.monotonic()
-    while not _drained(settled, samples[0], bounds.max_object_store_growth_mib * MIB) and \
-            time.monotonic() - t0 < bounds.settle_s:
+    while (
+        not _drained(settled, samples[0], bounds.max_object_store_growth_mib * MIB)
+        and time.monotonic() - t0 < bounds.settle_s
+    ):
         time.sleep(0.25)
         settled = sample(app)
-    result = SoakResult(requests, concurrency, seed, elapsed, outcomes, [*samples, settled], time.monotonic() - t0,
-                        bounds)
+    result = SoakResult(
+        requests, concurrency, seed, elapsed, outcomes, [*samples, settled], time.monotonic() - t0, bounds
+    )
     result.violations = check(result)
     return result
 
 
 def report(r: SoakResult) -> str:
-    lines = [f"soak: {r.requests} requests, concurrency {r.concurrency}, seed {r.seed}: {r.elapsed_s:.1f}s "
-             f"({r.requests / r.elapsed_s:.1f} req/s)", "",
-             f"{'category':<9}{'count':>6}{'fail':>6}{'p50 ms':>9}{'p99 ms':>9}  statuses"]
+    lines = [
+        f"soak: {r.requests} requests, concurrency {r.concurrency}, seed {r.seed}: {r.elapsed_s:.1f}s "
+        f"({r.requests / r.elapsed_s:.1f} req/s)",
+        "",
+        f"{'category':<9}{'count':>6}{'fail':>6}{'p50 ms':>9}{'p99 ms':>9}  statuses",
+    ]
     for category, s in r.summary().items():
         statuses = " ".join(f"{k}:{v}" for k, v in s["statuses"].items())
-        lines.append(f"{category:<9}{s['count']:>6}{s['failures']:>6}{s['p50_ms']:>9.0f}{s['p99_ms']:>9.0f}  "
-                     f"{statuses}")
+        lines.append(
+            f"{category:<9}{s['count']:>6}{s['failures']:>6}{s['p50_ms']:>9.0f}{s['p99_ms']:>9.0f}  {statuses}"
+        )
     columns = ["before", "1/4", "2/4", "3/4", "4/4", "settled"]
     lines += ["", f"{'measure':<30}" + "".join(f"{c:>10}" for c in columns) + f"{'delta':>10}"]
 
@@ -217,8 +244,11 @@ def report(r: SoakResult) -> str:
         row(f"engine {key}", lambda s, k=key: s["engine"][k], fmt=".4f" if key == "kv_usage" else ".0f")
     for key in ("entries", "bytes", "hits", "misses"):
         row(f"embedding cache {key}", lambda s, k=key: s["cache"][k], fmt=".0f")
-    lines += ["", f"settled in {r.settle_s:.1f}s; bounds: RSS +{r.bounds.max_rss_growth_mib:g} MiB per replica, "
-              f"object store +{r.bounds.max_object_store_growth_mib:g} MiB, no sequence or KV block held"]
+    lines += [
+        "",
+        f"settled in {r.settle_s:.1f}s; bounds: RSS +{r.bounds.max_rss_growth_mib:g} MiB per replica, "
+        f"object store +{r.bounds.max_object_store_growth_mib:g} MiB, no sequence or KV block held",
+    ]
     lines += [f"VIOLATION {v}" for v in r.violations[:50]] or ["all bounds held"]
     return "\n".join(lines)
 
@@ -239,9 +269,17 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.concurrency <= 32:
         parser.error("--concurrency must be 1..32: past it, n=2 requests can fill the engine queue (503s)")
     bounds = Bounds(args.max_rss_growth_mib, args.max_object_store_growth_mib, args.settle_s)
+
     def run(url: str, app: str) -> SoakResult:
-        return soak(url, app, requests=args.requests, concurrency=args.concurrency, seed=args.seed,
-                    warmup=args.warmup, bounds=bounds)
+        return soak(
+            url,
+            app,
+            requests=args.requests,
+            concurrency=args.concurrency,
+            seed=args.seed,
+            warmup=args.warmup,
+            bounds=bounds,
+        )
 
     if args.url:
         import ray
@@ -254,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         from tests.helpers import LIMITS
 
         build_tiny(["--out", "demo/qwen2-vl-tiny"])  # as `make checkpoint`: a no-op when it is there
-        with serve_app(Path("demo/qwen2-vl-tiny"), max_images=4,
-                       overrides={"limits": LIMITS, "llm": {"max_model_len": 1024}}) as url:
+        with serve_app(
+            Path("demo/qwen2-vl-tiny"), max_images=4, overrides={"limits": LIMITS, "llm": {"max_model_len": 1024}}
+        ) as url:
             result = run(url, "bench")
     print(report(result))
     if args.json:

@@ -17,8 +17,14 @@ from PIL import Image
 from tests.helpers import data_url, image_bytes, make_image
 
 MIX = {"good": 0.35, "stream": 0.25, "cancel": 0.15, "bad": 0.25}
-PROMPTS = ["Describe the picture.", "What colours do you see?", "hi", "Count the objects, then name them.",
-           "Write one sentence about the sea.", "Is this image dark or light? Answer briefly."]
+PROMPTS = [
+    "Describe the picture.",
+    "What colours do you see?",
+    "hi",
+    "Count the objects, then name them.",
+    "Write one sentence about the sea.",
+    "Is this image dark or light? Answer briefly.",
+]
 
 
 @dataclass(slots=True)
@@ -133,8 +139,14 @@ class Mix:
             body.update(temperature=0.8, seed=rng.randrange(1 << 30))
         else:
             body["temperature"] = 0
-        extras = {"n": 2, "stop": ["e", "."], "logprobs": True, "return_token_ids": True, "user": "soak",
-                  "metadata": {"unknown": [1, {"x": None}]}}  # the last two: fields our server ignores
+        extras = {
+            "n": 2,
+            "stop": ["e", "."],
+            "logprobs": True,
+            "return_token_ids": True,
+            "user": "soak",
+            "metadata": {"unknown": [1, {"x": None}]},
+        }  # the last two: fields our server ignores
         for key in rng.sample(list(extras), k=rng.choice([0, 0, 1, 2])):
             body[key] = extras[key]
             if key == "logprobs":

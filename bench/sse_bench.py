@@ -42,6 +42,7 @@ STOPS = ["</answer>", "Observation:"]
 
 # ---- baseline: the code as it was before this change (ingress/responses.py, ingress/detokenize.py) ----
 
+
 def old_to_logprobs(tokenizer: PreTrainedTokenizerBase, ids: list[int], lps: list[TokenLogprob] | None):
     if lps is None:
         return None
@@ -50,15 +51,28 @@ def old_to_logprobs(tokenizer: PreTrainedTokenizerBase, ids: list[int], lps: lis
         text = tokenizer.decode([token_id])
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
-    return ChoiceLogprobs(content=[
-        TokenLogprobOut(**piece(t, lp.logprob).model_dump(), top_logprobs=[piece(i, v) for i, v in lp.top])
-        for t, lp in zip(ids, lps, strict=True)])
+    return ChoiceLogprobs(
+        content=[
+            TokenLogprobOut(**piece(t, lp.logprob).model_dump(), top_logprobs=[piece(i, v) for i, v in lp.top])
+            for t, lp in zip(ids, lps, strict=True)
+        ]
+    )
 
 
 def old_content_event(tokenizer, head: dict, i: int, text: str, ids: list[int], lps, ids_out: bool) -> str:
-    return sse(ChatCompletionChunk(**head, choices=[ChunkChoice(
-        index=i, delta=Delta(content=text), token_ids=ids if ids_out else None,
-        logprobs=old_to_logprobs(tokenizer, ids, lps))]))
+    return sse(
+        ChatCompletionChunk(
+            **head,
+            choices=[
+                ChunkChoice(
+                    index=i,
+                    delta=Delta(content=text),
+                    token_ids=ids if ids_out else None,
+                    logprobs=old_to_logprobs(tokenizer, ids, lps),
+                )
+            ],
+        )
+    )
 
 
 class OldDetokenizer:
@@ -100,6 +114,7 @@ class OldStopMatcher:
 
 # ---- the cases ----
 
+
 def _per_call(fn: Callable[[], object], number: int) -> float:
     """Microseconds per call of `fn`, one timing of `number` calls."""
     return timeit.timeit(fn, number=number) / number * 1e6
@@ -116,12 +131,24 @@ def chunk_cases(tokenizer) -> list[tuple[str, Callable[[], object], Callable[[],
         new_ev = new.content(0, text, t if ids_out else None, None if lp is None else logprob_items(tokenizer, t, lp))
         assert json.loads(old_ev[6:]) == json.loads(new_ev[6:]), (old_ev, new_ev)
     return [
-        ("content delta, 1 token", lambda: old_content_event(tokenizer, HEAD, 0, text, t, None, False),
-         lambda: new.content(0, text), 20000),
-        ("  + return_token_ids", lambda: old_content_event(tokenizer, HEAD, 0, text, t, None, True),
-         lambda: new.content(0, text, t), 20000),
-        ("  + logprobs, top 5", lambda: old_content_event(tokenizer, HEAD, 0, text, t, lps, False),
-         lambda: new.content(0, text, None, logprob_items(tokenizer, t, lps)), 3000),
+        (
+            "content delta, 1 token",
+            lambda: old_content_event(tokenizer, HEAD, 0, text, t, None, False),
+            lambda: new.content(0, text),
+            20000,
+        ),
+        (
+            "  + return_token_ids",
+            lambda: old_content_event(tokenizer, HEAD, 0, text, t, None, True),
+            lambda: new.content(0, text, t),
+            20000,
+        ),
+        (
+            "  + logprobs, top 5",
+            lambda: old_content_event(tokenizer, HEAD, 0, text, t, lps, False),
+            lambda: new.content(0, text, None, logprob_items(tokenizer, t, lps)),
+            3000,
+        ),
     ]
 
 
@@ -129,14 +156,21 @@ def encoder_cases(text: str) -> list[tuple[str, Callable[[], object], Callable[[
     """The delta text's JSON, the encoder call alone (json_text wraps msgspec's): json.dumps and orjson (where
     installed) against msgspec."""
     encode = msgspec.json.Encoder().encode
-    cases = [("text JSON: json.dumps vs msgspec", lambda: json.dumps(text, ensure_ascii=False),
-              lambda: encode(text).decode(), 50000)]
+    cases = [
+        (
+            "text JSON: json.dumps vs msgspec",
+            lambda: json.dumps(text, ensure_ascii=False),
+            lambda: encode(text).decode(),
+            50000,
+        )
+    ]
     try:
         import orjson
     except ImportError:
         return cases
-    return cases + [("text JSON: orjson vs msgspec", lambda: orjson.dumps(text).decode(),
-                     lambda: encode(text).decode(), 50000)]
+    return cases + [
+        ("text JSON: orjson vs msgspec", lambda: orjson.dumps(text).decode(), lambda: encode(text).decode(), 50000)
+    ]
 
 
 def detok_cases(tokenizer) -> list[tuple[str, Callable[[], object], Callable[[], object], int]]:
@@ -149,10 +183,20 @@ def detok_cases(tokenizer) -> list[tuple[str, Callable[[], object], Callable[[],
 
     for stops in ([], STOPS):
         assert run(OldDetokenizer, OldStopMatcher, stops) == run(IncrementalDetokenizer, StopMatcher, stops)
-    cases = [("detokenize, no stop strings", lambda: run(OldDetokenizer, OldStopMatcher, []),
-              lambda: run(IncrementalDetokenizer, StopMatcher, []), 1),
-             ("detokenize + 2 stop strings", lambda: run(OldDetokenizer, OldStopMatcher, STOPS),
-              lambda: run(IncrementalDetokenizer, StopMatcher, STOPS), 1)]
+    cases = [
+        (
+            "detokenize, no stop strings",
+            lambda: run(OldDetokenizer, OldStopMatcher, []),
+            lambda: run(IncrementalDetokenizer, StopMatcher, []),
+            1,
+        ),
+        (
+            "detokenize + 2 stop strings",
+            lambda: run(OldDetokenizer, OldStopMatcher, STOPS),
+            lambda: run(IncrementalDetokenizer, StopMatcher, STOPS),
+            1,
+        ),
+    ]
     try:
         from tokenizers.decoders import DecodeStream
     except ImportError:
@@ -163,8 +207,9 @@ def detok_cases(tokenizer) -> list[tuple[str, Callable[[], object], Callable[[],
         s = DecodeStream(skip_special_tokens=True)
         return "".join([x for t in ids if (x := s.step(backend, t)) is not None])
 
-    return cases + [("  (reference: tokenizers' DecodeStream)", lambda: run(OldDetokenizer, OldStopMatcher, []),
-                     stream, 1)]
+    return cases + [
+        ("  (reference: tokenizers' DecodeStream)", lambda: run(OldDetokenizer, OldStopMatcher, []), stream, 1)
+    ]
 
 
 def main() -> None:
@@ -180,8 +225,10 @@ def main() -> None:
         for (name, old, new, number), per in rows:
             times[name][0].append(_per_call(old, number) / per)
             times[name][1].append(_per_call(new, number) / per)
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {tokenizer.name_or_path}: {n_tokens}-token answer for the "
-          f"detokenizer rows; medians of {args.rounds} round-robin timings\n")
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {tokenizer.name_or_path}: {n_tokens}-token answer for the "
+        f"detokenizer rows; medians of {args.rounds} round-robin timings\n"
+    )
     print("| per delta or token | old µs | new µs | old/new |\n|---|---:|---:|---:|")
     for (name, *_), _per in rows:
         old, new = (statistics.median(t) for t in times[name])

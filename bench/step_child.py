@@ -20,8 +20,9 @@ try:  # the tree as it is now: llm/model/, llm/engine/
     from llm.model import BatchMeta, ChunkSpec, Qwen2LM
     from llm.model import cpu_kernels as kernels
 except ImportError:  # a baseline from before the split (flat llm/)
-    from llm import BatchMeta, ChunkSpec, Qwen2LM
     from llm.threads import set_thread_intra_op_threads
+
+    from llm import BatchMeta, ChunkSpec, Qwen2LM
 
     try:
         from llm import cpu_kernels as kernels
@@ -36,8 +37,10 @@ def _batch(n: int) -> list:
     rng = random.Random(0)
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
-    return [ChunkSpec([free.pop() for _ in range(s // BS + 1)], s, 1)
-            for s in sorted(rng.randint(90, 450) for _ in range(n))]
+    return [
+        ChunkSpec([free.pop() for _ in range(s // BS + 1)], s, 1)
+        for s in sorted(rng.randint(90, 450) for _ in range(n))
+    ]
 
 
 def main() -> None:

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.kernels import BS, _decode_batch, _timed
 from llm import Qwen2LM
 from llm.engine.threads import set_thread_intra_op_threads
 from llm.model import BatchMeta
 from llm.model.parallel import ParallelLM, TPGroup, init_process_group, serve_rank
-from bench.kernels import BS, _decode_batch, _timed
 from tests.helpers import free_port
 
 CPU = torch.device("cpu")

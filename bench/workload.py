@@ -76,9 +76,19 @@ def noise_png(width: int, height: int, rng: np.random.Generator) -> bytes:
     return buf.getvalue()
 
 
-def make_workload(tokenizer: PreTrainedTokenizerBase, n: int, *, seed: int, input_len: int, images_min: int,
-                  images_max: int, image_sizes: list[tuple[int, int]], output_len: int,
-                  range_ratio: float, fixed_sizes: bool = False) -> list[BenchRequest]:
+def make_workload(
+    tokenizer: PreTrainedTokenizerBase,
+    n: int,
+    *,
+    seed: int,
+    input_len: int,
+    images_min: int,
+    images_max: int,
+    image_sizes: list[tuple[int, int]],
+    output_len: int,
+    range_ratio: float,
+    fixed_sizes: bool = False,
+) -> list[BenchRequest]:
     """n requests; request i depends only on (seed, i), so a shorter run is a prefix of a longer one.
 
     fixed_sizes: every request carries exactly image_sizes, in that order (images_min/max are then ignored), for

@@ -29,7 +29,9 @@ def sample_conversation(rng: random.Random, max_turns: int = 4, num_objects: int
     if rng.choices(kinds, weights)[0] == "which_image":
         while True:
             scenes = [make_scene(rng, num_objects), make_scene(rng, num_objects)]
-            options = [(q, a, [(i, o) for o in scenes[i].objects if o.shape in q]) for q, a, i in pair_questions(*scenes)]
+            options = [
+                (q, a, [(i, o) for o in scenes[i].objects if o.shape in q]) for q, a, i in pair_questions(*scenes)
+            ]
             if options:
                 break
         rng.shuffle(options)
@@ -37,7 +39,9 @@ def sample_conversation(rng: random.Random, max_turns: int = 4, num_objects: int
                 "objects": [sc.objects for sc in scenes]}  # fmt: skip
     scene = make_scene(rng, num_objects)
     options = scene.questions()
-    used: set[int] = set()  # each shape is asked about once: a later question must not be answerable from an earlier one
+    used: set[int] = (
+        set()
+    )  # each shape is asked about once: a later question must not be answerable from an earlier one
     turns = []
     for _ in range(rng.randint(1, max_turns)):
         left = [o for o in options if o[3] is None or id(o[3]) not in used]
@@ -143,8 +147,14 @@ class Encoder:
         return batch
 
     @staticmethod
-    def probe_targets(items: list[dict], width: int, owners: list[list[int]], asks: list[list[int]],
-                      starts: list[list[int]], grids: list[list[tuple[int, int]]]) -> dict[str, torch.Tensor]:
+    def probe_targets(
+        items: list[dict],
+        width: int,
+        owners: list[list[int]],
+        asks: list[list[int]],
+        starts: list[list[int]],
+        grids: list[list[tuple[int, int]]],
+    ) -> dict[str, torch.Tensor]:
         """The targets of demo/supervision.Probes: vision (sum tokens, 10) in the merger's order (images in turn,
         cells row-major), pictures (B, T), route_queries (B, T) and route_keys (B, T, T) (answer -> image tokens
         of its shapes), ask_queries and ask_keys (answer -> the words of its question that name them)."""
@@ -159,7 +169,11 @@ class Encoder:
         keys = torch.zeros(len(items), width, width, dtype=torch.bool)
         ask_queries, ask_keys = torch.zeros_like(queries), torch.zeros_like(keys)
         read_queries = torch.zeros_like(queries)
-        colours, shapes, boxes = torch.zeros(len(items), width, dtype=torch.long), torch.zeros_like(pictures), torch.zeros(len(items), width, 4)
+        colours, shapes, boxes = (
+            torch.zeros(len(items), width, dtype=torch.long),
+            torch.zeros_like(pictures),
+            torch.zeros(len(items), width, 4),
+        )
         for b, (it, owner, row_asks, row_starts, these) in enumerate(zip(items, owners, asks, starts, grids)):
             for p, (start, (r, c)) in enumerate(zip(row_starts, these)):
                 pictures[b, start : start + r * c] = p
@@ -174,7 +188,10 @@ class Encoder:
                     p, obj = focus[0]
                     w, h = it["images"][p].size
                     read_queries[b, positions] = True
-                    colours[b, positions], shapes[b, positions] = list(COLOURS).index(obj.colour), SHAPES.index(obj.shape)
+                    colours[b, positions], shapes[b, positions] = (
+                        list(COLOURS).index(obj.colour),
+                        SHAPES.index(obj.shape),
+                    )
                     boxes[b, positions] = torch.tensor([obj.box[0] / w, obj.box[1] / h, obj.box[2] / w, obj.box[3] / h])
                 words = [t for t, ask in enumerate(row_asks) if ask == k]
                 if words:  # a count names no shape

@@ -107,8 +107,9 @@ def corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = 1024, split_pattern: str | None = None,
-                    lines: list[str] | None = None) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    vocab_size: int = 1024, split_pattern: str | None = None, lines: list[str] | None = None
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE like Qwen2's on the embedded corpus (or `lines`); special tokens get the last ids.
     `split_pattern`: the pre-tokenizer's regex, Qwen2's by default."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers

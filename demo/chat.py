@@ -28,9 +28,17 @@ def main() -> None:
     model = client.models.list().data[0].id
     stream = client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                               {"type": "text", "text": args.question}]}],
-        max_tokens=args.max_tokens, temperature=args.temperature, stream=True, stream_options={"include_usage": True})
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": args.question}],
+            }
+        ],
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     boxes = []
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:

@@ -49,7 +49,9 @@ def evaluate(checkpoint: str | Path, items: list[dict], batch_size: int = 8,
         # Right-padded rows -> left-padded, so every row's generation starts at the same column.
         for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
             fill = pad if key == "input_ids" else 0
-            rows = [torch.cat([torch.full((width - n,), fill, dtype=r.dtype), r[:n]]) for r, n in zip(batch[key], lengths)]
+            rows = [
+                torch.cat([torch.full((width - n,), fill, dtype=r.dtype), r[:n]]) for r, n in zip(batch[key], lengths)
+            ]
             batch[key] = torch.stack(rows)  # (B, T)
         batch = model_inputs(batch)
         out = model.generate(**batch, do_sample=False, max_new_tokens=MAX_NEW_TOKENS)  # (B, T + new)

@@ -90,7 +90,8 @@ class Probes(torch.nn.Module):
         text.layers[ROUTE_LAYER].register_forward_hook(lambda m, a, out: self.seen.__setitem__("routed", out))
         for layer in {0, ROUTE_LAYER}:
             text.layers[layer].self_attn.register_forward_hook(
-                lambda m, a, out, layer=layer: self.seen.__setitem__(f"attn{layer}", out[1]))
+                lambda m, a, out, layer=layer: self.seen.__setitem__(f"attn{layer}", out[1])
+            )
 
     def vision_loss(self, targets: torch.Tensor) -> torch.Tensor:
         """targets (N, 10) from vision_targets, their object column numbered across the batch."""
@@ -123,8 +124,9 @@ class Probes(torch.nn.Module):
         mass = (attn * keys).sum(-1)[queries]  # (Q,)
         return -torch.log(mass.clamp_min(1e-6)).mean() if mass.numel() else attn.sum() * 0
 
-    def read_loss(self, queries: torch.Tensor, colours: torch.Tensor, shapes: torch.Tensor,
-                  boxes: torch.Tensor) -> torch.Tensor:
+    def read_loss(
+        self, queries: torch.Tensor, colours: torch.Tensor, shapes: torch.Tensor, boxes: torch.Tensor
+    ) -> torch.Tensor:
         """After the routed layer, where an answer is written about one shape, the hidden state holds that shape's
         colour, kind and box (colours, shapes (B, T) ids, boxes (B, T, 4) in 0..1; queries (B, T) where known)."""
         out = self.answer(self.seen["routed"][queries])  # (Q, 16)

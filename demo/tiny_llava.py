@@ -36,10 +36,12 @@ _LAYOUTS: dict[str, tuple[tuple[str, str], ...]] = {
     # llava-hf checkpoints made with transformers 4.x: the CLIP tower keeps its `vision_model.` level.
     "legacy": (("vision_tower.", "vision_tower.vision_model."),),
     # What transformers 4.52-4.57 saved: the module paths of the model.
-    "prefixed": (("vision_tower.", "model.vision_tower.vision_model."),
-                 ("multi_modal_projector.", "model.multi_modal_projector."),
-                 ("language_model.model.", "model.language_model."),
-                 ("language_model.lm_head.", "lm_head.")),
+    "prefixed": (
+        ("vision_tower.", "model.vision_tower.vision_model."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+    ),
 }
 
 
@@ -122,16 +124,23 @@ def build_llava_checkpoint(
         # ids past the tokenizer (padding of the matrix), the placeholder, `<s>` and `<pad>`.
         never = [ids["<image>"], ids["<s>"], ids["<pad>"], *range(len(tokenizer), config.text_config.vocab_size)]
         model.lm_head.weight[never] = 0.0
-    model.generation_config = GenerationConfig(eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
-                                               bos_token_id=ids["<s>"], do_sample=False)
+    model.generation_config = GenerationConfig(
+        eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"], bos_token_id=ids["<s>"], do_sample=False
+    )
     model.save_pretrained(out)
-    image_processor = LlavaImageProcessorPil(size={"shortest_edge": image_size},
-                                             crop_size={"height": image_size, "width": image_size}, do_pad=do_pad)
+    image_processor = LlavaImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}, do_pad=do_pad
+    )
     # The processor's own expansion of `<image>` must give the model's count: CLIP's CLS is one more token,
     # dropped again by the "default" strategy (as llava-hf's processor_config.json says).
-    LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
-                   vision_feature_select_strategy=select_strategy, num_additional_image_tokens=1,
-                   chat_template=CHAT_TEMPLATE).save_pretrained(out)
+    LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy=select_strategy,
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    ).save_pretrained(out)
     # NOTE: transformers 5 nests the image processor in processor_config.json; llava-hf checkpoints (and the
     # encoder replicas' readers) also have it alone in preprocessor_config.json.
     image_processor.save_pretrained(out)

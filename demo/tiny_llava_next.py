@@ -20,11 +20,13 @@ _LAYOUTS: dict[str, tuple[tuple[str, str], ...]] = {
     # llava-hf checkpoints made with transformers 4.x: the CLIP tower keeps its `vision_model.` level.
     "legacy": (("vision_tower.", "vision_tower.vision_model."),),
     # What transformers 4.52-4.57 saved: the module paths of the model.
-    "prefixed": (("image_newline", "model.image_newline"),
-                 ("vision_tower.", "model.vision_tower.vision_model."),
-                 ("multi_modal_projector.", "model.multi_modal_projector."),
-                 ("language_model.model.", "model.language_model."),
-                 ("language_model.lm_head.", "lm_head.")),
+    "prefixed": (
+        ("image_newline", "model.image_newline"),
+        ("vision_tower.", "model.vision_tower.vision_model."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+    ),
 }
 
 
@@ -91,16 +93,24 @@ def build_llava_next_checkpoint(
         # Zero output rows: greedy decoding never emits the matrix padding, the placeholder, `<s>` or `<pad>`.
         never = [ids["<image>"], ids["<s>"], ids["<pad>"], *range(len(tokenizer), config.text_config.vocab_size)]
         model.lm_head.weight[never] = 0.0
-    model.generation_config = GenerationConfig(eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
-                                               bos_token_id=ids["<s>"], do_sample=False)
+    model.generation_config = GenerationConfig(
+        eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"], bos_token_id=ids["<s>"], do_sample=False
+    )
     model.save_pretrained(out)
-    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": crop_size},
-                                                 crop_size={"height": crop_size, "width": crop_size},
-                                                 image_grid_pinpoints=pinpoints)
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": crop_size},
+        crop_size={"height": crop_size, "width": crop_size},
+        image_grid_pinpoints=pinpoints,
+    )
     # As llava-hf's processor_config.json: CLIP's CLS is one more token, dropped by the "default" strategy.
-    LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
-                       vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                       chat_template=CHAT_TEMPLATE).save_pretrained(out)
+    LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    ).save_pretrained(out)
     image_processor.save_pretrained(out)  # preprocessor_config.json too, as llava-hf checkpoints have it
     if layout != "hub":
         rename_to_layout(out / "model.safetensors", layout)

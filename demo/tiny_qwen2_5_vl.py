@@ -14,8 +14,14 @@ _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
-def build_qwen2_5_vl_checkpoint(out: Path, seed: int = 0, max_pixels: int = 28 * 28 * 64, layout: str = "hub",
-                                init_std: float = 1.0, min_pixels: int = 56 * 56) -> Path:
+def build_qwen2_5_vl_checkpoint(
+    out: Path,
+    seed: int = 0,
+    max_pixels: int = 28 * 28 * 64,
+    layout: str = "hub",
+    init_std: float = 1.0,
+    min_pixels: int = 56 * 56,
+) -> Path:
     """Write config, random weights, tokenizer, generation and image-processor configs into `out`.
 
     The ViT has 3 blocks, block 1 full attention and blocks 0 and 2 windowed; its windows are 2x2 merged tokens
@@ -66,9 +72,17 @@ def build_qwen2_5_vl_checkpoint(out: Path, seed: int = 0, max_pixels: int = 28 *
     tokenizer.save_pretrained(out)
     # NOTE: written as the hub's Qwen2.5-VL checkpoints write it (top-level min/max_pixels, Qwen2-VL's processor
     # class), not as save_pretrained would (size{}): both forms are in the wild, Qwen2-VL's builder covers the other.
-    preprocessor = {"min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": 14, "temporal_patch_size": 2,
-                    "merge_size": 2, "image_mean": _CLIP_MEAN, "image_std": _CLIP_STD,
-                    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}
+    preprocessor = {
+        "min_pixels": min_pixels,
+        "max_pixels": max_pixels,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": _CLIP_MEAN,
+        "image_std": _CLIP_STD,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor",
+    }
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
     if layout == "legacy":
         to_legacy_layout(out / "model.safetensors")

@@ -14,12 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import (
-    GenerationConfig,
-    PreTrainedTokenizerFast,
-    Qwen2VLConfig,
-    Qwen2VLForConditionalGeneration,
-)
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from demo.batches import Encoder, model_inputs, sample_conversation
@@ -188,11 +183,13 @@ def main(argv: list[str] | None = None) -> int:
                         "alone, on its probe (a step costs half of a whole model's)")  # fmt: skip
     parser.add_argument("--vision-weight", type=float, default=1.0, help="of the image tokens' probe loss")
     parser.add_argument("--route-weight", type=float, default=0.5, help="of the routed attention head's loss")
-    parser.add_argument("--ask-weight", type=float, default=0.5, help="of the first layer's head on the question's words")
+    parser.add_argument(
+        "--ask-weight", type=float, default=0.5, help="of the first layer's head on the question's words"
+    )
     parser.add_argument("--read-weight", type=float, default=0.5, help="of the routed layer's answer probe")
     parser.add_argument("--picture-weight", type=float, default=0.5, help="of the picture-index probe's loss")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="of the saved weights")
-    parser.add_argument("--sizes", type=json.loads, default={}, help='overrides of MODEL_SIZES, as JSON')
+    parser.add_argument("--sizes", type=json.loads, default={}, help="overrides of MODEL_SIZES, as JSON")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)

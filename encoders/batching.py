@@ -27,8 +27,14 @@ class ImageBatcher:
     encoder is idle, after `max_wait_s`. The forward runs on a worker thread, off the event loop. An image larger
     than the budget runs alone. (Like Ray Serve's `@serve.batch`, but bounded by patches, not by count.)"""
 
-    def __init__(self, forward: Callable[[list[Preprocessed]], list[torch.Tensor]], *, max_patches: int,
-                 max_wait_s: float, on_batch: Callable[[int, float], None] | None = None):
+    def __init__(
+        self,
+        forward: Callable[[list[Preprocessed]], list[torch.Tensor]],
+        *,
+        max_patches: int,
+        max_wait_s: float,
+        on_batch: Callable[[int, float], None] | None = None,
+    ):
         self.forward, self.max_patches, self.max_wait_s = forward, max_patches, max_wait_s
         self.on_batch = on_batch  # (images, seconds) of each forward that ran, for metrics
         self._queue: asyncio.Queue[_Item] | None = None

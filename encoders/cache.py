@@ -40,8 +40,14 @@ class EmbeddingLRU:
         self.nbytes += size
 
     def stats(self) -> dict[str, int]:
-        return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions, "entries": len(self._items),
-                "bytes": self.nbytes, "max_bytes": self.max_bytes}
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "entries": len(self._items),
+            "bytes": self.nbytes,
+            "max_bytes": self.max_bytes,
+        }
 
 
 __all__ = ["EmbeddingLRU", "embedding_key"]

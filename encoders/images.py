@@ -27,8 +27,11 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
     """`data:image/png;base64,...` -> the image bytes; anything else is the client's error."""
     if not url.startswith("data:"):
         scheme = url.split(":", 1)[0][:16] if ":" in url else "(none)"
-        raise InvalidRequest(f"image URL scheme {scheme!r} is not accepted: send a data: URL (base64), or http(s) "
-                             "and file:// URLs where the server's image_urls allows them", code="image_url_not_allowed")
+        raise InvalidRequest(
+            f"image URL scheme {scheme!r} is not accepted: send a data: URL (base64), or http(s) "
+            "and file:// URLs where the server's image_urls allows them",
+            code="image_url_not_allowed",
+        )
     header, sep, payload = url[5:].partition(",")
     if not sep or not header.endswith(";base64"):
         raise InvalidRequest("image data URL must look like data:image/<type>;base64,<data>")
@@ -41,8 +44,11 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
         data = pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         # pybase64 says "Non-base64 digit found" for every failure, a wrong length included: say which.
-        why = (f"{len(payload)} characters, not a multiple of 4" if len(payload) % 4
-               else "only A-Z, a-z, 0-9, + and / are allowed, with = padding at the end")
+        why = (
+            f"{len(payload)} characters, not a multiple of 4"
+            if len(payload) % 4
+            else "only A-Z, a-z, 0-9, + and / are allowed, with = padding at the end"
+        )
         raise InvalidRequest(f"image data URL is not valid base64: {why}") from e
     if not data:
         raise InvalidRequest("image data URL is empty")

@@ -37,8 +37,9 @@ class LlavaVisionEncoder:
     """CLIP's vision tower (only the layers the features come from) and LLaVA's projector, loaded alone from the
     checkpoint's vision weights."""
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 config: Any = None):
+    def __init__(
+        self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, config: Any = None
+    ):
         """`config`: the checkpoint's transformers config, when the caller has it (schemas.ModelSpec)."""
         config = config or AutoConfig.from_pretrained(model_dir)
         self.processing = LlavaImageProcessing.from_pretrained(model_dir, config)
@@ -54,10 +55,16 @@ class LlavaVisionEncoder:
         # NOTE: the layers after the deepest selected one never reach the LM (LLaVA-1.5 uses the second to last):
         # they are not built, and their weights are dropped once read.
         vc.num_hidden_layers = max(self.feature_layers)
-        tower_weights = {k.removeprefix("vision_tower."): v for k, v in weights.items()
-                         if k.startswith("vision_tower.") and not _is_dropped(k, vc.num_hidden_layers)}
-        projector_weights = {k.removeprefix("multi_modal_projector."): v for k, v in weights.items()
-                             if k.startswith("multi_modal_projector.")}
+        tower_weights = {
+            k.removeprefix("vision_tower."): v
+            for k, v in weights.items()
+            if k.startswith("vision_tower.") and not _is_dropped(k, vc.num_hidden_layers)
+        }
+        projector_weights = {
+            k.removeprefix("multi_modal_projector."): v
+            for k, v in weights.items()
+            if k.startswith("multi_modal_projector.")
+        }
         with torch.device("meta"):  # no random init of weights we are about to replace
             tower = CLIPVisionModel._from_config(vc, attn_implementation="sdpa")
             projector = LlavaMultiModalProjector(config)

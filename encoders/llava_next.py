@@ -85,10 +85,12 @@ class LlavaNextImageProcessing:
         side, _ = self.crop.out_size
         if self.crop.out_size != (side, side):
             raise ValueError(f"crop_size {self.crop.out_size} is not square: LLaVA-NeXT's tiles are")
-        if not self.image_grid_pinpoints or any(h % side or w % side or h <= 0 or w <= 0
-                                                for h, w in self.image_grid_pinpoints):
-            raise ValueError(f"image_grid_pinpoints {self.image_grid_pinpoints} are not multiples of the {side} px "
-                             "tile")
+        if not self.image_grid_pinpoints or any(
+            h % side or w % side or h <= 0 or w <= 0 for h, w in self.image_grid_pinpoints
+        ):
+            raise ValueError(
+                f"image_grid_pinpoints {self.image_grid_pinpoints} are not multiples of the {side} px tile"
+            )
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: Any = None) -> LlavaNextImageProcessing:
@@ -98,14 +100,18 @@ class LlavaNextImageProcessing:
         if config.vision_feature_select_strategy != "default":
             # NOTE: transformers' pack_image_features reshapes each tile's features to the patch grid, which the
             # CLS token of "full" does not fit.
-            raise ValueError(f"vision_feature_select_strategy {config.vision_feature_select_strategy!r} is not "
-                             "supported for LLaVA-NeXT (only 'default')")
+            raise ValueError(
+                f"vision_feature_select_strategy {config.vision_feature_select_strategy!r} is not "
+                "supported for LLaVA-NeXT (only 'default')"
+            )
         # NOTE: LlavaNextImageProcessor's do_pad pads the batch to its image with the most tiles, not to a square.
         crop = LlavaImageProcessing.from_config(cfg, patch_size=int(config.vision_config.patch_size))
         pinpoints = tuple((int(h), int(w)) for h, w in cfg.get("image_grid_pinpoints") or config.image_grid_pinpoints)
         if pinpoints != tuple((int(h), int(w)) for h, w in config.image_grid_pinpoints):
-            raise ValueError(f"preprocessor_config.json's image_grid_pinpoints {list(pinpoints)} differ from "
-                             f"config.json's {config.image_grid_pinpoints}")
+            raise ValueError(
+                f"preprocessor_config.json's image_grid_pinpoints {list(pinpoints)} differ from "
+                f"config.json's {config.image_grid_pinpoints}"
+            )
         base = crop.size or (crop.shortest_edge, crop.shortest_edge)  # as LlavaNextImageProcessor._preprocess
         processing = cls(crop=crop, image_grid_pinpoints=pinpoints, base_size=base)
         check_tower_size(crop.out_size, config, "tiles")
@@ -175,8 +181,9 @@ class LlavaNextImageProcessing:
         canvas[top : top + h, left : left + w] = fitted
         t = self.tile
         crops = [image.resize(self.base_size[::-1], resample=resample)]
-        crops += [Image.fromarray(canvas[i : i + t, j : j + t]) for i in range(0, best[0], t)
-                  for j in range(0, best[1], t)]
+        crops += [
+            Image.fromarray(canvas[i : i + t, j : j + t]) for i in range(0, best[0], t) for j in range(0, best[1], t)
+        ]
         pixel_values = torch.cat([self.crop.preprocess(c)[0] for c in crops])  # (crops*n*n, C*p*p)
         n = self.patches_per_side
         return pixel_values, TiledGrid((len(crops), n, n), (height, width))
@@ -185,8 +192,9 @@ class LlavaNextImageProcessing:
 class LlavaNextVisionEncoder(LlavaVisionEncoder):
     """LLaVA-1.5's tower and projector on every crop of an image, then LlavaNextModel.pack_image_features."""
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 config: Any = None):
+    def __init__(
+        self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, config: Any = None
+    ):
         """`config`: the checkpoint's transformers config, when the caller has it (schemas.ModelSpec)."""
         config = config or AutoConfig.from_pretrained(model_dir)
         self.processing = LlavaNextImageProcessing.from_pretrained(model_dir, config)

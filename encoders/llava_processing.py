@@ -65,15 +65,19 @@ class LlavaImageProcessing:
         # NOTE: only LlavaImageProcessor's do_pad pads to a square before resizing; CLIPImageProcessor's pads the
         # batch to its largest image after cropping, a no-op when every image is cropped to the same size.
         is_llava = cfg.get("image_processor_type", "").startswith("LlavaImageProcessor")
-        processing = cls.from_config(cfg, patch_size=int(config.vision_config.patch_size),
-                                     do_pad=bool(cfg.get("do_pad", False)) and is_llava,
-                                     num_extra_tokens=1 if strategy == "full" else 0)
+        processing = cls.from_config(
+            cfg,
+            patch_size=int(config.vision_config.patch_size),
+            do_pad=bool(cfg.get("do_pad", False)) and is_llava,
+            num_extra_tokens=1 if strategy == "full" else 0,
+        )
         check_tower_size(processing.out_size, config, "images")
         return processing
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any], *, patch_size: int, do_pad: bool = False,
-                    num_extra_tokens: int = 0) -> LlavaImageProcessing:
+    def from_config(
+        cls, cfg: dict[str, Any], *, patch_size: int, do_pad: bool = False, num_extra_tokens: int = 0
+    ) -> LlavaImageProcessing:
         """The resize, crop, rescale and normalize settings of an image processor config (preprocessor_config.json)."""
         size = cfg.get("size", {"shortest_edge": 224})
         if isinstance(size, int):  # old feature-extractor files: an int is the short side
@@ -83,8 +87,9 @@ class LlavaImageProcessing:
         elif set(size) == {"height", "width"}:
             shortest_edge, exact = None, _hw(size, "size")
         else:
-            raise ValueError(f"preprocessor_config.json: size {size!r} is not supported "
-                             "(shortest_edge, or height and width)")
+            raise ValueError(
+                f"preprocessor_config.json: size {size!r} is not supported (shortest_edge, or height and width)"
+            )
         return cls(
             shortest_edge=shortest_edge,
             size=exact,
@@ -111,8 +116,9 @@ class LlavaImageProcessing:
             return self.size
         if self.do_resize and self.do_pad and self.shortest_edge is not None:
             return self.shortest_edge, self.shortest_edge
-        raise ValueError("the image size after preprocessing depends on the image (no centre crop, no fixed size): "
-                         "not supported")
+        raise ValueError(
+            "the image size after preprocessing depends on the image (no centre crop, no fixed size): not supported"
+        )
 
     def _resize_target(self, width: int, height: int) -> tuple[int, int]:
         """(height, width) that `resize` gives an image of this size."""
@@ -155,8 +161,9 @@ class LlavaImageProcessing:
     def num_image_tokens(self, width: int, height: int) -> int:
         return self.max_image_tokens
 
-    def preprocess(self, image: Image.Image,
-                   size: tuple[int, int] | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    def preprocess(
+        self, image: Image.Image, size: tuple[int, int] | None = None
+    ) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """RGB image -> (pixel_values (h*w, 3*p*p): the patches in row-major order, grid (1, h, w)).
 
         `size`: the (width, height) the resize is computed from, when the image was decoded at a reduced scale."""

@@ -44,13 +44,19 @@ def check_worst_case(forward: Callable[[], list[torch.Tensor]], device: torch.de
     try:
         forward()
     except (torch.OutOfMemoryError, MemoryError) as e:
-        raise RuntimeError(f"the encoder cannot encode its largest image ({what}) on {device}: out of memory "
-                           f"({e}). Lower max_pixels in preprocessor_config.json, or give the encoder replica more "
-                           f"memory (a GPU of its own, or a larger one)") from e
-    peak = (f"peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB on {device}" if on_gpu else
-            f"process peak RSS +{(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024:.0f} MiB")
-    logger.info("encoder start-up check: largest image (%s) encoded in %.2f s, %s", what,
-                time.monotonic() - start, peak)
+        raise RuntimeError(
+            f"the encoder cannot encode its largest image ({what}) on {device}: out of memory "
+            f"({e}). Lower max_pixels in preprocessor_config.json, or give the encoder replica more "
+            f"memory (a GPU of its own, or a larger one)"
+        ) from e
+    peak = (
+        f"peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB on {device}"
+        if on_gpu
+        else f"process peak RSS +{(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024:.0f} MiB"
+    )
+    logger.info(
+        "encoder start-up check: largest image (%s) encoded in %.2f s, %s", what, time.monotonic() - start, peak
+    )
 
 
 __all__ = ["Placed", "check_worst_case", "place_projector"]

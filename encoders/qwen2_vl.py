@@ -30,7 +30,9 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     """Nearest size with both sides multiples of `factor` and an area within [min_pixels, max_pixels]."""
     # Adapted from transformers/models/qwen2_vl/image_processing_qwen2_vl.py (same rounding, so the same counts).
     if max(height, width) / min(height, width) > 200:
-        raise InvalidRequest(f"image aspect ratio must be at most 200, got {max(height, width) / min(height, width):.1f}")
+        raise InvalidRequest(
+            f"image aspect ratio must be at most 200, got {max(height, width) / min(height, width):.1f}"
+        )
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt((height * width) / max_pixels)
@@ -97,7 +99,9 @@ class Qwen2VLImageProcessing:
         t, h, w = self.grid_thw(width, height)
         return t * h * w // self.merge_size**2
 
-    def preprocess(self, image: Image.Image, size: tuple[int, int] | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    def preprocess(
+        self, image: Image.Image, size: tuple[int, int] | None = None
+    ) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """RGB image -> (pixel_values (h*w, 3*T*p*p) in merge order, grid (1, h, w)).
 
         `size`: the (width, height) the target is computed from, when the image was decoded at a reduced scale."""
@@ -125,8 +129,9 @@ class Qwen2VLImageProcessing:
 
 def qwen2_vl_image_tokens(config: Any) -> ImageTokens:
     """`<|vision_start|><|image_pad|>...<|vision_end|>`; `<|video_pad|>` is a video's placeholder (not served)."""
-    return ImageTokens(config.image_token_id, (config.vision_start_token_id, config.vision_end_token_id),
-                       (config.video_token_id,))
+    return ImageTokens(
+        config.image_token_id, (config.vision_start_token_id, config.vision_end_token_id), (config.video_token_id,)
+    )
 
 
 class Qwen2VLVisionEncoder:
@@ -136,8 +141,9 @@ class Qwen2VLVisionEncoder:
     vit_class, rotary_class = Qwen2VisionTransformerPretrainedModel, Qwen2VLVisionRotaryEmbedding
     out_width = "hidden_size"
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 config: Any = None):
+    def __init__(
+        self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, config: Any = None
+    ):
         """`config`: the checkpoint's transformers config, when the caller has it (schemas.ModelSpec)."""
         config = (config or AutoConfig.from_pretrained(model_dir)).vision_config
         self.processing = Qwen2VLImageProcessing.from_pretrained(model_dir)

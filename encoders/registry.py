@@ -14,17 +14,32 @@ from encoders.llava_processing import LlavaImageProcessing
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, qwen2_vl_image_tokens
 
-
 FAMILIES: dict[str, Family] = {
-    "qwen2_vl": Family(processing=Qwen2VLImageProcessing, encoder=Qwen2VLVisionEncoder,
-                       image_tokens=qwen2_vl_image_tokens, projector="vit.merger"),
+    "qwen2_vl": Family(
+        processing=Qwen2VLImageProcessing,
+        encoder=Qwen2VLVisionEncoder,
+        image_tokens=qwen2_vl_image_tokens,
+        projector="vit.merger",
+    ),
     # Qwen2.5-VL: Qwen2-VL's preprocessing and image tokens, its own ViT (see encoders/qwen2_5_vl.py).
-    "qwen2_5_vl": Family(processing=Qwen2VLImageProcessing, encoder=Qwen2_5_VLVisionEncoder,
-                         image_tokens=qwen2_vl_image_tokens, projector="vit.merger"),
-    "llava": Family(processing=LlavaImageProcessing, encoder=LlavaVisionEncoder, image_tokens=llava_image_tokens,
-                    projector="projector"),
-    "llava_next": Family(processing=LlavaNextImageProcessing, encoder=LlavaNextVisionEncoder,
-                         image_tokens=llava_image_tokens, projector="projector"),
+    "qwen2_5_vl": Family(
+        processing=Qwen2VLImageProcessing,
+        encoder=Qwen2_5_VLVisionEncoder,
+        image_tokens=qwen2_vl_image_tokens,
+        projector="vit.merger",
+    ),
+    "llava": Family(
+        processing=LlavaImageProcessing,
+        encoder=LlavaVisionEncoder,
+        image_tokens=llava_image_tokens,
+        projector="projector",
+    ),
+    "llava_next": Family(
+        processing=LlavaNextImageProcessing,
+        encoder=LlavaNextVisionEncoder,
+        image_tokens=llava_image_tokens,
+        projector="projector",
+    ),
 }
 
 
@@ -40,8 +55,10 @@ def family_for(model_type: str | None, name: str | None = None) -> Family:
             raise ValueError(f"family {name!r} is not supported; supported: {sorted(FAMILIES)}")
         return FAMILIES[name]
     if model_type not in FAMILIES:
-        raise ValueError(f"checkpoint model_type {model_type!r} is not supported; supported: {sorted(FAMILIES)} "
-                         "(name one with args.family if the checkpoint is one of them under another model_type)")
+        raise ValueError(
+            f"checkpoint model_type {model_type!r} is not supported; supported: {sorted(FAMILIES)} "
+            "(name one with args.family if the checkpoint is one of them under another model_type)"
+        )
     return FAMILIES[model_type]
 
 

@@ -29,8 +29,14 @@ def _part(device: str | None, dtype: str | None, default: tuple[str, torch.dtype
 
 
 class EncoderRunner:
-    def __init__(self, spec: ModelSpec, opts: EncoderArgs, *, model_factory: Callable[..., VisionEncoder] | None = None,
-                 on_batch: Callable[[int, float], None] | None = None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        opts: EncoderArgs,
+        *,
+        model_factory: Callable[..., VisionEncoder] | None = None,
+        on_batch: Callable[[int, float], None] | None = None,
+    ):
         """`model_factory(model_dir, device=, dtype=)` stands in for the family's encoder (tests)."""
         model_dir, family = spec.model_dir, spec.family
         self.processing = spec.processing
@@ -48,11 +54,18 @@ class EncoderRunner:
         if opts.startup_check:
             w, h = self.processing.worst_case_size()
             image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8))
-            check_worst_case(lambda: self.encoder.forward([self.encoder.preprocess(image)]), torch.device(vision[0]),
-                             f"{w}x{h}, {self.processing.max_image_tokens} tokens at most")
+            check_worst_case(
+                lambda: self.encoder.forward([self.encoder.preprocess(image)]),
+                torch.device(vision[0]),
+                f"{w}x{h}, {self.processing.max_image_tokens} tokens at most",
+            )
         self.jpeg_draft = opts.jpeg_draft
-        self.batcher = ImageBatcher(self.encoder.forward, max_patches=opts.max_batch_patches,
-                                    max_wait_s=opts.max_batch_wait_ms / 1000, on_batch=on_batch)
+        self.batcher = ImageBatcher(
+            self.encoder.forward,
+            max_patches=opts.max_batch_patches,
+            max_wait_s=opts.max_batch_wait_ms / 1000,
+            on_batch=on_batch,
+        )
 
     def _preprocess(self, data: bytes) -> Preprocessed:
         if self.jpeg_draft:  # decode at a reduced scale where the target size allows (JPEG only)

@@ -28,23 +28,40 @@ logger = logging.getLogger("ray.serve")
     ray_actor_options={"num_cpus": 0.4},
     max_ongoing_requests=16,
     # Tuned for reaction time, as serve_config.yaml (Ray's defaults: 30 s up, 600 s down, metrics every 10 s).
-    autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4, "upscale_delay_s": 1,
-                        "downscale_delay_s": 30, "metrics_interval_s": 1, "look_back_period_s": 5},
+    autoscaling_config={
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "target_ongoing_requests": 4,
+        "upscale_delay_s": 1,
+        "downscale_delay_s": 30,
+        "metrics_interval_s": 1,
+        "look_back_period_s": 5,
+    },
 )
 class Encoder:
-    def __init__(self, args: dict[str, Any], cache: DeploymentHandle | None = None,
-                 model_factory: Callable[..., VisionEncoder] | None = None):
+    def __init__(
+        self,
+        args: dict[str, Any],
+        cache: DeploymentHandle | None = None,
+        model_factory: Callable[..., VisionEncoder] | None = None,
+    ):
         self.args = AppArgs.model_validate(args)
         send_tensors_out_of_band()
         spec = ModelSpec.from_args(self.args)
         self.metrics = EncoderMetrics()
-        self.runner = EncoderRunner(spec, self.args.encoder, model_factory=model_factory,
-                                    on_batch=self.metrics.on_batch)
+        self.runner = EncoderRunner(
+            spec, self.args.encoder, model_factory=model_factory, on_batch=self.metrics.on_batch
+        )
         self.num_cancelled = 0
         self.cache = cache if self.args.encoder.cache_gib > 0 else None
         self._puts: set[asyncio.Task] = set()
-        logger.info("encoder ready: %s on %s (%s), cache %s", self.args.model, spec.device, spec.dtype,
-                    "on" if self.cache is not None else "off")
+        logger.info(
+            "encoder ready: %s on %s (%s), cache %s",
+            self.args.model,
+            spec.device,
+            spec.dtype,
+            "on" if self.cache is not None else "off",
+        )
 
     async def _cached(self, key: str) -> torch.Tensor | None:
         try:

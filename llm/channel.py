@@ -77,4 +77,5 @@ class Outbox:
                     done.set_exception(ChannelLost(self.replica_id))
             self.attached.clear()
 
+
 __all__ = ["Outbox"]

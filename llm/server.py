@@ -12,9 +12,15 @@ from typing import Any
 import ray
 import torch
 from ray import serve
+from ray.exceptions import (
+    ActorUnavailableError,
+    NodeDiedError,
+    ObjectLostError,
+    RayActorError,
+    TaskCancelledError,
+    WorkerCrashedError,
+)
 from ray.serve.config import RequestRouterConfig
-from ray.exceptions import (ActorUnavailableError, NodeDiedError, ObjectLostError, RayActorError,
-                            TaskCancelledError, WorkerCrashedError)
 
 from deployments.ingress.router import PrefixAffinityRouter
 from encoders import EmbeddingLRU, EncoderRunner
@@ -22,14 +28,32 @@ from llm import Engine, EngineConfig, Qwen2LM, TextConfig, num_kv_blocks
 from llm.channel import Outbox
 from llm.model.parallel import ParallelLM, TPGroup, init_process_group
 from llm.tp import COLLECTIVE_TIMEOUT_S, Ranks
-from schemas import (AppArgs, Batch, ChannelOpen, EncoderUnavailable, GenerateRequest, InvalidRequest, ModelSpec,
-                     Routed, TokenChunk, observe, root_cause, this_replica)
+from schemas import (
+    AppArgs,
+    Batch,
+    ChannelOpen,
+    EncoderUnavailable,
+    GenerateRequest,
+    InvalidRequest,
+    ModelSpec,
+    Routed,
+    TokenChunk,
+    observe,
+    root_cause,
+    this_replica,
+)
 from schemas.metrics import EncoderMetrics, LLMMetrics
 
 logger = logging.getLogger("ray.serve")
 # Errors that mean "the encoder replica (or its node) went away", not "this image is bad".
-_REPLICA_GONE = (RayActorError, ActorUnavailableError, WorkerCrashedError, ObjectLostError, NodeDiedError,
-                 TaskCancelledError)
+_REPLICA_GONE = (
+    RayActorError,
+    ActorUnavailableError,
+    WorkerCrashedError,
+    ObjectLostError,
+    NodeDiedError,
+    TaskCancelledError,
+)
 
 
 def _bad_image(index: int, e: InvalidRequest) -> InvalidRequest:
@@ -51,8 +75,12 @@ def reserved_cpus() -> int:
 
 # NOTE: the router is set here, not in serve_config.yaml: `serve deploy` imports a class path named in the YAML on
 # the client, where `deployments` is not importable; the YAML can still override its kwargs.
-@serve.deployment(name="LLM", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=256,
-                  request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter))
+@serve.deployment(
+    name="LLM",
+    ray_actor_options={"num_cpus": 1},
+    max_ongoing_requests=256,
+    request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter),
+)
 class LLM:
     def __init__(self, args: dict[str, Any], model_factory: Callable[..., Qwen2LM] | None = None):
         self.args = AppArgs.model_validate(args)
@@ -73,21 +101,39 @@ class LLM:
         elif model_factory is not None:
             model = model_factory(self.args.model, device=device, dtype=dtype)
         else:
-            model = Qwen2LM.from_pretrained(self.args.model, device=device, dtype=dtype,
-                                            config=TextConfig.from_hf(spec.hf_config))
+            model = Qwen2LM.from_pretrained(
+                self.args.model, device=device, dtype=dtype, config=TextConfig.from_hf(spec.hf_config)
+            )
         max_model_len = spec.max_model_len
         num_blocks = num_kv_blocks(
-            model.kv_bytes_per_token(), block_size=llm_args.block_size, max_model_len=max_model_len,
-            device=torch.device(device), kv_cache_tokens=llm_args.kv_cache_tokens,
-            gpu_memory_utilization=llm_args.gpu_memory_utilization, cpu_kv_cache_gib=llm_args.cpu_kv_cache_gib)
+            model.kv_bytes_per_token(),
+            block_size=llm_args.block_size,
+            max_model_len=max_model_len,
+            device=torch.device(device),
+            kv_cache_tokens=llm_args.kv_cache_tokens,
+            gpu_memory_utilization=llm_args.gpu_memory_utilization,
+            cpu_kv_cache_gib=llm_args.cpu_kv_cache_gib,
+        )
         engine_config = EngineConfig(
-            max_model_len=max_model_len, num_blocks=num_blocks, block_size=llm_args.block_size,
-            max_num_seqs=llm_args.max_num_seqs, max_num_batched_tokens=llm_args.max_num_batched_tokens,
-            max_queued=llm_args.max_queued_requests, enable_prefix_caching=llm_args.enable_prefix_caching,
-            stream_interval_s=llm_args.stream_interval_ms / 1000, cpu_threads=cpu_threads,
-            cpu_threads_max=cpu_threads_max, cuda_graphs=llm_args.cuda_graphs)
-        self.engine = Engine(model, engine_config, image_token_id=spec.image_tokens.placeholder_id,
-                             merge_size=spec.merge_size, eos_token_ids=spec.eos_token_ids)
+            max_model_len=max_model_len,
+            num_blocks=num_blocks,
+            block_size=llm_args.block_size,
+            max_num_seqs=llm_args.max_num_seqs,
+            max_num_batched_tokens=llm_args.max_num_batched_tokens,
+            max_queued=llm_args.max_queued_requests,
+            enable_prefix_caching=llm_args.enable_prefix_caching,
+            stream_interval_s=llm_args.stream_interval_ms / 1000,
+            cpu_threads=cpu_threads,
+            cpu_threads_max=cpu_threads_max,
+            cuda_graphs=llm_args.cuda_graphs,
+        )
+        self.engine = Engine(
+            model,
+            engine_config,
+            image_token_id=spec.image_tokens.placeholder_id,
+            merge_size=spec.merge_size,
+            eos_token_ids=spec.eos_token_ids,
+        )
         self.metrics = LLMMetrics(self.engine.stats, self.engine.drain_timings)
         self.replica_id = this_replica() if llm_args.token_channel else None  # None: own streams only, no channels
         self.channels: dict[str, Outbox] = {}  # ingress id -> its open channel here (deployments/ingress/channel.py)
@@ -98,21 +144,41 @@ class LLM:
         if self.args.encoder.colocated:  # the encoder lives here, sharing this replica's device with the engine
             self.vision = EncoderRunner(spec, self.args.encoder, on_batch=EncoderMetrics().on_batch)
             self.vision_cache = EmbeddingLRU(int(self.args.encoder.cache_gib * (1 << 30)))
-        logger.info("llm ready: %s on %s (%s, %s engine threads, %d tensor-parallel ranks), context %d, KV cache %d "
-                    "tokens (%.2f GiB per rank)%s", self.args.model, device, dtype,
-                    f"{cpu_threads}-{cpu_threads_max}" if cpu_threads_max else cpu_threads or "default",
-                    llm_args.tensor_parallel_size, max_model_len, num_blocks * llm_args.block_size,
-                    self.engine.runner.cache.nbytes / (1 << 30), ", encoder colocated" if self.vision else "")
+        logger.info(
+            "llm ready: %s on %s (%s, %s engine threads, %d tensor-parallel ranks), context %d, KV cache %d "
+            "tokens (%.2f GiB per rank)%s",
+            self.args.model,
+            device,
+            dtype,
+            f"{cpu_threads}-{cpu_threads_max}" if cpu_threads_max else cpu_threads or "default",
+            llm_args.tensor_parallel_size,
+            max_model_len,
+            num_blocks * llm_args.block_size,
+            self.engine.runner.cache.nbytes / (1 << 30),
+            ", encoder colocated" if self.vision else "",
+        )
 
     def _start_ranks(self, world_size: int, device: str, dtype: torch.dtype) -> ParallelLM:
         """This replica is rank 0 of `world_size`; the others are actors in its placement group (llm/tp.py)."""
         group, shard = TPGroup(0, world_size), []
 
         def join(init_method: str) -> None:
-            init_process_group(0, world_size, init_method, torch.device(device, 0) if device == "cuda"
-                               else torch.device("cpu"), COLLECTIVE_TIMEOUT_S)
-            shard.append(Qwen2LM.from_pretrained(self.args.model, device=device, dtype=dtype, tp=group,
-                                                 config=TextConfig.from_hf(self.spec.hf_config)))
+            init_process_group(
+                0,
+                world_size,
+                init_method,
+                torch.device(device, 0) if device == "cuda" else torch.device("cpu"),
+                COLLECTIVE_TIMEOUT_S,
+            )
+            shard.append(
+                Qwen2LM.from_pretrained(
+                    self.args.model,
+                    device=device,
+                    dtype=dtype,
+                    tp=group,
+                    config=TextConfig.from_hf(self.spec.hf_config),
+                )
+            )
 
         self.ranks = Ranks(world_size, device)
         self.ranks.start(self.args.model, device, str(dtype).removeprefix("torch."), self.args.llm.cpu_threads, join)

@@ -35,8 +35,10 @@ class Rank:
     def setup(self, model_dir: str, device: str, dtype: str, init_method: str, cpu_threads: int) -> None:
         """Join the process group and load this rank's shard (rank 0 does the same meanwhile)."""
         if device == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"tensor-parallel rank {self.group.rank} has no GPU: give every entry of the LLM's "
-                               "placement_group_bundles GPU: 1")
+            raise RuntimeError(
+                f"tensor-parallel rank {self.group.rank} has no GPU: give every entry of the LLM's "
+                "placement_group_bundles GPU: 1"
+            )
         torch.set_num_threads(1)  # NOTE: the loop's thread gets the cores (llm/engine/threads.py)
         self.cpu_threads = cpu_threads if device == "cpu" else None
         dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
@@ -68,18 +70,25 @@ class Ranks:
     def __init__(self, world_size: int, device: str):
         pg = get_current_placement_group()
         if pg is not None and len(pg.bundle_specs) < world_size:
-            raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} placement_group_bundles (one per "
-                             f"rank, rank 0 in the first), but the LLM deployment has {len(pg.bundle_specs)}")
+            raise ValueError(
+                f"tensor_parallel_size={world_size} needs {world_size} placement_group_bundles (one per "
+                f"rank, rank 0 in the first), but the LLM deployment has {len(pg.bundle_specs)}"
+            )
         if pg is None:
-            logger.warning("LLM replica has no placement group: its %d tensor-parallel ranks may land on other "
-                           "nodes (build_app sets placement_group_bundles; was it overridden?)", world_size)
+            logger.warning(
+                "LLM replica has no placement group: its %d tensor-parallel ranks may land on other "
+                "nodes (build_app sets placement_group_bundles; was it overridden?)",
+                world_size,
+            )
         self.actors, self.cpus = [], []  # ranks 1..N-1, and the CPUs each reserved
         for rank in range(1, world_size):
             if pg is not None:
                 spec = pg.bundle_specs[rank]
                 options: dict[str, Any] = {
-                    "num_cpus": spec.get("CPU", 0), "num_gpus": spec.get("GPU", 0),
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)}
+                    "num_cpus": spec.get("CPU", 0),
+                    "num_gpus": spec.get("GPU", 0),
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                }
             else:
                 options = {"num_cpus": 1, "num_gpus": 1 if device == "cuda" else 0}
             self.actors.append(Rank.options(**options).remote(rank, world_size))
@@ -92,8 +101,10 @@ class Ranks:
         default the CPUs of its bundle."""
         ray.get([a.ready.remote() for a in self.actors])  # placed and alive before anyone waits on a rendezvous
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
-        setups = [a.setup.remote(model_dir, device, dtype, init_method, cpu_threads or cpus)
-                  for a, cpus in zip(self.actors, self.cpus, strict=True)]
+        setups = [
+            a.setup.remote(model_dir, device, dtype, init_method, cpu_threads or cpus)
+            for a, cpus in zip(self.actors, self.cpus, strict=True)
+        ]
         join_rank0(init_method)
         ray.get(setups)
         self.loops = [a.serve.remote() for a in self.actors]
@@ -120,16 +131,17 @@ def check_gpus(world_size: int, node_gpus: list[float]) -> None:
     """The ranks of one replica are packed on one node: some node must have that many GPUs."""
     if max(node_gpus, default=0) < world_size:
         have = ", ".join(f"{g:g}" for g in node_gpus) or "no nodes"
-        raise ValueError(f"llm.tensor_parallel_size={world_size} needs {world_size} GPUs on one node (a replica's "
-                         f"ranks are packed together), but the cluster's nodes have {have} GPUs: add GPUs, lower "
-                         "tensor_parallel_size, or set device: cpu")
+        raise ValueError(
+            f"llm.tensor_parallel_size={world_size} needs {world_size} GPUs on one node (a replica's "
+            f"ranks are packed together), but the cluster's nodes have {have} GPUs: add GPUs, lower "
+            "tensor_parallel_size, or set device: cpu"
+        )
 
 
 def llm_placement(world_size: int, device: str) -> dict[str, Any]:
     """LLM deployment options: with N ranks, one bundle per rank, all on one node (rank 0, the replica, in the
     first); on GPUs, one GPU each, after checking that a node has them. serve_config.yaml may override these."""
-    gpus = device == "cuda" or (device == "auto" and ray.is_initialized()
-                                and ray.cluster_resources().get("GPU", 0) > 0)
+    gpus = device == "cuda" or (device == "auto" and ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0)
     if gpus and ray.is_initialized():
         check_gpus(world_size, [n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]])
     if world_size == 1:

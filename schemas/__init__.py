@@ -1,9 +1,29 @@
 """Shared leaves: pydantic models at the edges (HTTP, config), the dataclasses the processes exchange, the errors that
 cross them, and the safetensors weight reader. (`schemas.metrics`, `schemas.transfer`: import them by name.)"""
 
-from schemas.config import AppArgs, AuthArgs, EncoderArgs, ImageURLArgs, LLMArgs, Limits, resolve_device, resolve_dtype, resolve_max_model_len
-from schemas.engine import (Batch, ChannelOpen, FinishReason, GenerateRequest, Item, Routed, SamplingParams, TokenChunk,
-                            TokenLogprob, this_replica)
+from schemas.config import (
+    AppArgs,
+    AuthArgs,
+    EncoderArgs,
+    ImageURLArgs,
+    Limits,
+    LLMArgs,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_model_len,
+)
+from schemas.engine import (
+    Batch,
+    ChannelOpen,
+    FinishReason,
+    GenerateRequest,
+    Item,
+    Routed,
+    SamplingParams,
+    TokenChunk,
+    TokenLogprob,
+    this_replica,
+)
 from schemas.errors import ChannelLost, EncoderUnavailable, InvalidRequest, Overloaded, observe, root_cause
 from schemas.model_spec import ModelSpec
 from schemas.weights import Component, load_components, split_key

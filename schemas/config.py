@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
-
-import ipaddress
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -34,17 +33,21 @@ class Limits(_Strict):
     max_stop: int = Field(4, ge=0, description="Most stop strings in one request.")
     max_stop_chars: int = Field(64, ge=1, description="Longest stop string, in characters.")
     context_overflow: Literal["error", "drop_oldest_turns"] = Field(
-        "error", description="A prompt over the context: a 400, or drop the oldest whole turns (and their images).")
+        "error", description="A prompt over the context: a 400, or drop the oldest whole turns (and their images)."
+    )
     request_timeout_s: float = Field(
-        600.0, gt=0.0, description="Deadline of a request; past it a 408, or an error event on a stream.")
+        600.0, gt=0.0, description="Deadline of a request; past it a 408, or an error event on a stream."
+    )
 
 
 class ImageURLArgs(_Strict):
     allow_http: bool = Field(False, description="Fetch http(s) image URLs (off: only data: URLs).")
     allowed_domains: list[str] = Field(
-        default_factory=list, description='Hosts images may come from: "example.com", "*.example.com", or "*".')
+        default_factory=list, description='Hosts images may come from: "example.com", "*.example.com", or "*".'
+    )
     allowed_networks: list[str] = Field(
-        default_factory=list, description="CIDRs exempt from the block on private addresses (an internal image store).")
+        default_factory=list, description="CIDRs exempt from the block on private addresses (an internal image store)."
+    )
     max_redirects: int = Field(3, ge=0, le=10, description="Redirects followed, each one checked again; 0: none.")
     timeout_s: float = Field(10.0, gt=0.0, description="Whole fetch of one image: connect, redirects, body.")
     file_root: str | None = Field(None, description="file:// URLs are served from under this directory; unset: off.")
@@ -86,28 +89,42 @@ class LLMArgs(_Strict):
         True, description="Reuse the KV of a repeated prefix (same tokens, same images) across requests."
     )
     stream_interval_ms: float = Field(
-        20.0, ge=0.0, description="Tokens arriving within this interval go out as one message (per channel, or per "
-                                  "stream without one)."
+        20.0,
+        ge=0.0,
+        description="Tokens arriving within this interval go out as one message (per channel, or per "
+        "stream without one).",
     )
     token_channel: bool = Field(
-        True, description="Each ingress replica gets each step's tokens of all its streams on one LLM replica as one "
-                          "message (deployments/ingress/channel.py); false: one message per stream."
+        True,
+        description="Each ingress replica gets each step's tokens of all its streams on one LLM replica as one "
+        "message (deployments/ingress/channel.py); false: one message per stream.",
     )
     token_channel_idle_s: float = Field(
-        5.0, gt=0.0, description="A channel with no stream for this long closes (a draining replica waits for it); "
-                                 "the first requests after that stream on their own until it is open again."
+        5.0,
+        gt=0.0,
+        description="A channel with no stream for this long closes (a draining replica waits for it); "
+        "the first requests after that stream on their own until it is open again.",
     )
     cpu_threads: int | None = Field(
-        None, ge=1, description="torch threads of the engine's worker on cpu (the replica's other threads use one); "
+        None,
+        ge=1,
+        description="torch threads of the engine's worker on cpu (the replica's other threads use one); "
         "default: the CPUs Ray reserved for the replica (its num_cpus), and more, up to the CPUs the replica may run "
-        "on, while the node's other processes (encoders, ingress) leave them idle.")
+        "on, while the node's other processes (encoders, ingress) leave them idle.",
+    )
     cuda_graphs: bool | None = Field(
-        None, description="On cuda with one rank: decode-only steps replay CUDA graphs captured at start, one per "
+        None,
+        description="On cuda with one rank: decode-only steps replay CUDA graphs captured at start, one per "
         "batch bucket (false: the same static step, eager); default: on for cuda, off on cpu (where the eager step "
-        "reads only the blocks a batch uses).")
+        "reads only the blocks a batch uses).",
+    )
     tensor_parallel_size: int = Field(
-        1, ge=1, le=64, description="Ranks (one GPU each) that one LLM replica's model is split over, packed on one "
-        "node: attention heads, the MLP and the KV cache are sharded; it must divide the heads and KV heads.")
+        1,
+        ge=1,
+        le=64,
+        description="Ranks (one GPU each) that one LLM replica's model is split over, packed on one "
+        "node: attention heads, the MLP and the KV cache are sharded; it must divide the heads and KV heads.",
+    )
 
 
 class EncoderArgs(_Strict):
@@ -132,7 +149,8 @@ class EncoderArgs(_Strict):
     projector_device: Device | None = Field(None, description="Device of the projector; default: the tower's.")
     projector_dtype: DType | None = Field(None, description="dtype of the projector (e.g. float32 after a bf16 ViT).")
     startup_check: bool = Field(
-        True, description="Encode one largest-size image at start; refuse to start, saying why, if it does not fit.")
+        True, description="Encode one largest-size image at start; refuse to start, saying why, if it does not fit."
+    )
 
 
 class AuthArgs(_Strict):
@@ -149,9 +167,12 @@ class AuthArgs(_Strict):
 
 class AppArgs(_Strict):
     model: str = Field(description="Path to a Hugging Face-format checkpoint directory (config.json, safetensors).")
-    served_model_name: str | None = Field(None, description="Name in /v1/models and responses; default: the folder name.")
+    served_model_name: str | None = Field(
+        None, description="Name in /v1/models and responses; default: the folder name."
+    )
     family: str | None = Field(
-        None, description="Model family (qwen2_vl, qwen2_5_vl, llava, llava_next); default: config.json's model_type.")
+        None, description="Model family (qwen2_vl, qwen2_5_vl, llava, llava_next); default: config.json's model_type."
+    )
     device: Device = Field("auto", description="auto: cuda in each replica that was given a GPU, else cpu; or set one.")
     dtype: DType = Field("auto", description="Weights and activations: bfloat16 on cuda, float32 on cpu when auto.")
     limits: Limits = Field(default_factory=Limits, description="Input limits; every one gets a 4xx past it.")
@@ -160,7 +181,8 @@ class AppArgs(_Strict):
     auth: AuthArgs = Field(default_factory=AuthArgs, description="API keys and CORS at the ingress.")
     image_urls: ImageURLArgs = Field(default_factory=ImageURLArgs, description="http(s) and file:// image URLs.")
     tensor_parallel_size: int | None = Field(
-        None, ge=1, le=64, description="Shorthand for llm.tensor_parallel_size (the two may not disagree).")
+        None, ge=1, le=64, description="Shorthand for llm.tensor_parallel_size (the two may not disagree)."
+    )
 
     @model_validator(mode="after")
     def _one_tensor_parallel_size(self) -> AppArgs:
@@ -199,4 +221,16 @@ def resolve_max_model_len(configured: int | None, max_position_embeddings: int) 
     return configured if configured is not None else min(max_position_embeddings, 32768)
 
 
-__all__ = ["AppArgs", "AuthArgs", "Device", "DType", "EncoderArgs", "ImageURLArgs", "LLMArgs", "Limits", "resolve_device", "resolve_dtype", "resolve_max_model_len"]
+__all__ = [
+    "AppArgs",
+    "AuthArgs",
+    "Device",
+    "DType",
+    "EncoderArgs",
+    "ImageURLArgs",
+    "LLMArgs",
+    "Limits",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_max_model_len",
+]

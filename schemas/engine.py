@@ -121,5 +121,15 @@ def this_replica() -> str | None:
         return None
 
 
-__all__ = ["Batch", "ChannelOpen", "FinishReason", "GenerateRequest", "Item", "Routed", "SamplingParams", "TokenChunk",
-           "TokenLogprob", "this_replica"]
+__all__ = [
+    "Batch",
+    "ChannelOpen",
+    "FinishReason",
+    "GenerateRequest",
+    "Item",
+    "Routed",
+    "SamplingParams",
+    "TokenChunk",
+    "TokenLogprob",
+    "this_replica",
+]

@@ -18,12 +18,17 @@ BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
 class IngressMetrics:
     def __init__(self) -> None:
-        self.ttft = Histogram("vlm_time_to_first_token_seconds", "Request arrival to its first token (images "
-                              "encoded, prompt prefilled).", boundaries=LATENCY_S)
-        self.e2e = Histogram("vlm_e2e_request_latency_seconds", "Request arrival to its last token.",
-                             boundaries=LATENCY_S)
-        self.responses = Counter("vlm_requests_total", "Requests answered, by HTTP status (errors: 4xx, 5xx).",
-                                 tag_keys=("status",))
+        self.ttft = Histogram(
+            "vlm_time_to_first_token_seconds",
+            "Request arrival to its first token (images encoded, prompt prefilled).",
+            boundaries=LATENCY_S,
+        )
+        self.e2e = Histogram(
+            "vlm_e2e_request_latency_seconds", "Request arrival to its last token.", boundaries=LATENCY_S
+        )
+        self.responses = Counter(
+            "vlm_requests_total", "Requests answered, by HTTP status (errors: 4xx, 5xx).", tag_keys=("status",)
+        )
         self.images = Counter("vlm_request_images_total", "Images received in requests.")
 
 
@@ -46,8 +51,12 @@ class LLMMetrics:
     """Gauges and counters from the engine's stats, sampled every `interval_s`; queue times and inter-token
     latencies drained from the engine's bounded buffers."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, float]], drain: Callable[[], tuple[list, list]],
-                 interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        engine_stats: Callable[[], dict[str, float]],
+        drain: Callable[[], tuple[list, list]],
+        interval_s: float = 1.0,
+    ) -> None:
         self.engine_stats, self.drain, self.interval_s = engine_stats, drain, interval_s
         self.running = Gauge("vlm_num_requests_running", "Sequences in the engine's running batch.")
         self.waiting = Gauge("vlm_num_requests_waiting", "Sequences waiting for the engine (KV cache or batch full).")
@@ -55,10 +64,12 @@ class LLMMetrics:
         self.prefix_queries = Counter("vlm_prefix_cache_queries_total", "Prompt blocks looked up for prefix reuse.")
         self.prefix_hits = Counter("vlm_prefix_cache_hits_total", "Prompt blocks whose KV was reused.")
         self.preemptions = Counter("vlm_num_preemptions_total", "Sequences preempted for KV-cache space.")
-        self.queue_time = Histogram("vlm_request_queue_time_seconds", "Arrival in the engine to first scheduled.",
-                                    boundaries=LATENCY_S)
-        self.itl = Histogram("vlm_inter_token_latency_seconds", "Time between two tokens of a sequence.",
-                             boundaries=LATENCY_S)
+        self.queue_time = Histogram(
+            "vlm_request_queue_time_seconds", "Arrival in the engine to first scheduled.", boundaries=LATENCY_S
+        )
+        self.itl = Histogram(
+            "vlm_inter_token_latency_seconds", "Time between two tokens of a sequence.", boundaries=LATENCY_S
+        )
         self._last: dict[str, float] = {}
 
     def sample(self) -> None:
@@ -66,8 +77,11 @@ class LLMMetrics:
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
         self.kv_usage.set(stats["kv_usage"])
-        for name, counter in (("prefix_queries", self.prefix_queries), ("prefix_hits", self.prefix_hits),
-                              ("preemptions", self.preemptions)):
+        for name, counter in (
+            ("prefix_queries", self.prefix_queries),
+            ("prefix_hits", self.prefix_hits),
+            ("preemptions", self.preemptions),
+        ):
             if (delta := stats[name] - self._last.get(name, 0)) > 0:
                 counter.inc(delta)
             self._last[name] = stats[name]

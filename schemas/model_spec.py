@@ -40,8 +40,15 @@ class ModelSpec:
         return self.processing.merge_size
 
     @classmethod
-    def load(cls, model_dir: str | Path, *, family: str | None = None, max_model_len: int | None = None,
-             device: str = "auto", dtype: str = "auto") -> ModelSpec:
+    def load(
+        cls,
+        model_dir: str | Path,
+        *,
+        family: str | None = None,
+        max_model_len: int | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+    ) -> ModelSpec:
         """An unsupported checkpoint, or a `max_model_len` over the checkpoint's positions, raises `ValueError`."""
         # NOTE: imported here: the registry imports every family's modules, and the encoders import schemas.
         from encoders.registry import family_of
@@ -54,15 +61,23 @@ class ModelSpec:
             config = AutoConfig.for_model(family, **{k: v for k, v in config_dict.items() if k != "model_type"})
         text = getattr(config, "text_config", config)
         dev = resolve_device(device, torch.cuda.is_available())
-        return cls(str(model_dir), config, fam, fam.image_tokens(config),
-                   fam.processing.from_pretrained(model_dir, config),
-                   resolve_max_model_len(max_model_len, text.max_position_embeddings),
-                   frozenset(eos_token_ids(model_dir, config)), dev, getattr(torch, resolve_dtype(dtype, dev)))
+        return cls(
+            str(model_dir),
+            config,
+            fam,
+            fam.image_tokens(config),
+            fam.processing.from_pretrained(model_dir, config),
+            resolve_max_model_len(max_model_len, text.max_position_embeddings),
+            frozenset(eos_token_ids(model_dir, config)),
+            dev,
+            getattr(torch, resolve_dtype(dtype, dev)),
+        )
 
     @classmethod
     def from_args(cls, args: AppArgs) -> ModelSpec:
-        return cls.load(args.model, family=args.family, max_model_len=args.llm.max_model_len, device=args.device,
-                        dtype=args.dtype)
+        return cls.load(
+            args.model, family=args.family, max_model_len=args.llm.max_model_len, device=args.device, dtype=args.dtype
+        )
 
 
 def eos_token_ids(model_dir: str | Path, config: Any) -> set[int]:

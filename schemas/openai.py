@@ -82,7 +82,8 @@ class ChatCompletionRequest(_Tolerant):
     return_token_ids: bool = False
     ignore_eos: bool = False
     context_overflow: Literal["error", "drop_oldest_turns"] | None = Field(
-        None, description="Over the context: a 400, or drop the oldest whole turns; default: the server's setting.")
+        None, description="Over the context: a 400, or drop the oldest whole turns; default: the server's setting."
+    )
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -74,8 +74,9 @@ def _shards(model_dir: Path) -> dict[Path, list[str] | None]:
 Index = Callable[[Component, str, tuple[int, ...]], "tuple[slice, ...] | None"]
 
 
-def load_components(model_dir: str | Path, components: set[Component],
-                    index: Index | None = None) -> dict[Component, dict[str, torch.Tensor]]:
+def load_components(
+    model_dir: str | Path, components: set[Component], index: Index | None = None
+) -> dict[Component, dict[str, torch.Tensor]]:
     """Read only the tensors of `components`, keyed by their name inside the component; with `index`, only the
     slice of each that it names (a tensor-parallel rank's shard: the rest is never read from disk)."""
     out: dict[Component, dict[str, torch.Tensor]] = {c: {} for c in components}

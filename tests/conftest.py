@@ -35,8 +35,9 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def legacy_checkpoint(tmp_path_factory) -> Path:
     """transformers 4.52-4.57 layout (`model.visual.*`, `model.language_model.*`), same weights."""
-    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2-vl-tiny-legacy", seed=0,
-                            max_pixels=28 * 28 * 64, layout="legacy")
+    return build_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "qwen2-vl-tiny-legacy", seed=0, max_pixels=28 * 28 * 64, layout="legacy"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -63,8 +64,14 @@ def ray_serve(metrics_port):
     # Metrics reach the Prometheus endpoint every second (Ray's default: 10 s), so tests can read them.
     # num_cpus=8: logical CPUs, so that the apps of several families (1.5 CPUs each) can be up at once; they share
     # the machine's real cores anyway.
-    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="warning",
-             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        logging_level="warning",
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -83,8 +90,13 @@ def image_root(tmp_path_factory) -> Path:
 def app_args(checkpoint, image_root) -> dict:
     # Image URLs on, any host, but only public addresses, except 127.0.0.1 where tests serve images. The timeout
     # is generous for a loopback fetch on a loaded machine; the test server's /slow outlasts it (image_server.py).
-    image_urls = {"allow_http": True, "allowed_domains": ["*"], "allowed_networks": ["127.0.0.1/32"],
-                  "timeout_s": 5.0, "file_root": str(image_root)}
+    image_urls = {
+        "allow_http": True,
+        "allowed_domains": ["*"],
+        "allowed_networks": ["127.0.0.1/32"],
+        "timeout_s": 5.0,
+        "file_root": str(image_root),
+    }
     return {"model": str(checkpoint), "limits": LIMITS, "llm": {"max_model_len": 1024}, "image_urls": image_urls}
 
 

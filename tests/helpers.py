@@ -15,8 +15,12 @@ import pytest
 from PIL import Image
 
 # Small limits for the end-to-end app, so that every limit can be hit cheaply.
-LIMITS = {"max_request_bytes": 2 << 20, "max_image_pixels": 640 * 640, "max_images_per_request": 4,
-          "default_max_tokens": 16}
+LIMITS = {
+    "max_request_bytes": 2 << 20,
+    "max_image_pixels": 640 * 640,
+    "max_images_per_request": 4,
+    "default_max_tokens": 16,
+}
 
 
 def make_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
@@ -48,8 +52,12 @@ def free_port() -> int:
 
 def leave_mid_stream(client, chunks: int = 4) -> None:
     """Stream a long answer from `client` (an httpx.Client on the app) and go away after `chunks` lines."""
-    body = {"messages": [{"role": "user", "content": "Talk for a long time."}], "max_tokens": 900,
-            "temperature": 0, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "Talk for a long time."}],
+        "max_tokens": 900,
+        "temperature": 0,
+        "stream": True,
+    }
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         for n, _ in enumerate(r.iter_lines()):
@@ -75,13 +83,20 @@ def self_signed_certificate(host: str, directory: Path) -> tuple[str, str]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
     cert_path, key_path = directory / "cert.pem", directory / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return str(cert_path), str(key_path)

@@ -83,8 +83,14 @@ def test_front_doors_are_the_makefiles():
 
 
 def _agg(tok_s: float, tpot: tuple[float, float], ttft: float, failed: int = 0) -> dict:
-    return {"out_tok_per_s": tok_s, "tpot_ms": {"p50": tpot[0], "p99": tpot[1]}, "ttft_ms": {"p50": ttft},
-            "errors": {"HTTP 503: busy": failed} if failed else {}, "warnings": [], "short_outputs": 0}
+    return {
+        "out_tok_per_s": tok_s,
+        "tpot_ms": {"p50": tpot[0], "p99": tpot[1]},
+        "ttft_ms": {"p50": ttft},
+        "errors": {"HTTP 503: busy": failed} if failed else {},
+        "warnings": [],
+        "short_outputs": 0,
+    }
 
 
 def _results() -> dict:
@@ -103,16 +109,19 @@ def test_tables_and_ratios():
     r = ratios(results, list(WORKLOADS), 32, 1)
     assert r["a"] == pytest.approx({"tok_s_hi": 1.5, "tpot_p50_lo": 1.25, "ttft_p50_hi": 0.8})
     lines = ratio_lines(r, list(WORKLOADS), 32, 1)
-    assert lines[-1] == ("peer: c=32 tok/s ours/vLLM = 1.50x, 1.50x, 0.50x; c=1 TPOT ours/vLLM = 1.25x, 1.25x, 1.25x; "
-                         "c=32 TTFT p50 ours/vLLM = 0.80x, 0.80x, 2.00x")
+    assert lines[-1] == (
+        "peer: c=32 tok/s ours/vLLM = 1.50x, 1.50x, 0.50x; c=1 TPOT ours/vLLM = 1.25x, 1.25x, 1.25x; "
+        "c=32 TTFT p50 ours/vLLM = 0.80x, 0.80x, 2.00x"
+    )
     missing = ratios({"ours": results["ours"], "vllm": {}}, list(WORKLOADS), 32, 1)
     assert ratio_lines(missing, list(WORKLOADS), 32, 1)[-1].startswith("peer: c=32 tok/s ours/vLLM = -, -, -;")
 
 
 def test_prompt_check_names_mismatches():
     def recs(tokens: list[int]) -> dict:
-        return {w.key: {32: [{"index": i, "ok": True, "prompt_tokens": t} for i, t in enumerate(tokens)]}
-                for w in WORKLOADS}
+        return {
+            w.key: {32: [{"index": i, "ok": True, "prompt_tokens": t} for i, t in enumerate(tokens)]} for w in WORKLOADS
+        }
 
     ok, text = prompt_check({"ours": recs([150, 150]), "vllm": recs([150, 150])}, list(WORKLOADS))
     assert ok and text.startswith("prompt tokens (usage.prompt_tokens) equal for both systems: a: 2/2 equal (150")

@@ -12,8 +12,11 @@ from starlette.responses import Response
 
 from schemas import AuthArgs, InvalidRequest
 
-_PREFLIGHT = {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-              "Access-Control-Allow-Headers": "Authorization, Content-Type", "Access-Control-Max-Age": "600"}
+_PREFLIGHT = {
+    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+    "Access-Control-Allow-Headers": "Authorization, Content-Type",
+    "Access-Control-Max-Age": "600",
+}
 
 
 def _digest(key: str) -> bytes:
@@ -37,8 +40,9 @@ class Gate:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise InvalidRequest("no API key: send the header Authorization: Bearer <key>", status=401,
-                                 code="invalid_api_key")
+            raise InvalidRequest(
+                "no API key: send the header Authorization: Bearer <key>", status=401, code="invalid_api_key"
+            )
         digest, ok = _digest(token.strip()), False
         for known in self._digests:  # no early exit: the time does not say which key came close
             ok |= hmac.compare_digest(digest, known)

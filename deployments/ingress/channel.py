@@ -119,4 +119,5 @@ class TokenStream:
         if cancel:
             self.call.cancel()
 
+
 __all__ = ["ChannelHub", "TokenStream"]

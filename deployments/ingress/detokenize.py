@@ -16,12 +16,16 @@ def decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> Ca
     Rust tokenizer directly where that is all `decode` does (a fast tokenizer whose class keeps transformers'
     decode): transformers' per-call Python work is most of the cost of decoding a token or two."""
     cls = type(tokenizer)
-    if (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerFast.decode
-            and cls._decode is PreTrainedTokenizerFast._decode):
+    if (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerFast.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+    ):
         backend = tokenizer.backend_tokenizer
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                                        clean_up_tokenization_spaces=False)
+    return lambda ids: tokenizer.decode(
+        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
 
 
 class IncrementalDetokenizer:

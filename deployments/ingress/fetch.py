@@ -70,8 +70,14 @@ class ImageFetcher:
             log["status"] = err.status
             raise err from e
         finally:  # NOTE: host only, never path or query: those may carry tokens.
-            logger.info("image fetch host=%s status=%d bytes=%d redirects=%d ms=%.0f", log["host"], log["status"],
-                        log["bytes"], log["redirects"], (time.monotonic() - start) * 1000)
+            logger.info(
+                "image fetch host=%s status=%d bytes=%d redirects=%d ms=%.0f",
+                log["host"],
+                log["status"],
+                log["bytes"],
+                log["redirects"],
+                (time.monotonic() - start) * 1000,
+            )
 
     async def _fetch(self, url: str, log: dict) -> bytes:
         t = self.policy.parse(url, redirect=False)
@@ -84,10 +90,12 @@ class ImageFetcher:
             host = f"[{t.host}]" if ":" in t.host else t.host
             default_port = 443 if t.scheme == "https" else 80
             request = self._client().build_request(
-                "GET", f"{t.scheme}://{f'[{ip}]' if ip.version == 6 else ip}:{t.port}{t.target}",
+                "GET",
+                f"{t.scheme}://{f'[{ip}]' if ip.version == 6 else ip}:{t.port}{t.target}",
                 headers={"Host": host if t.port == default_port else f"{host}:{t.port}"},
                 # NOTE: connect to the vetted address (no second DNS lookup to rebind), yet TLS checks the name.
-                extensions={"sni_hostname": t.host} if t.scheme == "https" and t.ip is None else {})
+                extensions={"sni_hostname": t.host} if t.scheme == "https" and t.ip is None else {},
+            )
             response = await self._client().send(request, stream=True)
             try:
                 log["status"] = response.status_code
@@ -98,8 +106,12 @@ class ImageFetcher:
                 await response.aclose()
             log["redirects"] += 1
             if log["redirects"] > self.args.max_redirects:
-                raise url_error(f"image URL redirected more than image_urls.max_redirects={self.args.max_redirects} "
-                             f"times (last from {t.host})", "image_url_redirects", 422)
+                raise url_error(
+                    f"image URL redirected more than image_urls.max_redirects={self.args.max_redirects} "
+                    f"times (last from {t.host})",
+                    "image_url_redirects",
+                    422,
+                )
             url = urljoin(url, location)
             t = self.policy.parse(url, redirect=True)
             log["host"] = t.host
@@ -107,8 +119,9 @@ class ImageFetcher:
     async def _body(self, response: httpx.Response, host: str) -> bytes:
         status = response.status_code
         if not 200 <= status < 300:
-            raise url_error(f"image host {host} answered HTTP {status}", "image_url_fetch_failed",
-                         502 if status >= 500 else 422)
+            raise url_error(
+                f"image host {host} answered HTTP {status}", "image_url_fetch_failed", 502 if status >= 500 else 422
+            )
         length = response.headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_bytes:
             raise url_error(f"image is {int(length)} bytes, over the limit of {self.max_bytes}", "image_too_large", 413)
@@ -116,11 +129,16 @@ class ImageFetcher:
         async for chunk in response.aiter_bytes():
             num_bytes += len(chunk)
             if num_bytes > self.max_bytes:  # NOTE: stop reading at once: the rest may be endless
-                raise url_error(f"image is over the limit of {self.max_bytes} bytes (stopped reading at {num_bytes})",
-                             "image_too_large", 413)
+                raise url_error(
+                    f"image is over the limit of {self.max_bytes} bytes (stopped reading at {num_bytes})",
+                    "image_too_large",
+                    413,
+                )
             chunks.append(chunk)
         if not num_bytes:
-            raise url_error(f"image host {host} answered HTTP {status} with an empty body", "image_url_fetch_failed", 422)
+            raise url_error(
+                f"image host {host} answered HTTP {status} with an empty body", "image_url_fetch_failed", 422
+            )
         return b"".join(chunks)
 
     def _read_file(self, given: str) -> bytes:
@@ -136,20 +154,29 @@ class ImageFetcher:
             why = "not found" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror})"
             raise url_error(f"file {given[:256]} {why}", "image_url_fetch_failed", 422) from e
         if not data:
-            raise url_error(f"file {given[:256]} is {'empty' if data is not None else 'not a regular file'}",
-                         "image_url_fetch_failed", 422)
+            raise url_error(
+                f"file {given[:256]} is {'empty' if data is not None else 'not a regular file'}",
+                "image_url_fetch_failed",
+                422,
+            )
         if len(data) > self.max_bytes:
-            raise url_error(f"image is {info.st_size} bytes, over the limit of {self.max_bytes}", "image_too_large", 413)
+            raise url_error(
+                f"image is {info.st_size} bytes, over the limit of {self.max_bytes}", "image_too_large", 413
+            )
         return data
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
             self._http = httpx.AsyncClient(
-                follow_redirects=False, trust_env=False, timeout=self.args.timeout_s, headers=_HEADERS,
+                follow_redirects=False,
+                trust_env=False,
+                timeout=self.args.timeout_s,
+                headers=_HEADERS,
                 cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])),  # NOTE: keeps no cookie, sends none
                 # NOTE: no pooled connections: a pool keys them by (scheme, IP, port), so a TLS connection made
                 # for one name (SNI, certificate) would be reused for another name on the same address.
-                limits=httpx.Limits(max_keepalive_connections=0))
+                limits=httpx.Limits(max_keepalive_connections=0),
+            )
         return self._http
 
 

@@ -28,19 +28,20 @@ class GroundingTokens:
         return cls(*ids)
 
 
-def parse_boxes(token_ids: list[int], marks: GroundingTokens,
-                tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, tuple[int, int, int, int]]]:
+def parse_boxes(
+    token_ids: list[int], marks: GroundingTokens, tokenizer: PreTrainedTokenizerBase
+) -> list[tuple[str, tuple[int, int, int, int]]]:
     """(label, (x1, y1, x2, y2) in 0..1000) of each complete box; a box without a reference gets label ""."""
     out, label, i = [], "", 0
     while i < len(token_ids):
         t = token_ids[i]
-        if t == marks.ref_start and marks.ref_end in token_ids[i + 1:]:
+        if t == marks.ref_start and marks.ref_end in token_ids[i + 1 :]:
             end = token_ids.index(marks.ref_end, i + 1)
-            label, i = tokenizer.decode(token_ids[i + 1:end]).strip(), end + 1
+            label, i = tokenizer.decode(token_ids[i + 1 : end]).strip(), end + 1
             continue
-        if t == marks.box_start and marks.box_end in token_ids[i + 1:]:
+        if t == marks.box_start and marks.box_end in token_ids[i + 1 :]:
             end = token_ids.index(marks.box_end, i + 1)
-            if (m := _PAIR.fullmatch(tokenizer.decode(token_ids[i + 1:end]).strip())) is not None:
+            if (m := _PAIR.fullmatch(tokenizer.decode(token_ids[i + 1 : end]).strip())) is not None:
                 x1, y1, x2, y2 = (min(int(v), 1000) for v in m.groups())
                 out.append((label, (min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2))))
             label, i = "", end + 1

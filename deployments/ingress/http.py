@@ -31,8 +31,9 @@ async def read_json(request: Request, max_bytes: int) -> Any:
             if len(body) > max_bytes:
                 raise InvalidRequest(f"request body is over the limit of {max_bytes} bytes", status=413)
     except (ClientDisconnect, TaskCancelledError) as e:  # the client left mid-body: not our fault, nobody to answer
-        raise InvalidRequest("client closed the request before its body arrived", code="client_closed",
-                             status=499) from e
+        raise InvalidRequest(
+            "client closed the request before its body arrived", code="client_closed", status=499
+        ) from e
     try:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -39,17 +39,30 @@ class _Image:
 
 def image_params(req: ChatCompletionRequest) -> list[tuple[int, str, str]]:
     """(message index, JSON path, url) of every image in the request, in order."""
-    return [(i, f"messages[{i}].content[{j}].image_url", part.image_url.url)
-            for i, m in enumerate(req.messages) if isinstance(m.content, list)
-            for j, part in enumerate(m.content) if isinstance(part, ImagePart)]
+    return [
+        (i, f"messages[{i}].content[{j}].image_url", part.image_url.url)
+        for i, m in enumerate(req.messages)
+        if isinstance(m.content, list)
+        for j, part in enumerate(m.content)
+        if isinstance(part, ImagePart)
+    ]
 
 
 def sampling_params(req: ChatCompletionRequest, max_tokens: int, choice: int) -> SamplingParams:
     seed = None if req.seed is None else (req.seed + choice) % 2**63  # n choices differ, each reproducible
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                          top_k=max(req.top_k, 0), seed=seed, presence_penalty=req.presence_penalty,
-                          frequency_penalty=req.frequency_penalty, stop_token_ids=frozenset(req.stop_token_ids),
-                          ignore_eos=req.ignore_eos, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=max(req.top_k, 0),
+        seed=seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        stop_token_ids=frozenset(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs or 0,
+    )
 
 
 def first_turn_key(first_turn: list[Message], image_keys: list[str]) -> str:
@@ -83,11 +96,16 @@ class Preparer:
         """The cheap checks, before any image is read or fetched."""
         limits = self.limits
         if req.model is not None and req.model != self.args.model_name:
-            raise InvalidRequest(f"model {req.model!r} is not served here; this server serves {self.args.model_name!r}",
-                                 param="model", code="model_not_found", status=404)
+            raise InvalidRequest(
+                f"model {req.model!r} is not served here; this server serves {self.args.model_name!r}",
+                param="model",
+                code="model_not_found",
+                status=404,
+            )
         if len(req.stop) > limits.max_stop or any(len(s) > limits.max_stop_chars for s in req.stop):
-            raise InvalidRequest(f"at most {limits.max_stop} stop strings of at most {limits.max_stop_chars} characters",
-                                 param="stop")
+            raise InvalidRequest(
+                f"at most {limits.max_stop} stop strings of at most {limits.max_stop_chars} characters", param="stop"
+            )
         if req.n > limits.max_n:
             raise InvalidRequest(f"n={req.n} is over the limit of {limits.max_n}", param="n")
         params = image_params(req)
@@ -101,11 +119,18 @@ class Preparer:
         except InvalidRequest as e:
             raise InvalidRequest(f"{param}: {e.message}", param=param, code=e.code, status=e.status) from e
         # One key for the embedding cache and for the prefix cache of the image's tokens.
-        key = embedding_key(hashlib.sha256(data).hexdigest(), info.width, info.height, info.mode,
-                            self.preprocessing_id, self.model_id)
-        return _Image(message, number, (info.width, info.height), data, key,
-                      self.processing.grid_thw(info.width, info.height),
-                      self.processing.num_image_tokens(info.width, info.height))
+        key = embedding_key(
+            hashlib.sha256(data).hexdigest(), info.width, info.height, info.mode, self.preprocessing_id, self.model_id
+        )
+        return _Image(
+            message,
+            number,
+            (info.width, info.height),
+            data,
+            key,
+            self.processing.grid_thw(info.width, info.height),
+            self.processing.num_image_tokens(info.width, info.height),
+        )
 
     def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes]) -> Prepared:
         """Image headers and prompt ids, after `check`; `fetched` holds the bytes of remote images by JSON path."""
@@ -113,8 +138,9 @@ class Preparer:
         overflow = req.context_overflow or self.limits.context_overflow
         # Turns start at each user message after the leading system messages; dropping whole turns from the
         # front drops their images with them and never cuts inside an image's placeholder run.
-        n_system = next((i for i, m in enumerate(req.messages) if m.role not in ("system", "developer")),
-                        len(req.messages))
+        n_system = next(
+            (i for i, m in enumerate(req.messages) if m.role not in ("system", "developer")), len(req.messages)
+        )
         starts = [i for i, m in enumerate(req.messages) if i >= n_system and m.role == "user"] or [n_system]
         first = self._build(req, images, n_system, starts[0])
         if self._fits(req, first) or overflow == "error" or len(starts) == 1:
@@ -140,10 +166,12 @@ class Preparer:
                 out.image_sizes.append(image.size)
                 out.image_numbers.append(image.number)
         counts = [im.num_tokens for im in images if im.message < n_system or im.message >= start]
-        out.routing_key = first_turn_key(kept[:n_system + 1],
-                                         [im.key for im in images if im.message < n_system or im.message == start])
-        out.prompt = build_prompt(self.tokenizer, kept, self.image_token_id, counts, self.tokens.per_image_ids,
-                                  self.tokens.forbidden_ids)
+        out.routing_key = first_turn_key(
+            kept[: n_system + 1], [im.key for im in images if im.message < n_system or im.message == start]
+        )
+        out.prompt = build_prompt(
+            self.tokenizer, kept, self.image_token_id, counts, self.tokens.per_image_ids, self.tokens.forbidden_ids
+        )
         room = self.max_model_len - len(out.prompt)
         out.max_tokens = req.requested_max_tokens or min(self.limits.default_max_tokens, room)
         return out
@@ -155,8 +183,11 @@ class Preparer:
         if not self._fits(req, p):
             asked = f" + max_tokens {p.max_tokens}" if req.requested_max_tokens else ""
             dropped = f" (after dropping the {p.dropped_messages} oldest messages)" if p.dropped_messages else ""
-            raise InvalidRequest(f"{len(p.prompt)} prompt tokens{asked} exceed the context length of "
-                                 f"{self.max_model_len}{dropped}", param="messages", code="context_length_exceeded")
+            raise InvalidRequest(
+                f"{len(p.prompt)} prompt tokens{asked} exceed the context length of {self.max_model_len}{dropped}",
+                param="messages",
+                code="context_length_exceeded",
+            )
         return p
 
 

@@ -36,14 +36,21 @@ def template_messages(messages: list[Message]) -> list[dict]:
         if m.content is None or isinstance(m.content, str):
             out.append({"role": role, "content": m.content or ""})
         else:
-            parts = [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text} for p in m.content]
+            parts = [
+                {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text} for p in m.content
+            ]
             out.append({"role": role, "content": parts})
     return out
 
 
-def build_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[Message], image_token_id: int,
-                 image_token_counts: list[int], per_image_ids: Iterable[int] = (),
-                 forbidden_ids: Iterable[int] = ()) -> list[int]:
+def build_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[Message],
+    image_token_id: int,
+    image_token_counts: list[int],
+    per_image_ids: Iterable[int] = (),
+    forbidden_ids: Iterable[int] = (),
+) -> list[int]:
     """Render, tokenize, and expand the template's one placeholder per image to that image's run of tokens.
 
     The template writes the placeholder (and each of `per_image_ids`, such as vision start/end markers) once per
@@ -54,13 +61,18 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[Message], im
     bos = tokenizer.bos_token
     ids = tokenizer.encode(text, add_special_tokens=bool(bos) and not text.startswith(bos))
     slots = [i for i, t in enumerate(ids) if t == image_token_id]
-    expected = {image_token_id: len(image_token_counts)} | {t: len(image_token_counts) for t in per_image_ids} | {
-        t: 0 for t in forbidden_ids}
+    expected = (
+        {image_token_id: len(image_token_counts)}
+        | {t: len(image_token_counts) for t in per_image_ids}
+        | {t: 0 for t in forbidden_ids}
+    )
     for token_id, n in expected.items():
         if (found := ids.count(token_id)) != n:
             raise InvalidRequest(
                 f"the prompt has {found} {tokenizer.convert_ids_to_tokens(token_id)!r} tokens for "
-                f"{len(image_token_counts)} images: text must not contain that reserved token", param="messages")
+                f"{len(image_token_counts)} images: text must not contain that reserved token",
+                param="messages",
+            )
     expanded: list[int] = []
     prev = 0
     for slot, count in zip(slots, image_token_counts, strict=True):

@@ -8,14 +8,23 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from deployments.ingress.detokenize import TextDelta
-from deployments.ingress.detokenize import decoder
+from deployments.ingress.detokenize import TextDelta, decoder
 from deployments.ingress.grounding import GroundingTokens, parse_boxes
 from deployments.ingress.http import error_body, json_text, sse
 from schemas import FinishReason, InvalidRequest, TokenLogprob
-from schemas.openai import (Box, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChoiceLogprobs,
-                            ChunkChoice, Delta, PromptTokensDetails, ResponseMessage, Usage)
-
+from schemas.openai import (
+    Box,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Delta,
+    PromptTokensDetails,
+    ResponseMessage,
+    Usage,
+)
 
 BoxesOf = Callable[[list[int]], list[Box] | None]  # a choice's token ids -> its boxes
 
@@ -32,12 +41,15 @@ def logprob_items(tokenizer: PreTrainedTokenizerBase, ids: list[int], lps: list[
         text = decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return [{**piece(t, lp.logprob), "top_logprobs": [piece(i, v) for i, v in lp.top]}
-            for t, lp in zip(ids, lps, strict=True)]
+    return [
+        {**piece(t, lp.logprob), "top_logprobs": [piece(i, v) for i, v in lp.top]}
+        for t, lp in zip(ids, lps, strict=True)
+    ]
 
 
-def to_logprobs(tokenizer: PreTrainedTokenizerBase, ids: list[int], lps: list[TokenLogprob] | None,
-                ) -> ChoiceLogprobs | None:
+def to_logprobs(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], lps: list[TokenLogprob] | None
+) -> ChoiceLogprobs | None:
     return None if lps is None else ChoiceLogprobs.model_validate({"content": logprob_items(tokenizer, ids, lps)})
 
 
@@ -49,12 +61,15 @@ class ContentChunks:
     __slots__ = ("_head",)
 
     def __init__(self, head: dict):
-        self._head = (f'data: {{"id":{json_text(head["id"])},"object":"chat.completion.chunk",'
-                      f'"created":{json_text(head["created"])},"model":{json_text(head["model"])},'
-                      '"choices":[{"index":')
+        self._head = (
+            f'data: {{"id":{json_text(head["id"])},"object":"chat.completion.chunk",'
+            f'"created":{json_text(head["created"])},"model":{json_text(head["model"])},'
+            '"choices":[{"index":'
+        )
 
-    def content(self, index: int, text: str, token_ids: list[int] | None = None,
-                logprobs: list[dict] | None = None) -> str:
+    def content(
+        self, index: int, text: str, token_ids: list[int] | None = None, logprobs: list[dict] | None = None
+    ) -> str:
         """The event of choice `index`'s `text`; `token_ids` and `logprobs` (logprob_items) when not None."""
         if token_ids is None and logprobs is None:  # the common case, without the tail
             return f'{self._head}{index},"delta":{{"content":{json_text(text)}}},"finish_reason":null}}]}}\n\n'
@@ -92,8 +107,9 @@ async def interleave(firsts: list[TextDelta], streams: list[AsyncIterator[TextDe
 
 
 def deadline_error(timeout_s: float) -> InvalidRequest:
-    return InvalidRequest(f"request did not finish within its deadline of {timeout_s:g} s", code="request_timeout",
-                          status=408)
+    return InvalidRequest(
+        f"request did not finish within its deadline of {timeout_s:g} s", code="request_timeout", status=408
+    )
 
 
 async def with_deadline(events: AsyncIterator, deadline: float, timeout_s: float) -> AsyncIterator:
@@ -134,46 +150,82 @@ def _usage(n_prompt: int, choices: list[ChoiceState]) -> Usage:
     n_completion = sum(len(c.token_ids) for c in choices)
     # NOTE: the n choices share one prompt, counted once; its cached part is the first choice's.
     cached = PromptTokensDetails(cached_tokens=choices[0].num_cached_tokens if choices else 0)
-    return Usage(prompt_tokens=n_prompt, completion_tokens=n_completion, total_tokens=n_prompt + n_completion,
-                 prompt_tokens_details=cached)
+    return Usage(
+        prompt_tokens=n_prompt,
+        completion_tokens=n_completion,
+        total_tokens=n_prompt + n_completion,
+        prompt_tokens_details=cached,
+    )
 
 
-def pixel_boxes(token_ids: list[int], marks: GroundingTokens | None, tokenizer: PreTrainedTokenizerBase,
-                image_sizes: list[tuple[int, int]], image_numbers: list[int]) -> list[Box] | None:
+def pixel_boxes(
+    token_ids: list[int],
+    marks: GroundingTokens | None,
+    tokenizer: PreTrainedTokenizerBase,
+    image_sizes: list[tuple[int, int]],
+    image_numbers: list[int],
+) -> list[Box] | None:
     """The answer's grounding boxes in pixels of the image they refer to: the last image of the prompt (Qwen's
     0..1000 coordinates are relative to the image in view)."""
     if marks is None or not image_sizes:
         return None
     (w, h), number = image_sizes[-1], image_numbers[-1]
-    return [Box(label=label, image_index=number, x1=round(x1 * w / 1000), y1=round(y1 * h / 1000),
-                x2=round(x2 * w / 1000), y2=round(y2 * h / 1000))
-            for label, (x1, y1, x2, y2) in parse_boxes(token_ids, marks, tokenizer)] or None
+    return [
+        Box(
+            label=label,
+            image_index=number,
+            x1=round(x1 * w / 1000),
+            y1=round(y1 * h / 1000),
+            x2=round(x2 * w / 1000),
+            y2=round(y2 * h / 1000),
+        )
+        for label, (x1, y1, x2, y2) in parse_boxes(token_ids, marks, tokenizer)
+    ] or None
 
 
 def _no_boxes(token_ids: list[int]) -> None:
     return None
 
 
-async def completion(req: ChatCompletionRequest, head: dict, prompt: list[int], events,
-                     tokenizer: PreTrainedTokenizerBase, boxes_of: BoxesOf = _no_boxes,
-                     ) -> tuple[ChatCompletion, list[ChoiceState]]:
+async def completion(
+    req: ChatCompletionRequest,
+    head: dict,
+    prompt: list[int],
+    events,
+    tokenizer: PreTrainedTokenizerBase,
+    boxes_of: BoxesOf = _no_boxes,
+) -> tuple[ChatCompletion, list[ChoiceState]]:
     choices = [ChoiceState() for _ in range(req.n)]
     async for i, delta in events:
         choices[i].add(delta)
-    body = ChatCompletion(**head, usage=_usage(len(prompt), choices),
-                          prompt_token_ids=prompt if req.return_token_ids else None, choices=[
-        Choice(index=i, message=ResponseMessage(content=c.text, boxes=boxes_of(c.token_ids)),
-               finish_reason=c.finish_reason or "stop",
-               logprobs=to_logprobs(tokenizer, c.token_ids, c.logprobs),
-               token_ids=c.token_ids if req.return_token_ids else None)
-        for i, c in enumerate(choices)])
+    body = ChatCompletion(
+        **head,
+        usage=_usage(len(prompt), choices),
+        prompt_token_ids=prompt if req.return_token_ids else None,
+        choices=[
+            Choice(
+                index=i,
+                message=ResponseMessage(content=c.text, boxes=boxes_of(c.token_ids)),
+                finish_reason=c.finish_reason or "stop",
+                logprobs=to_logprobs(tokenizer, c.token_ids, c.logprobs),
+                token_ids=c.token_ids if req.return_token_ids else None,
+            )
+            for i, c in enumerate(choices)
+        ],
+    )
     return body, choices
 
 
-async def sse_stream(req: ChatCompletionRequest, head: dict, prompt: list[int], events,
-                     tokenizer: PreTrainedTokenizerBase, request_id: str,
-                     on_done: Callable[[list[ChoiceState]], None], boxes_of: BoxesOf = _no_boxes,
-                     ) -> AsyncIterator[str]:
+async def sse_stream(
+    req: ChatCompletionRequest,
+    head: dict,
+    prompt: list[int],
+    events,
+    tokenizer: PreTrainedTokenizerBase,
+    request_id: str,
+    on_done: Callable[[list[ChoiceState]], None],
+    boxes_of: BoxesOf = _no_boxes,
+) -> AsyncIterator[str]:
     """role chunk per choice, content chunks, a finish chunk per choice, the usage chunk, then [DONE]."""
     choices = [ChoiceState() for _ in range(req.n)]
     ids_out, chunks = req.return_token_ids, ContentChunks(head)
@@ -188,8 +240,18 @@ async def sse_stream(req: ChatCompletionRequest, head: dict, prompt: list[int], 
                 lps = None if delta.logprobs is None else logprob_items(tokenizer, delta.token_ids, delta.logprobs)
                 yield chunks.content(i, delta.text, delta.token_ids if ids_out else None, lps)
             if delta.finish_reason is not None:
-                yield sse(ChatCompletionChunk(**head, choices=[ChunkChoice(
-                    index=i, delta=Delta(boxes=boxes_of(choices[i].token_ids)), finish_reason=delta.finish_reason)]))
+                yield sse(
+                    ChatCompletionChunk(
+                        **head,
+                        choices=[
+                            ChunkChoice(
+                                index=i,
+                                delta=Delta(boxes=boxes_of(choices[i].token_ids)),
+                                finish_reason=delta.finish_reason,
+                            )
+                        ],
+                    )
+                )
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse(ChatCompletionChunk(**head, choices=[], usage=_usage(len(prompt), choices)))
     except Exception as e:  # after the 200: the error goes out as an event, which OpenAI clients raise
@@ -199,5 +261,15 @@ async def sse_stream(req: ChatCompletionRequest, head: dict, prompt: list[int], 
     yield "data: [DONE]\n\n"
 
 
-__all__ = ["ChoiceState", "ContentChunks", "completion", "deadline_error", "interleave", "logprob_items", "pixel_boxes",
-           "sse_stream", "to_logprobs", "with_deadline"]
+__all__ = [
+    "ChoiceState",
+    "ContentChunks",
+    "completion",
+    "deadline_error",
+    "interleave",
+    "logprob_items",
+    "pixel_boxes",
+    "sse_stream",
+    "to_logprobs",
+    "with_deadline",
+]

@@ -17,14 +17,16 @@ from schemas import ChannelOpen
 def home_replica(key: str, replicas: Sequence[RunningReplica]) -> RunningReplica:
     """Rendezvous (highest-random-weight) hashing: every ingress replica picks the same home for a key without
     talking to the others, keys spread evenly, and a replica that comes or goes moves only the keys it wins or held."""
+
     def weight(r: RunningReplica) -> bytes:
         return hashlib.blake2b(f"{key}\0{r.replica_id.unique_id}".encode(), digest_size=8).digest()
 
     return max(replicas, key=weight)
 
 
-def rank_replicas(key: str | None, replicas: Sequence[RunningReplica], queue_lens: Mapping[ReplicaID, int],
-                  max_imbalance: int) -> list[list[RunningReplica]]:
+def rank_replicas(
+    key: str | None, replicas: Sequence[RunningReplica], queue_lens: Mapping[ReplicaID, int], max_imbalance: int
+) -> list[list[RunningReplica]]:
     """Ranks to try, best first: the key's home alone, then all (Serve takes the least loaded of a rank that
     accepts). The home is skipped when it holds `max_imbalance` more requests than the least loaded replica;
     `queue_lens` has the known queue lengths (Serve's cache), an unknown one counts as not saturated."""
@@ -64,8 +66,9 @@ class PrefixAffinityRouter(RequestRouter):
             raise ValueError(f"max_imbalance must be at least 1, got {max_imbalance}")
         self.max_imbalance = max_imbalance
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if pending_request is not None:  # NOTE: after all ranks refused, back off; without it a full tier spins
             pending_request.routing_context.should_backoff = True
         if (pinned := pinned_replica(pending_request, candidate_replicas)) is not None:

@@ -23,10 +23,26 @@ from deployments.ingress.fetch import ImageFetcher
 from deployments.ingress.grounding import GroundingTokens
 from deployments.ingress.http import error_response, parse, read_json
 from deployments.ingress.prepare import Prepared, Preparer, image_params, sampling_params
-from deployments.ingress.responses import (ChoiceState, completion, deadline_error, interleave, pixel_boxes, sse_stream,
-                                           with_deadline)
-from schemas import (AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, ModelSpec, Overloaded, observe,
-                     root_cause, this_replica)
+from deployments.ingress.responses import (
+    ChoiceState,
+    completion,
+    deadline_error,
+    interleave,
+    pixel_boxes,
+    sse_stream,
+    with_deadline,
+)
+from schemas import (
+    AppArgs,
+    EncoderUnavailable,
+    GenerateRequest,
+    InvalidRequest,
+    ModelSpec,
+    Overloaded,
+    observe,
+    root_cause,
+    this_replica,
+)
 from schemas.metrics import IngressMetrics
 from schemas.openai import ChatCompletionRequest, ModelCard, ModelList
 
@@ -47,12 +63,21 @@ class Ingress:
         self.gate = Gate(self.args.auth)
         self.metrics = IngressMetrics()
         urls = self.args.image_urls
-        logger.info("ingress ready: %s, API keys %s, CORS origins %s, image URLs %s, file:// %s",
-                    self.args.model_name, self.gate.num_keys or "off", self.args.auth.cors_allow_origins or "off",
-                    urls.allowed_domains if urls.allow_http else "off", urls.file_root or "off")
+        logger.info(
+            "ingress ready: %s, API keys %s, CORS origins %s, image URLs %s, file:// %s",
+            self.args.model_name,
+            self.gate.num_keys or "off",
+            self.args.auth.cors_allow_origins or "off",
+            urls.allowed_domains if urls.allow_http else "off",
+            urls.file_root or "off",
+        )
         self.counts = {"encoder_retries": 0, "encoder_failures": 0, "encoder_timeouts": 0}
-        self.routes = {"/v1/chat/completions": ("POST", self.chat), "/v1/models": ("GET", self.models),
-                       "/health": ("GET", self.health), "": ("GET", self.playground)}
+        self.routes = {
+            "/v1/chat/completions": ("POST", self.chat),
+            "/v1/models": ("GET", self.models),
+            "/health": ("GET", self.health),
+            "": ("GET", self.playground),
+        }
         self.page = PLAYGROUND.read_bytes()
 
     async def __call__(self, request: Request) -> Response:
@@ -86,10 +111,15 @@ class Ingress:
 
     async def playground(self, request: Request, request_id: str) -> Response:
         """GET /: the one-file web playground (static/playground.html here); it loads nothing from elsewhere."""
-        return Response(self.page, media_type="text/html; charset=utf-8", headers={
-            "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; "
-                                       "script-src 'unsafe-inline'; style-src 'unsafe-inline'",
-            "Cache-Control": "no-cache"})
+        return Response(
+            self.page,
+            media_type="text/html; charset=utf-8",
+            headers={
+                "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; "
+                "script-src 'unsafe-inline'; style-src 'unsafe-inline'",
+                "Cache-Control": "no-cache",
+            },
+        )
 
     async def models(self, request: Request, request_id: str) -> Response:
         card = ModelCard(id=self.args.model_name, max_model_len=self.max_model_len)
@@ -110,20 +140,34 @@ class Ingress:
             if not budget.expired():
                 raise
             raise deadline_error(timeout_s) from None
-        log = {"id": request_id, "prompt": len(p.prompt), "images": len(p.images), "started": started,
-               "ttft": time.monotonic() - started, "dropped": p.dropped_messages}
+        log = {
+            "id": request_id,
+            "prompt": len(p.prompt),
+            "images": len(p.images),
+            "started": started,
+            "ttft": time.monotonic() - started,
+            "dropped": p.dropped_messages,
+        }
         self.metrics.ttft.observe(log["ttft"])
         if p.images:  # NOTE: Ray counters refuse inc(0)
             self.metrics.images.inc(len(p.images))
         head = {"id": request_id, "created": int(time.time()), "model": self.args.model_name}
         events = with_deadline(interleave(firsts, streams), deadline, timeout_s)
         headers = {"X-Dropped-Messages": str(p.dropped_messages)} if p.dropped_messages else None
-        boxes = functools.partial(pixel_boxes, marks=self.grounding, tokenizer=self.tokenizer,
-                                  image_sizes=p.image_sizes, image_numbers=p.image_numbers)
+        boxes = functools.partial(
+            pixel_boxes,
+            marks=self.grounding,
+            tokenizer=self.tokenizer,
+            image_sizes=p.image_sizes,
+            image_numbers=p.image_numbers,
+        )
         if req.stream:
             done = lambda choices: self._log(log, choices)  # noqa: E731
-            return StreamingResponse(sse_stream(req, head, p.prompt, events, self.tokenizer, request_id, done, boxes),
-                                     media_type="text/event-stream", headers=headers)
+            return StreamingResponse(
+                sse_stream(req, head, p.prompt, events, self.tokenizer, request_id, done, boxes),
+                media_type="text/event-stream",
+                headers=headers,
+            )
         body, choices = await completion(req, head, p.prompt, events, self.tokenizer, boxes)
         self._log(log, choices)
         return JSONResponse(body.model_dump(), headers=headers)
@@ -154,8 +198,9 @@ class Ingress:
                 call.cancel()
             raise
 
-    async def _encode_and_generate(self, req: ChatCompletionRequest, p: Prepared, request_id: str,
-                                   calls: list[DeploymentResponse]):
+    async def _encode_and_generate(
+        self, req: ChatCompletionRequest, p: Prepared, request_id: str, calls: list[DeploymentResponse]
+    ):
         refs = await self._encode(p, list(range(len(p.images))), calls)
         for attempt in (1, 2):
             try:
@@ -166,8 +211,9 @@ class Ingress:
                     raise
                 if attempt == 2:
                     self.counts["encoder_failures"] += 1
-                    raise Overloaded("image encoding failed twice; the encoder tier is recovering",
-                                     retry_after_s=2) from e
+                    raise Overloaded(
+                        "image encoding failed twice; the encoder tier is recovering", retry_after_s=2
+                    ) from e
                 logger.warning("%s: %s; retrying them once", request_id, cause.message)
                 self.counts["encoder_retries"] += len(cause.image_indices)
                 for i, ref in zip(cause.image_indices, await self._encode(p, cause.image_indices, calls), strict=True):
@@ -179,10 +225,25 @@ class Ingress:
 
     async def _generate(self, req: ChatCompletionRequest, p: Prepared, refs: list[Any], request_id: str):
         channel = self.hub.id if self.args.llm.token_channel else None
-        streams = [self._events(self._call(GenerateRequest(
-            f"{request_id}-{i}", p.prompt, p.grids, refs, sampling_params(req, p.max_tokens, i), p.image_keys,
-            p.images if self.encoder is None else [], p.routing_key or None, channel)),
-            req.stop) for i in range(req.n)]
+        streams = [
+            self._events(
+                self._call(
+                    GenerateRequest(
+                        f"{request_id}-{i}",
+                        p.prompt,
+                        p.grids,
+                        refs,
+                        sampling_params(req, p.max_tokens, i),
+                        p.image_keys,
+                        p.images if self.encoder is None else [],
+                        p.routing_key or None,
+                        channel,
+                    )
+                ),
+                req.stop,
+            )
+            for i in range(req.n)
+        ]
         try:
             return streams, list(await asyncio.gather(*(anext(s) for s in streams)))
         except BaseException:
@@ -210,6 +271,14 @@ class Ingress:
         finish = ",".join(str(c.finish_reason) for c in choices)
         total = time.monotonic() - log["started"]
         self.metrics.e2e.observe(total)
-        logger.info("%s prompt=%d images=%d completion=%d finish=%s ttft=%.0fms total=%.0fms%s", log["id"],
-                    log["prompt"], log["images"], sum(len(c.token_ids) for c in choices), finish,
-                    log["ttft"] * 1000, total * 1000, f" dropped={log['dropped']}" if log["dropped"] else "")
+        logger.info(
+            "%s prompt=%d images=%d completion=%d finish=%s ttft=%.0fms total=%.0fms%s",
+            log["id"],
+            log["prompt"],
+            log["images"],
+            sum(len(c.token_ids) for c in choices),
+            finish,
+            log["ttft"] * 1000,
+            total * 1000,
+            f" dropped={log['dropped']}" if log["dropped"] else "",
+        )

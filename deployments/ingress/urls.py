@@ -37,13 +37,15 @@ def url_error(message: str, code: str = "invalid_image_url", status: int = 400) 
 
 def is_public(ip: IPAddress) -> bool:
     if ip.version == 6:
-        embedded = ip.ipv4_mapped or ip.sixtofour or (ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if ip in _NAT64
-                                                       else None)
+        embedded = (
+            ip.ipv4_mapped or ip.sixtofour or (ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if ip in _NAT64 else None)
+        )
         if (embedded is not None and not is_public(embedded)) or ip.is_site_local:
             return False
     # NOTE: is_global alone lets multicast (224/4, ff00::/8) through, hence the explicit checks.
-    return ip.is_global and not (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast
-                                 or ip.is_reserved or ip.is_unspecified)
+    return ip.is_global and not (
+        ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_reserved or ip.is_unspecified
+    )
 
 
 async def _getaddrinfo(host: str, port: int) -> list[str]:
@@ -67,8 +69,10 @@ class URLPolicy:
     def parse(self, url: str, redirect: bool) -> Target:
         where = "redirect target" if redirect else "image URL"
         if len(url) > 8192 or any(not "!" <= c <= "~" or c == "\\" for c in url):
-            raise url_error(f"{where} must be at most 8192 characters of printable ASCII without spaces or backslashes "
-                         "(percent-encode the rest)")
+            raise url_error(
+                f"{where} must be at most 8192 characters of printable ASCII without spaces or backslashes "
+                "(percent-encode the rest)"
+            )
         try:
             parts = urlsplit(url)
             port = parts.port
@@ -76,18 +80,26 @@ class URLPolicy:
             raise url_error(f"{where} is malformed: {e}") from e
         if parts.scheme in ("http", "https"):
             if not self.args.allow_http:
-                raise url_error("only data: URLs are accepted for images; set image_urls.allow_http (and "
-                             "image_urls.allowed_domains) to fetch http(s) URLs", "image_url_not_allowed")
+                raise url_error(
+                    "only data: URLs are accepted for images; set image_urls.allow_http (and "
+                    "image_urls.allowed_domains) to fetch http(s) URLs",
+                    "image_url_not_allowed",
+                )
         elif parts.scheme == "file" and not redirect:
             if self.root is None:
-                raise url_error("only data: URLs are accepted for images; set image_urls.file_root to read file:// URLs",
-                             "image_url_not_allowed")
+                raise url_error(
+                    "only data: URLs are accepted for images; set image_urls.file_root to read file:// URLs",
+                    "image_url_not_allowed",
+                )
             if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
                 raise url_error("file URLs must be file:///absolute/path (no host)")
             return Target("file", "", 0, parts.path, None)
         else:
-            raise url_error(f"{where} scheme {(parts.scheme or '(none)')[:16]!r} is not supported: data:, http: and "
-                         f"https:{'' if redirect else ' (and file:)'} are", "image_url_not_allowed")
+            raise url_error(
+                f"{where} scheme {(parts.scheme or '(none)')[:16]!r} is not supported: data:, http: and "
+                f"https:{'' if redirect else ' (and file:)'} are",
+                "image_url_not_allowed",
+            )
         if "@" in parts.netloc:
             raise url_error(f"{where} must not carry credentials (user:password@host)")
         host = parts.hostname or ""
@@ -109,8 +121,10 @@ class URLPolicy:
         if port == 0:
             raise url_error(f"{where} port 0 is not a port")
         # NOTE: an IP literal matches only itself: "*.example.com" must not match 10.0.0.1 by a suffix accident.
-        if not (self._any_host or (ip in self._domain_ips if ip is not None
-                                   else host in self._names or host.endswith(self._suffixes))):
+        if not (
+            self._any_host
+            or (ip in self._domain_ips if ip is not None else host in self._names or host.endswith(self._suffixes))
+        ):
             raise url_error(f"image host {host} is not in image_urls.allowed_domains", "image_url_not_allowed")
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         return Target(parts.scheme, host, port or (443 if parts.scheme == "https" else 80), target, ip)
@@ -128,8 +142,10 @@ class URLPolicy:
                 if e.errno in (socket.EAI_NONAME, socket.EAI_NODATA):
                     raise url_error(f"image host {t.host} does not resolve", "image_url_fetch_failed", 422) from e
                 raise url_error(f"image host {t.host} could not be resolved now", "image_url_fetch_failed", 502) from e
-        ips = [(ip.ipv4_mapped or ip) if ip.version == 6 else ip
-               for ip in (ipaddress.ip_address(a.split("%", 1)[0]) for a in found)]
+        ips = [
+            (ip.ipv4_mapped or ip) if ip.version == 6 else ip
+            for ip in (ipaddress.ip_address(a.split("%", 1)[0]) for a in found)
+        ]
         if not ips:
             raise url_error(f"image host {t.host} does not resolve", "image_url_fetch_failed", 422)
         for ip in ips:

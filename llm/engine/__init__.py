@@ -9,5 +9,17 @@ from llm.engine.sampling import make_generator, sample
 from llm.engine.scheduler import Chunk, Scheduler
 from llm.engine.sequence import Sequence, make_sequence
 
-__all__ = ["BlockPool", "Chunk", "Engine", "EngineConfig", "ModelRunner", "Sampled", "Scheduler", "Sequence",
-           "block_hash", "make_generator", "make_sequence", "sample"]
+__all__ = [
+    "BlockPool",
+    "Chunk",
+    "Engine",
+    "EngineConfig",
+    "ModelRunner",
+    "Sampled",
+    "Scheduler",
+    "Sequence",
+    "block_hash",
+    "make_generator",
+    "make_sequence",
+    "sample",
+]

@@ -47,9 +47,11 @@ class StaticDecode:
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         # Every row starts as padding: the null block's first slot, one key.
-        self.meta = StaticMeta(torch.full((rows,), self.null_block * self.block_size, device=device),
-                               torch.full((rows, width), self.null_block, dtype=torch.int32, device=device),
-                               torch.ones(rows, dtype=torch.int32, device=device))
+        self.meta = StaticMeta(
+            torch.full((rows,), self.null_block * self.block_size, device=device),
+            torch.full((rows, width), self.null_block, dtype=torch.int32, device=device),
+            torch.ones(rows, dtype=torch.int32, device=device),
+        )
         # One host-side staging row per buffer (pinned on cuda), filled by the step's Python and copied over once.
         pin = device.type == "cuda"
         self._host = {name: torch.empty_like(buf, device="cpu", pin_memory=pin) for name, buf in self._buffers()}
@@ -59,19 +61,24 @@ class StaticDecode:
 
     def _buffers(self):
         m = self.meta
-        return (("input_ids", self.input_ids), ("positions", self.positions), ("slots", m.slot_mapping),
-                ("tables", m.block_tables), ("lens", m.context_lens))
+        return (
+            ("input_ids", self.input_ids),
+            ("positions", self.positions),
+            ("slots", m.slot_mapping),
+            ("tables", m.block_tables),
+            ("lens", m.context_lens),
+        )
 
     def forward(self, rows: int) -> torch.Tensor:
         """The step itself on the first `rows` rows of the buffers -> logits (rows, V) float32."""
         m = self.meta
         meta = StaticMeta(m.slot_mapping[:rows], m.block_tables[:rows], m.context_lens[:rows])
-        hidden = self.model(self.model.embed(self.input_ids[:rows]), self.positions[:rows].expand(3, -1), self.cache,
-                            meta)  # (rows, D)
+        hidden = self.model(
+            self.model.embed(self.input_ids[:rows]), self.positions[:rows].expand(3, -1), self.cache, meta
+        )  # (rows, D)
         return self.model.logits(hidden)  # (rows, V)
 
-    def prepare(self, tokens: list[int], positions: list[int], block_ids: list[list[int]],
-                lengths: list[int]) -> int:
+    def prepare(self, tokens: list[int], positions: list[int], block_ids: list[list[int]], lengths: list[int]) -> int:
         """Fill the buffers for n sequences (token, its position, its blocks, keys after it); returns the bucket."""
         n, rows, bs = len(tokens), bucket_for(len(tokens)), self.block_size
         h = self._host
@@ -110,8 +117,9 @@ class StaticDecode:
                 logits = self.forward(rows)
             pool = graph.pool()
             self.graphs[rows] = (graph, logits)
-        logger.info("captured %d decode CUDA graphs (batch buckets %s) in %.1f s", len(buckets), buckets,
-                    time.monotonic() - t0)
+        logger.info(
+            "captured %d decode CUDA graphs (batch buckets %s) in %.1f s", len(buckets), buckets, time.monotonic() - t0
+        )
 
 
 __all__ = ["StaticDecode", "bucket_for", "buckets_up_to"]

@@ -62,22 +62,37 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model: Qwen2LM, config: EngineConfig, *, image_token_id: int, merge_size: int,
-                 eos_token_ids: set[int]):
+    def __init__(
+        self, model: Qwen2LM, config: EngineConfig, *, image_token_id: int, merge_size: int, eos_token_ids: set[int]
+    ):
         self.model, self.config = model, config
         self.image_token_id, self.merge_size, self.eos_token_ids = image_token_id, merge_size, frozenset(eos_token_ids)
-        single_cuda = model.lm_head.weight.device.type == "cuda" and getattr(model, "tp", None) is not None \
-            and model.tp.world_size == 1  # a ParallelLM (several ranks) has no .tp: it runs eagerly
+        single_cuda = (
+            model.lm_head.weight.device.type == "cuda"
+            and getattr(model, "tp", None) is not None
+            and model.tp.world_size == 1
+        )  # a ParallelLM (several ranks) has no .tp: it runs eagerly
         graphs = single_cuda if config.cuda_graphs is None else config.cuda_graphs and single_cuda
         static = single_cuda if config.static_decode is None else config.static_decode
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size, max_num_seqs=config.max_num_seqs,
-                                  max_model_len=config.max_model_len, static_decode=static or graphs,
-                                  cuda_graphs=graphs)
+        self.runner = ModelRunner(
+            model,
+            config.num_blocks,
+            config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            static_decode=static or graphs,
+            cuda_graphs=graphs,
+        )
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         # written by the worker only
-        self.counts = {"finished": 0, "failed": 0, "steps": 0, "cpu_threads": config.cpu_threads or 0,
-                       "cpu_thread_changes": 0}
+        self.counts = {
+            "finished": 0,
+            "failed": 0,
+            "steps": 0,
+            "cpu_threads": config.cpu_threads or 0,
+            "cpu_thread_changes": 0,
+        }
         # Seconds from arrival to first scheduled, and between two tokens of a sequence; the worker appends,
         # `drain_timings` takes them (deque appends and pops are thread-safe; bounded if nobody drains).
         self.queue_times: deque[float] = deque(maxlen=65536)
@@ -95,9 +110,16 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         s = self.scheduler
-        return {"waiting": s.num_waiting + self._inbox.qsize(), "running": len(s.running),
-                "kv_usage": self.pool.usage, "prefix_hits": self.pool.hits, "prefix_queries": self.pool.queries,
-                "preemptions": s.num_preemptions, "cancelled": s.num_cancelled, **self.counts}
+        return {
+            "waiting": s.num_waiting + self._inbox.qsize(),
+            "running": len(s.running),
+            "kv_usage": self.pool.usage,
+            "prefix_hits": self.pool.hits,
+            "prefix_queries": self.pool.queries,
+            "preemptions": s.num_preemptions,
+            "cancelled": s.num_cancelled,
+            **self.counts,
+        }
 
     def close(self) -> None:
         """Stop the worker after its current step (and the other tensor-parallel ranks with it)."""
@@ -106,18 +128,26 @@ class Engine:
 
     def drain_timings(self) -> tuple[list[float], list[float]]:
         """(queue times, inter-token times) recorded since the last call."""
-        return ([self.queue_times.popleft() for _ in range(len(self.queue_times))],
-                [self.inter_token_times.popleft() for _ in range(len(self.inter_token_times))])
+        return (
+            [self.queue_times.popleft() for _ in range(len(self.queue_times))],
+            [self.inter_token_times.popleft() for _ in range(len(self.inter_token_times))],
+        )
 
     def submit(self, inp: GenerateRequest, sink: Sink) -> Sequence:
         """Check and queue a sequence; raises `InvalidRequest` or `Overloaded` at once. `sink` is called on the
         caller's event loop with each `TokenChunk` (the last has a finish reason) or one exception; a step's
         chunks for all the sequences of one event loop arrive in one callback. `cancel` ends it early."""
         loop = asyncio.get_running_loop()
-        seq = make_sequence(inp, next(self._ids), max_model_len=self.config.max_model_len,
-                            image_token_id=self.image_token_id, merge_size=self.merge_size,
-                            mrope=self.model.config.mrope_section is not None, device=self.runner.device,
-                            eos_token_ids=self.eos_token_ids)
+        seq = make_sequence(
+            inp,
+            next(self._ids),
+            max_model_len=self.config.max_model_len,
+            image_token_id=self.image_token_id,
+            merge_size=self.merge_size,
+            mrope=self.model.config.mrope_section is not None,
+            device=self.runner.device,
+            eos_token_ids=self.eos_token_ids,
+        )
         if self.dead is not None:
             raise self._dead_error()
         if self._queued >= self.config.max_queued:
@@ -171,8 +201,11 @@ class Engine:
                     cores = CoresFollowLoad(floor, ceiling)
                 except OSError as e:  # no /proc (not Linux): stay at the floor
                     logger.warning("engine worker: cannot read the node's load (%s), %d threads throughout", e, floor)
-            logger.info("engine worker: %d torch threads%s", threads,
-                        f", up to {cores.ceiling} while the node's other processes leave cores idle" if cores else "")
+            logger.info(
+                "engine worker: %d torch threads%s",
+                threads,
+                f", up to {cores.ceiling} while the node's other processes leave cores idle" if cores else "",
+            )
         keepalive = getattr(self.model, "keepalive", None)  # tensor-parallel: the other ranks wait on us
         while not self._closing:
             idle = not self.scheduler.running and not self.scheduler.waiting
@@ -213,8 +246,9 @@ class Engine:
             self.counts["cpu_thread_changes"] += 1
 
     def _dead_error(self) -> Overloaded:
-        return Overloaded(f"this LLM replica lost a tensor-parallel rank and is restarting ({self.dead})",
-                          retry_after_s=5)
+        return Overloaded(
+            f"this LLM replica lost a tensor-parallel rank and is restarting ({self.dead})", retry_after_s=5
+        )
 
     def _die(self, e: RankFailure) -> None:
         logger.error("engine stopped: %s", e)
@@ -280,8 +314,15 @@ class Engine:
         if seq.last_token_at is not None:
             self.inter_token_times.append(now - seq.last_token_at)
         seq.last_token_at = now
-        self._emit(seq, TokenChunk([token], finish, [s.logprob] if s.logprob is not None else None,
-                                   seq.num_cached if seq.num_generated == 1 else None))
+        self._emit(
+            seq,
+            TokenChunk(
+                [token],
+                finish,
+                [s.logprob] if s.logprob is not None else None,
+                seq.num_cached if seq.num_generated == 1 else None,
+            ),
+        )
         if finish is not None:
             self.counts["finished"] += 1
 

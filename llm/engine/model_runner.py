@@ -29,15 +29,25 @@ class ModelRunner:
     """`static_decode`: decode-only steps go through llm/engine/decode_step.py (its cache gets one more block, the null
     block of padding rows); `cuda_graphs`: and replay captured graphs (cuda only)."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, *, max_num_seqs: int, max_model_len: int,
-                 static_decode: bool, cuda_graphs: bool):
+    def __init__(
+        self,
+        model,
+        num_blocks: int,
+        block_size: int,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        static_decode: bool,
+        cuda_graphs: bool,
+    ):
         self.model, self.block_size = model, block_size
         self.device = model.lm_head.weight.device
         if self.device.type == "cpu":
             cpu_kernels.load()  # decode attention in place; built once per machine, loaded in ~1 s after
         self.cache = model.new_cache(num_blocks + static_decode, block_size)
-        self.static = StaticDecode(model, self.cache, max_num_seqs, max_model_len, cuda_graphs) \
-            if static_decode else None
+        self.static = (
+            StaticDecode(model, self.cache, max_num_seqs, max_model_len, cuda_graphs) if static_decode else None
+        )
 
     def _embed(self, chunk: Chunk) -> torch.Tensor:
         """Input embeddings of the chunk's tokens, image rows merged in: the one merge."""
@@ -65,8 +75,7 @@ class ModelRunner:
         if self.static is not None and all(c.n == 1 and c.start >= c.seq.prompt_len for c in chunks):
             return self._decode(chunks)
         embeds, positions = self._inputs(chunks)  # (T, D), (3, T)
-        meta = BatchMeta.build([ChunkSpec(c.seq.block_ids, c.start, c.n) for c in chunks], self.block_size,
-                               self.device)
+        meta = BatchMeta.build([ChunkSpec(c.seq.block_ids, c.start, c.n) for c in chunks], self.block_size, self.device)
         hidden = self.model(embeds, positions, self.cache, meta)  # (T, D)
         ends = itertools.accumulate(c.n for c in chunks)
         rows = [(c.seq, end - 1) for c, end in zip(chunks, ends) if c.completes]
@@ -75,9 +84,12 @@ class ModelRunner:
     def _decode(self, chunks: list[Chunk]) -> list[Sampled]:
         """A decode-only step through the static buffers (every chunk is one generated token)."""
         seqs = [c.seq for c in chunks]
-        rows = self.static.prepare([s.token_ids[c.start] for s, c in zip(seqs, chunks)],
-                                   [c.start + s.rope_delta for s, c in zip(seqs, chunks)],
-                                   [s.block_ids for s in seqs], [c.start + 1 for c in chunks])
+        rows = self.static.prepare(
+            [s.token_ids[c.start] for s, c in zip(seqs, chunks)],
+            [c.start + s.rope_delta for s, c in zip(seqs, chunks)],
+            [s.block_ids for s in seqs],
+            [c.start + 1 for c in chunks],
+        )
         return self._sample_logits(self.static.run(len(chunks), rows), seqs)
 
     def _sample(self, hidden: torch.Tensor, rows: list[tuple[Sequence, int]]) -> list[Sampled]:
@@ -88,8 +100,9 @@ class ModelRunner:
         for s in seqs:
             if s.params.has_penalties and s.output_counts is None:
                 s.output_counts = torch.zeros(logits.shape[-1], device=logits.device)
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                  [s.output_counts for s in seqs])
+        tokens, logprobs = sample(
+            logits, [s.params for s in seqs], [s.generator for s in seqs], [s.output_counts for s in seqs]
+        )
         for s, token in zip(seqs, tokens, strict=True):
             if s.output_counts is not None:
                 s.output_counts[token] += 1

@@ -31,8 +31,12 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return torch.zeros_like(sorted_p).scatter_(-1, order, sorted_p)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           output_counts: list[torch.Tensor | None]) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    output_counts: list[torch.Tensor | None],
+) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits (B, V) float32 -> one token id per row (one host sync for the batch), and logprobs where asked."""
     B, V = logits.shape
     device = logits.device

@@ -113,8 +113,9 @@ class Scheduler:
         """The stop rules, after a step sampled `token` for `seq`: a stop token (EOS unless the request ignores it)
         or max_tokens finishes it (its blocks go back to the pool)."""
         seq.token_ids.append(token)
-        finish: FinishReason | None = ("stop" if token in seq.stop_token_ids
-                                       else "length" if seq.num_generated >= seq.params.max_tokens else None)
+        finish: FinishReason | None = (
+            "stop" if token in seq.stop_token_ids else "length" if seq.num_generated >= seq.params.max_tokens else None
+        )
         if finish is not None:
             self.finish(seq)
         return finish

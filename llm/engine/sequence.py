@@ -89,15 +89,27 @@ class Sequence:
         return hashes
 
 
-def make_sequence(inp: GenerateRequest, seq_id: int, *, max_model_len: int, image_token_id: int, merge_size: int,
-                  mrope: bool, device: torch.device, eos_token_ids: frozenset[int] = frozenset()) -> Sequence:
+def make_sequence(
+    inp: GenerateRequest,
+    seq_id: int,
+    *,
+    max_model_len: int,
+    image_token_id: int,
+    merge_size: int,
+    mrope: bool,
+    device: torch.device,
+    eos_token_ids: frozenset[int] = frozenset(),
+) -> Sequence:
     """The request's checks (context length, embedding rows against placeholders and grids), then its state."""
     n_prompt, n_max = len(inp.prompt_token_ids), inp.sampling.max_tokens
     if n_prompt == 0:
         raise InvalidRequest("the prompt is empty")
     if n_prompt + n_max > max_model_len:
-        raise InvalidRequest(f"{n_prompt} prompt tokens + max_tokens {n_max} exceed the context length of "
-                             f"{max_model_len}", param="max_tokens", code="context_length_exceeded")
+        raise InvalidRequest(
+            f"{n_prompt} prompt tokens + max_tokens {n_max} exceed the context length of {max_model_len}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     ids = torch.tensor(inp.prompt_token_ids, dtype=torch.long)  # (P,)
     is_mm = ids == image_token_id
     counts = [int(e.shape[0]) for e in inp.image_embeds]  # tokens per image: its embedding rows
@@ -119,13 +131,26 @@ def make_sequence(inp: GenerateRequest, seq_id: int, *, max_model_len: int, imag
         spans.append((starts[k], starts[k] + n, key))
         k += n
     # NOTE: after the checks above, which are the LLM side's one check of the images against the prompt
-    positions, rope_delta = (mrope_positions(ids, image_token_id, inp.image_grid_thw, merge_size) if mrope
-                             else linear_positions(ids))  # 1-D RoPE LMs (LLaVA's Llama)
+    positions, rope_delta = (
+        mrope_positions(ids, image_token_id, inp.image_grid_thw, merge_size) if mrope else linear_positions(ids)
+    )  # 1-D RoPE LMs (LLaVA's Llama)
     image_embeds = torch.cat(inp.image_embeds) if inp.image_embeds else None
     p = inp.sampling
     stop_ids = p.stop_token_ids if p.ignore_eos else p.stop_token_ids | eos_token_ids
-    return Sequence(seq_id, inp.request_id, list(inp.prompt_token_ids), n_prompt, positions, rope_delta, is_mm,
-                    image_embeds, spans, p, stop_ids, make_generator(p, device))
+    return Sequence(
+        seq_id,
+        inp.request_id,
+        list(inp.prompt_token_ids),
+        n_prompt,
+        positions,
+        rope_delta,
+        is_mm,
+        image_embeds,
+        spans,
+        p,
+        stop_ids,
+        make_generator(p, device),
+    )
 
 
 __all__ = ["Sequence", "make_sequence"]

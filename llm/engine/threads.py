@@ -55,8 +55,6 @@ def set_thread_intra_op_threads(n: int) -> int:
     return torch.get_num_threads()
 
 
-
-
 def _cpu_jiffies(cpus: set[int], stat: str) -> tuple[int, int]:
     """(busy, total) jiffies of `cpus` since boot, from /proc/stat's per-CPU lines."""
     busy = total = 0
@@ -87,10 +85,19 @@ class CoresFollowLoad:
     cores back as soon as the others want them (free < threads - down_margin).
     """
 
-    def __init__(self, floor: int, ceiling: int, *, interval_s: float = 0.2, up_margin: float = 0.2,
-                 down_margin: float = 0.5, cpus: set[int] | None = None,
-                 read_stat: Callable[[], str] | None = None, read_self: Callable[[], str] | None = None,
-                 now: float | None = None):
+    def __init__(
+        self,
+        floor: int,
+        ceiling: int,
+        *,
+        interval_s: float = 0.2,
+        up_margin: float = 0.2,
+        down_margin: float = 0.5,
+        cpus: set[int] | None = None,
+        read_stat: Callable[[], str] | None = None,
+        read_self: Callable[[], str] | None = None,
+        now: float | None = None,
+    ):
         self.cpus = cpus if cpus is not None else set(os.sched_getaffinity(0))
         self.floor, self.ceiling = floor, max(floor, min(ceiling, len(self.cpus)))
         self.interval_s, self.up_margin, self.down_margin = interval_s, up_margin, down_margin

@@ -7,5 +7,15 @@ from llm.model.merge import merge_image_embeds
 from llm.model.model import Qwen2LM, TextConfig
 from llm.model.positions import linear_positions, mrope_positions
 
-__all__ = ["BatchMeta", "ChunkSpec", "KVCache", "Qwen2LM", "TextConfig", "linear_positions", "merge_image_embeds",
-           "mrope_positions", "num_kv_blocks", "paged_attention"]
+__all__ = [
+    "BatchMeta",
+    "ChunkSpec",
+    "KVCache",
+    "Qwen2LM",
+    "TextConfig",
+    "linear_positions",
+    "merge_image_embeds",
+    "mrope_positions",
+    "num_kv_blocks",
+    "paged_attention",
+]

@@ -32,6 +32,7 @@ class ChunkSpec:
 @dataclass(slots=True)
 class DecodeGroup:
     """One-token chunks i0..i1-1 of the batch whose contexts are padded to the same number of blocks."""
+
     i0: int
     i1: int
     blocks: torch.Tensor  # ((i1 - i0) * nb,) the blocks of their contexts, padded to nb each
@@ -45,7 +46,7 @@ class BatchMeta:
     multi: list[tuple[int, int, int, torch.Tensor | None]]  # (t0, t1, start, context blocks or None if start 0)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the step's gather buffers, shared by the layers
     chunks: list[ChunkSpec] = field(default_factory=list)  # what it was built from (other tensor-parallel ranks
-    block_size: int = 0                                     # build their own from these: llm/model/parallel.py)
+    block_size: int = 0  # build their own from these: llm/model/parallel.py)
     # On CPU with llm/model/cpu_kernels.py built: the one-token chunks' block tables (B1, W) int32 and key counts (B1,)
     # int32, read in place (then `decode` is empty).
     decode_tables: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -59,8 +60,9 @@ class BatchMeta:
         if n_single and device.type == "cpu" and cpu_kernels.available():
             single = chunks[:n_single]
             width = max(c.start // block_size + 1 for c in single)
-            table = torch.tensor([c.block_ids[:width] + [0] * (width - min(width, len(c.block_ids))) for c in single],
-                                 dtype=torch.int32)  # (B1, W)
+            table = torch.tensor(
+                [c.block_ids[:width] + [0] * (width - min(width, len(c.block_ids))) for c in single], dtype=torch.int32
+            )  # (B1, W)
             starts = torch.tensor([c.start for c in single])
             own = table.gather(1, (starts // block_size)[:, None]).flatten().long()  # each token's own block
             slot_parts.append(own * block_size + starts % block_size)
@@ -84,14 +86,16 @@ class BatchMeta:
             ctx = blocks[: (c.start + c.n - 1) // block_size + 1].to(device) if c.start > 0 else None
             multi.append((t0, t0 + c.n, c.start, ctx))
             t0 += c.n
-        return cls(torch.cat(slot_parts).to(device), decode, multi, chunks=chunks, block_size=block_size,
-                   decode_tables=tables)
+        return cls(
+            torch.cat(slot_parts).to(device), decode, multi, chunks=chunks, block_size=block_size, decode_tables=tables
+        )
 
 
 @dataclass(slots=True)
 class StaticMeta:
     """A static decode step's attention inputs (engine/decode_step.py): persistent buffers of a fixed batch bucket, so a
     captured CUDA graph replays them. Padding rows write to, and read only, the null block."""
+
     slot_mapping: torch.Tensor  # (B,) cache slot of each row's new token
     block_tables: torch.Tensor  # (B, W) int32, W = ceil(max_model_len / block_size), padded with the null block
     context_lens: torch.Tensor  # (B,) int32: keys of each row, its new token included
@@ -115,8 +119,9 @@ def decode_groups(num_blocks: list[int], slack: float = 0.3, min_slack: int = 8)
     return groups[::-1]
 
 
-def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, meta: BatchMeta | StaticMeta,
-                    scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, meta: BatchMeta | StaticMeta, scale: float
+) -> torch.Tensor:
     """q (T, nh, hd); kv (T, 2 * nkv, hd): the new tokens' keys then values; kv_cache (2 * nkv, num_blocks,
     block_size, hd): keys of the nkv heads, then their values -> (T, nh, hd). The new keys and values go into the
     cache in one write; a step's gathers read keys and values of all heads in one index_select."""
@@ -141,18 +146,21 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, m
         n, g = group.i1 - group.i0, q.shape[1] // nkv
         kvs = _gather(rows, group.blocks, meta.buffers, f"kv{gi}").view(two_nkv, n, -1, hd)  # (2nkv, n, S, hd)
         ks, vs = kvs[:nkv], kvs[nkv:]
-        qs = q[group.i0:group.i1].view(n, nkv, g, hd).transpose(0, 1)  # (nkv, n, g, hd): a KV head's g query heads
+        qs = q[group.i0 : group.i1].view(n, nkv, g, hd).transpose(0, 1)  # (nkv, n, g, hd): a KV head's g query heads
         scores = torch.matmul(qs, ks.transpose(-1, -2))  # (nkv, n, g, S)
         if scale != 1.0:
             scores = scores * scale
-        probs = torch.softmax(scores.add_(group.bias), -1) if scores.dtype == torch.float32 else \
-            torch.softmax(scores.float().add_(group.bias), -1).to(vs.dtype)
+        probs = (
+            torch.softmax(scores.add_(group.bias), -1)
+            if scores.dtype == torch.float32
+            else torch.softmax(scores.float().add_(group.bias), -1).to(vs.dtype)
+        )
         o = torch.matmul(probs, vs).transpose(0, 1)  # (n, nkv, g, hd)
         if single:
             return o.reshape(n, nkv * g, hd)
         if out is None:
             out = torch.empty_like(q)
-        out[group.i0:group.i1] = o.reshape(n, nkv * g, hd)
+        out[group.i0 : group.i1] = o.reshape(n, nkv * g, hd)
     if out is None:
         out = torch.empty_like(q)
     for t0, t1, start, ctx in meta.multi:
@@ -167,8 +175,9 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, m
             keys, queries = torch.arange(start + n, device=q.device), torch.arange(start, start + n, device=q.device)
             mask = keys[None, :] <= queries[:, None]
             causal = False
-        o = F.scaled_dot_product_attention(qm, km.unsqueeze(0), vm.unsqueeze(0), attn_mask=mask, is_causal=causal,
-                                           enable_gqa=True, scale=scale)
+        o = F.scaled_dot_product_attention(
+            qm, km.unsqueeze(0), vm.unsqueeze(0), attn_mask=mask, is_causal=causal, enable_gqa=True, scale=scale
+        )
         out[t0:t1] = o.squeeze(0).transpose(0, 1)  # (n, nh, hd)
     return out
 

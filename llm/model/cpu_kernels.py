@@ -119,8 +119,9 @@ def rope_(qkv: torch.Tensor, cis: torch.Tensor) -> None:
     _module.rope_(qkv, cis)
 
 
-def paged_decode_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_cpu(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q (B, nh, hd); kv_cache (2 * nkv, num_blocks, block_size, hd): keys then values; block_tables (B, W) int32;
     context_lens (B,) int32, keys per row (>= 1) -> (B, nh, hd). `load()` must have returned the module."""
     global calls
@@ -137,8 +138,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """F.linear(x (T, K), weight (N, K), bias), by the bfloat16 kernel where it applies (AVX2 builds, T <=
     MAX_LINEAR_ROWS, K a multiple of 8), else by torch."""
     global calls
-    if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= MAX_LINEAR_ROWS and x.shape[1] % 8 == 0
-            and weight.dtype == torch.bfloat16 and weight.is_contiguous() and on(x) and hasattr(_module, "linear")):
+    if (
+        x.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.shape[0] <= MAX_LINEAR_ROWS
+        and x.shape[1] % 8 == 0
+        and weight.dtype == torch.bfloat16
+        and weight.is_contiguous()
+        and on(x)
+        and hasattr(_module, "linear")
+    ):
         calls += 1
         return _module.linear(x, weight, bias)
     return F.linear(x, weight, bias)

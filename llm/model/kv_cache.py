@@ -15,8 +15,16 @@ class KVCache:
     kv: torch.Tensor  # (L, 2 * nkv, num_blocks, block_size, hd)
 
     @classmethod
-    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype) -> KVCache:
+    def allocate(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> KVCache:
         shape = (num_layers, 2 * num_kv_heads, num_blocks, block_size, head_dim)
         return cls(torch.zeros(shape, device=device, dtype=dtype))
 
@@ -45,8 +53,16 @@ class KVCache:
         return self.kv.nbytes
 
 
-def num_kv_blocks(bytes_per_token: int, *, block_size: int, max_model_len: int, device: torch.device,
-                  kv_cache_tokens: int | None, gpu_memory_utilization: float, cpu_kv_cache_gib: float) -> int:
+def num_kv_blocks(
+    bytes_per_token: int,
+    *,
+    block_size: int,
+    max_model_len: int,
+    device: torch.device,
+    kv_cache_tokens: int | None,
+    gpu_memory_utilization: float,
+    cpu_kv_cache_gib: float,
+) -> int:
     """Blocks for the configured budget; it must hold at least one sequence of max_model_len."""
     if kv_cache_tokens is not None:
         tokens = kv_cache_tokens
@@ -57,8 +73,10 @@ def num_kv_blocks(bytes_per_token: int, *, block_size: int, max_model_len: int, 
     else:
         tokens = int(cpu_kv_cache_gib * (1 << 30) // bytes_per_token)
     if tokens < max_model_len:
-        raise ValueError(f"the KV cache holds {tokens} tokens, fewer than max_model_len={max_model_len}: "
-                         "raise the cache budget or lower max_model_len")
+        raise ValueError(
+            f"the KV cache holds {tokens} tokens, fewer than max_model_len={max_model_len}: "
+            "raise the cache budget or lower max_model_len"
+        )
     return tokens // block_size
 
 

@@ -48,8 +48,14 @@ class Rotary:
     """RoPE as unit complex numbers, one table row per position (cos and sin of position * inv_freq in float32, as
     transformers computes them), kept as real pairs (P, hd/2, 2). M-RoPE takes each frequency from its own axis."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, mrope_section: tuple[int, ...] | None,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        max_positions: int,
+        mrope_section: tuple[int, ...] | None,
+        device: torch.device | str = "cpu",
+    ):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # (hd/2,)
         angles = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq  # (P, hd/2)
         self.table = torch.stack([angles.cos(), angles.sin()], -1).to(device)  # (P, hd/2, 2)

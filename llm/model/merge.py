@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def merge_image_embeds(inputs_embeds: torch.Tensor, is_multimodal: torch.Tensor, image_embeds: torch.Tensor) -> torch.Tensor:
+def merge_image_embeds(
+    inputs_embeds: torch.Tensor, is_multimodal: torch.Tensor, image_embeds: torch.Tensor
+) -> torch.Tensor:
     """inputs_embeds (T, D), is_multimodal (T,) bool on the CPU, image_embeds (N, D) -> (T, D)."""
     n_placeholders = int(is_multimodal.sum())  # counted on the CPU ids: no device sync
     if image_embeds.shape[0] != n_placeholders:
@@ -13,7 +15,9 @@ def merge_image_embeds(inputs_embeds: torch.Tensor, is_multimodal: torch.Tensor,
     if n_placeholders == 0:
         return inputs_embeds
     if image_embeds.shape[1] != inputs_embeds.shape[1]:
-        raise ValueError(f"image embeddings have width {image_embeds.shape[1]}, the LM hidden size is {inputs_embeds.shape[1]}")
+        raise ValueError(
+            f"image embeddings have width {image_embeds.shape[1]}, the LM hidden size is {inputs_embeds.shape[1]}"
+        )
     mask = is_multimodal.to(inputs_embeds.device, non_blocking=True).unsqueeze(-1)  # (T, 1)
     return inputs_embeds.masked_scatter(mask, image_embeds.to(inputs_embeds.device, inputs_embeds.dtype))
 

@@ -63,8 +63,10 @@ class TextConfig:
         # NOTE: transformers 5 keeps Qwen2-VL's legacy `"type": "mrope"` next to `"rope_type": "default"`.
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         if rope_type not in ("default", "mrope"):
-            raise ValueError(f"rope type {rope_type!r} is not supported; only plain RoPE ('default', or Qwen2-VL's "
-                             f"M-RoPE) is implemented")
+            raise ValueError(
+                f"rope type {rope_type!r} is not supported; only plain RoPE ('default', or Qwen2-VL's "
+                f"M-RoPE) is implemented"
+            )
         mrope = rope.get("mrope_section")
         # Llama-family configs say which projections have biases; Qwen2's have no such fields (q/k/v biased), nor do
         # Mistral's (none biased).
@@ -107,8 +109,14 @@ class Qwen2LM(nn.Module):
         self.rotary: Rotary | None = None  # built on the model's device by from_pretrained
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        tp: TPGroup = TPGroup(), config: TextConfig | None = None) -> Qwen2LM:
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        tp: TPGroup = TPGroup(),
+        config: TextConfig | None = None,
+    ) -> Qwen2LM:
         """Reads only the language model, its embedding table and lm_head (never the vision weights); with `tp`,
         only this rank's slices of them. `config`: when the caller has it (schemas.ModelSpec)."""
         c = config or TextConfig.from_pretrained(model_dir)
@@ -152,7 +160,9 @@ class Qwen2LM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids.to(self.embed_tokens.weight.device))  # (T, D)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: BatchMeta) -> torch.Tensor:
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: BatchMeta
+    ) -> torch.Tensor:
         """A flat batch of chunks: inputs_embeds (T, D), positions (3, T) -> final hidden states (T, D)."""
         attn = self.layers[0].self_attn
         cis = self.rotary.step(positions.to(self.lm_head.weight.device), attn.nh, attn.nkv)  # once per step
@@ -176,11 +186,13 @@ def fuse_projections(state: dict[str, torch.Tensor], num_layers: int, head_dim: 
         for kind in ("weight", "bias"):
             if f"{a}q_proj.{kind}" in out:
                 q, k, v = (out.pop(f"{a}{n}_proj.{kind}") for n in "qkv")
-                out[f"{a}qkv_proj.{kind}"] = torch.cat([interleave_rope_rows(q, head_dim),
-                                                        interleave_rope_rows(k, head_dim), v])
+                out[f"{a}qkv_proj.{kind}"] = torch.cat(
+                    [interleave_rope_rows(q, head_dim), interleave_rope_rows(k, head_dim), v]
+                )
             if f"{m}gate_proj.{kind}" in out:
-                out[f"{m}gate_up_proj.{kind}"] = torch.cat([out.pop(f"{m}gate_proj.{kind}"),
-                                                            out.pop(f"{m}up_proj.{kind}")])
+                out[f"{m}gate_up_proj.{kind}"] = torch.cat(
+                    [out.pop(f"{m}gate_proj.{kind}"), out.pop(f"{m}up_proj.{kind}")]
+                )
     return out
 
 

@@ -36,6 +36,7 @@ _SPLITS: tuple[tuple[re.Pattern, int], ...] = (
 @dataclass(frozen=True, slots=True)
 class TPGroup:
     """This process's place among the ranks of one replica; world_size 1 is plain single-device inference."""
+
     rank: int = 0
     world_size: int = 1
 
@@ -72,8 +73,13 @@ def init_process_group(rank: int, world_size: int, init_method: str, device: tor
     """Join the replica's ranks. A collective that waits longer than `timeout_s` raises (gloo) or aborts (NCCL)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def _broadcast(obj: object) -> object:
@@ -179,5 +185,12 @@ def serve_rank(local) -> None:
         raise
 
 
-__all__ = ["ParallelLM", "RankFailure", "TPGroup", "check_divisible", "gather_logits", "init_process_group",
-           "serve_rank"]
+__all__ = [
+    "ParallelLM",
+    "RankFailure",
+    "TPGroup",
+    "check_divisible",
+    "gather_logits",
+    "init_process_group",
+    "serve_rank",
+]

@@ -48,11 +48,34 @@ _BLOCK_N = 32  # keys per loop step; any block_size works because each key finds
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, m_ptr, l_ptr, acc_ptr, scale,
-                      stride_qb, stride_qh, stride_kh, stride_kb, stride_kt, stride_vh, stride_vb, stride_vt,
-                      stride_tb, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    def _split_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        block_tables_ptr,
+        context_lens_ptr,
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        scale,
+        stride_qb,
+        stride_qh,
+        stride_kh,
+        stride_kb,
+        stride_kt,
+        stride_vh,
+        stride_vb,
+        stride_vt,
+        stride_tb,
+        GROUP: tl.constexpr,
+        GROUP_P2: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_P2: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         num_heads = tl.num_programs(1) * GROUP
         context_len = tl.load(context_lens_ptr + b)
@@ -67,8 +90,11 @@ if triton is not None:
             is_head = rows < GROUP
             dims = tl.arange(0, HEAD_DIM_P2)
             is_dim = dims < HEAD_DIM  # head_dim 80 and the like: padded to a power of two, masked
-            q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                        mask=is_head[:, None] & is_dim[None, :], other=0.0)
+            q = tl.load(
+                q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=is_head[:, None] & is_dim[None, :],
+                other=0.0,
+            )
             q = q.to(tl.float32) * scale  # (GROUP_P2, HEAD_DIM_P2); padding rows are 0: their scores stay finite
 
             m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
@@ -83,15 +109,21 @@ if triton is not None:
                 block = block.to(tl.int64)  # block * stride overflows int32 in a cache over 2**31 elements
                 slot = t % BLOCK_SIZE
                 # Masked loads: lanes past the context (null block, stale or NaN slots) read 0, not the cache.
-                kt = tl.load(k_head + block[None, :] * stride_kb + slot[None, :] * stride_kt + dims[:, None],
-                             mask=is_dim[:, None] & is_key[None, :], other=0.0)  # (HEAD_DIM_P2, BLOCK_N)
+                kt = tl.load(
+                    k_head + block[None, :] * stride_kb + slot[None, :] * stride_kt + dims[:, None],
+                    mask=is_dim[:, None] & is_key[None, :],
+                    other=0.0,
+                )  # (HEAD_DIM_P2, BLOCK_N)
                 scores = tl.dot(q, kt.to(tl.float32), input_precision=PRECISION)  # (GROUP_P2, BLOCK_N)
                 scores = tl.where(is_key[None, :], scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: every step has at least one key
                 alpha = tl.exp(m_i - m_new)
                 p = tl.exp(scores - m_new[:, None])  # 0 where masked
-                v = tl.load(v_head + block[:, None] * stride_vb + slot[:, None] * stride_vt + dims[None, :],
-                            mask=is_key[:, None] & is_dim[None, :], other=0.0)  # (BLOCK_N, HEAD_DIM_P2)
+                v = tl.load(
+                    v_head + block[:, None] * stride_vb + slot[:, None] * stride_vt + dims[None, :],
+                    mask=is_key[:, None] & is_dim[None, :],
+                    other=0.0,
+                )  # (BLOCK_N, HEAD_DIM_P2)
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
                 l_i = l_i * alpha + tl.sum(p, 1)
                 m_i = m_new
@@ -99,13 +131,23 @@ if triton is not None:
             part = (b * num_heads + heads) * NUM_SPLITS + split  # (GROUP_P2,) index into (B, nh, NUM_SPLITS)
             tl.store(m_ptr + part, m_i, mask=is_head)
             tl.store(l_ptr + part, l_i, mask=is_head)
-            tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
-                     mask=is_head[:, None] & is_dim[None, :])
+            tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=is_head[:, None] & is_dim[None, :])
 
     @triton.jit
-    def _combine_kernel(context_lens_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh,
-                        HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+    def _combine_kernel(
+        context_lens_ptr,
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        out_ptr,
+        stride_ob,
+        stride_oh,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_P2: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_P2: tl.constexpr,
+    ):
         b, head = tl.program_id(0), tl.program_id(1)
         num_blocks = (tl.load(context_lens_ptr + b) + BLOCK_SIZE - 1) // BLOCK_SIZE
         blocks_per_split = tl.maximum((num_blocks + NUM_SPLITS - 1) // NUM_SPLITS, 1)  # as in _split_kernel
@@ -116,8 +158,9 @@ if triton is not None:
         part = (b * tl.num_programs(1) + head) * NUM_SPLITS + splits  # (SPLITS_P2,)
         m_i = tl.load(m_ptr + part, mask=is_split, other=float("-inf"))
         l_i = tl.load(l_ptr + part, mask=is_split, other=0.0)
-        acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=is_split[:, None] & is_dim[None, :],
-                      other=0.0)  # (SPLITS_P2, HEAD_DIM_P2)
+        acc = tl.load(
+            acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=is_split[:, None] & is_dim[None, :], other=0.0
+        )  # (SPLITS_P2, HEAD_DIM_P2)
         # Unwritten splits weigh 0; the where keeps a context of 0 keys (no split written) from -inf - -inf = NaN.
         weight = tl.where(is_split, tl.exp(m_i - tl.max(m_i, 0)), 0.0)
         num = tl.sum(weight[:, None] * acc, 0)  # (HEAD_DIM_P2,)
@@ -140,27 +183,46 @@ def default_num_splits(batch_size: int, num_kv_heads: int, max_blocks_per_seq: i
 def split_config(cache_dtype: torch.dtype, group: int, head_dim: int, block_size: int, num_splits: int) -> dict:
     """_split_kernel's compile-time arguments and launch options (tests compile the same for sm_90 on CPU)."""
     head_dim_p2 = max(16, _next_power_of_2(head_dim))  # tl.dot wants every dimension >= 16
-    return dict(GROUP=group, GROUP_P2=max(16, _next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
-                BLOCK_SIZE=block_size, BLOCK_N=_BLOCK_N, NUM_SPLITS=num_splits,
-                PRECISION="ieee" if cache_dtype == torch.float32 else "tf32",
-                # NOTE: from ptxas's register counts for sm_90, not from timings (no GPU yet): with 4 warps a
-                # 128-wide head tile takes over 200 registers a thread and spills in float32; with 8 warps no case
-                # tried spills more than 8 bytes. Retune on a GPU.
-                num_warps=8 if head_dim_p2 >= 128 else 4, num_stages=2)
+    return dict(
+        GROUP=group,
+        GROUP_P2=max(16, _next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=head_dim_p2,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=_BLOCK_N,
+        NUM_SPLITS=num_splits,
+        PRECISION="ieee" if cache_dtype == torch.float32 else "tf32",
+        # NOTE: from ptxas's register counts for sm_90, not from timings (no GPU yet): with 4 warps a
+        # 128-wide head tile takes over 200 registers a thread and spills in float32; with 8 warps no case
+        # tried spills more than 8 bytes. Retune on a GPU.
+        num_warps=8 if head_dim_p2 >= 128 else 4,
+        num_stages=2,
+    )
 
 
 def combine_config(head_dim: int, block_size: int, num_splits: int) -> dict:
-    return dict(HEAD_DIM=head_dim, HEAD_DIM_P2=max(16, _next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-                NUM_SPLITS=num_splits, SPLITS_P2=_next_power_of_2(num_splits))
+    return dict(
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=max(16, _next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        SPLITS_P2=_next_power_of_2(num_splits),
+    )
 
 
 def _next_power_of_2(n: int) -> int:  # triton.next_power_of_2, for when triton is missing
     return 1 << max(0, n - 1).bit_length()
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           max_splits: int | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_splits: int | None = None,
+) -> torch.Tensor:
     """One query token per sequence against its paged context.
 
     q (B, nh, hd); k_cache, v_cache (nkv, num_blocks, block_size, hd); block_tables (B, W) int32, padded with the
@@ -181,19 +243,42 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     m_i, l_i = torch.empty(B, nh, num_splits, **f32), torch.empty(B, nh, num_splits, **f32)
     acc = torch.empty(B, nh, num_splits, hd, **f32)
     _split_kernel[(B, nkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, m_i, l_i, acc, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        **split_config(k_cache.dtype, nh // nkv, hd, block_size, num_splits))
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        m_i,
+        l_i,
+        acc,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        **split_config(k_cache.dtype, nh // nkv, hd, block_size, num_splits),
+    )
     out = torch.empty_like(q)  # (B, nh, hd)
-    _combine_kernel[(B, nh)](context_lens, m_i, l_i, acc, out, out.stride(0), out.stride(1),
-                             **combine_config(hd, block_size, num_splits))
+    _combine_kernel[(B, nh)](
+        context_lens, m_i, l_i, acc, out, out.stride(0), out.stride(1), **combine_config(hd, block_size, num_splits)
+    )
     return out
 
 
-def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                     max_splits: int | None = None) -> torch.Tensor:
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_splits: int | None = None,
+) -> torch.Tensor:
     """The same contract in plain torch: gather each sequence's blocks, masked float32 softmax. max_splits is
     accepted for the common signature and unused."""
     B, nh, hd = q.shape

@@ -17,8 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOTS = ("CreateChatCompletionResponse", "CreateChatCompletionStreamResponse", "ErrorResponse", "ListModelsResponse",
-         "Model", "CreateCompletionResponse")
+ROOTS = (
+    "CreateChatCompletionResponse",
+    "CreateChatCompletionStreamResponse",
+    "ErrorResponse",
+    "ListModelsResponse",
+    "Model",
+    "CreateCompletionResponse",
+)
 PREFIX = "#/components/schemas/"
 OUT = Path(__file__).with_name("openai.json")
 # Annotations only: no JSON Schema validator reads them.
@@ -59,8 +65,11 @@ def strip(node: Any, in_properties: bool = False) -> Any:
     """`node` without annotations. Under `properties` the keys are field names (a field may be called
     `description`), so they are kept there."""
     if isinstance(node, dict):
-        return {k: strip(v, k == "properties" and not in_properties) for k, v in node.items()
-                if in_properties or k not in DROP}
+        return {
+            k: strip(v, k == "properties" and not in_properties)
+            for k, v in node.items()
+            if in_properties or k not in DROP
+        }
     if isinstance(node, list):
         return [strip(v) for v in node]
     return node
@@ -68,9 +77,16 @@ def strip(node: Any, in_properties: bool = False) -> Any:
 
 def subset(spec: dict[str, Any], source: dict[str, str], roots: tuple[str, ...] = ROOTS) -> dict[str, Any]:
     schemas = spec["components"]["schemas"]
-    return {"x-vendored": {**source, "openapi": spec.get("openapi"), "version": spec.get("info", {}).get("version"),
-                           "roots": list(roots), "regenerate": "python -m tests.api_schema.refresh SPEC --commit SHA"},
-            "components": {"schemas": {name: strip(schemas[name]) for name in closure(schemas, roots)}}}
+    return {
+        "x-vendored": {
+            **source,
+            "openapi": spec.get("openapi"),
+            "version": spec.get("info", {}).get("version"),
+            "roots": list(roots),
+            "regenerate": "python -m tests.api_schema.refresh SPEC --commit SHA",
+        },
+        "components": {"schemas": {name: strip(schemas[name]) for name in closure(schemas, roots)}},
+    }
 
 
 def load(path: Path) -> dict[str, Any]:

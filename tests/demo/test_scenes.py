@@ -12,7 +12,9 @@ from demo.scenes import COLOURS, KINDS, SHAPES, iou, make_eval_set, make_scene, 
 def test_the_same_seed_draws_the_same_scenes():
     a, b = make_eval_set(5, 10), make_eval_set(5, 10)
     assert [x["question"] for x in a] == [x["question"] for x in b]
-    assert all(np.array_equal(np.asarray(p), np.asarray(q)) for x, y in zip(a, b) for p, q in zip(x["images"], y["images"]))
+    assert all(
+        np.array_equal(np.asarray(p), np.asarray(q)) for x, y in zip(a, b) for p, q in zip(x["images"], y["images"])
+    )
     assert [x["kind"] for x in make_eval_set(6, 10)] == [KINDS[i % len(KINDS)] for i in range(10)]
 
 

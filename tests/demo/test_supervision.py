@@ -34,7 +34,10 @@ def test_coordinates_are_single_tokens_and_answers_are_rounded(setup):
     tokenizer, _, _ = setup
     assert all(len(tokenizer.encode(c, add_special_tokens=False)) == 1 for c in COORDS)
     answer = "<|object_ref_start|>the red star<|object_ref_end|><|box_start|>(4,996),(123,455)<|box_end|>"
-    assert quantize_box(answer) == "<|object_ref_start|>the red star<|object_ref_end|><|box_start|>(0,990),(120,460)<|box_end|>"
+    assert (
+        quantize_box(answer)
+        == "<|object_ref_start|>the red star<|object_ref_end|><|box_start|>(0,990),(120,460)<|box_end|>"
+    )
     assert quantize_box("3") == "3"  # a count is not a box
 
 
@@ -45,7 +48,16 @@ def test_cells_are_the_shape_s_by_what_it_covers():
     assert shape_cells(square, (280, 140), (2, 4)) == [2, 3]
     assert shape_cells(Shape("red", "square", (100, 10, 110, 20)), (280, 140), (2, 4)) == [1]  # tiny: the most covered
     targets = vision_targets(Image.new("RGB", (280, 140)), [square], (2, 4))
-    assert targets[:, 0].tolist() == [8, 8, 0, 0, 8, 8, 8, 8] and targets[:, 9].tolist() == [-1, -1, 0, 0, -1, -1, -1, -1]
+    assert targets[:, 0].tolist() == [8, 8, 0, 0, 8, 8, 8, 8] and targets[:, 9].tolist() == [
+        -1,
+        -1,
+        0,
+        0,
+        -1,
+        -1,
+        -1,
+        -1,
+    ]
     # A triangle's box corners are background: a cell it covers in part is neither the shape's nor background.
     triangle = Shape("blue", "triangle", (0, 0, 140, 140))  # apex at (70, 0): the top cells are about 1/4 covered
     cover = cell_cover(triangle, (280, 140), (2, 4))
@@ -96,7 +108,8 @@ def test_route_keys_are_the_image_tokens_of_the_shape_asked_about(setup):
             assert SHAPES[int(batch["read_shapes"][b, first_answer_query])] == obj.shape
             w, h = it["images"][p].size
             assert batch["read_boxes"][b, first_answer_query].tolist() == pytest.approx(
-                [obj.box[0] / w, obj.box[1] / h, obj.box[2] / w, obj.box[3] / h])
+                [obj.box[0] / w, obj.box[1] / h, obj.box[2] / w, obj.box[3] / h]
+            )
 
 
 def test_a_near_coordinate_costs_less_than_a_far_one(setup):

@@ -14,8 +14,26 @@ from tests.helpers import make_image
 
 def test_two_steps_write_a_checkpoint_the_server_loads(tmp_path):
     out = tmp_path / "shapes"
-    subprocess.run([sys.executable, "-m", "demo.train", "--out", str(out), "--steps", "2", "--batch-size", "2",
-                    "--eval-every", "1000", "--threads", "1"], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "demo.train",
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--eval-every",
+            "1000",
+            "--threads",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert family_of(out).processing.from_pretrained(out).max_image_tokens == 36
     tokenizer = load_tokenizer(out)
     assert len(tokenizer.encode("What colour is the star?", add_special_tokens=False)) <= 8  # scene words are tokens

@@ -16,9 +16,9 @@ import ray
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm.server import LLM
 from encoders import Qwen2VLVisionEncoder
 from llm import Qwen2LM
+from llm.server import LLM
 
 
 def _where() -> str:
@@ -130,8 +130,11 @@ def forwards_finished(record_dir: str | Path) -> dict[str, int]:
 
 
 def _name_of_pid(record_dir: str | Path) -> dict[int, str]:
-    return {int(f.stem): line.split()[0] for f in Path(record_dir).glob("*.started")
-            for line in f.read_text().splitlines()[:1]}
+    return {
+        int(f.stem): line.split()[0]
+        for f in Path(record_dir).glob("*.started")
+        for line in f.read_text().splitlines()[:1]
+    }
 
 
 def images_preprocessed(record_dir: str | Path) -> int:
@@ -162,8 +165,10 @@ class LocatingLLM(LLM.func_or_class):
     def _locate(self, refs: list) -> None:
         ray.wait(refs, num_returns=len(refs), timeout=60, fetch_local=False)
         with open(Path(self.record_dir) / f"{os.getpid()}.located", "a") as f:
-            f.writelines(json.dumps({"size": where["object_size"], "nodes": len(where["node_ids"])}) + "\n"
-                         for where in ray.experimental.get_object_locations(refs, timeout_ms=60_000).values())
+            f.writelines(
+                json.dumps({"size": where["object_size"], "nodes": len(where["node_ids"])}) + "\n"
+                for where in ray.experimental.get_object_locations(refs, timeout_ms=60_000).values()
+            )
 
     async def generate(self, request):
         if request.image_embeds:

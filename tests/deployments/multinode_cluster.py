@@ -36,8 +36,12 @@ ENCODER = {"num_cpus": 0.5, "resources": {"encoder_node": 0.01}}
 LLM_OPTIONS = {"num_cpus": 1, "resources": {"llm_node": 0.01}}
 # NOTE: a killed node is declared dead after health_check_period_ms * failure_threshold (Ray's default 3 s * 5);
 # shortened so the test is quick, not further: on a loaded 2-core machine a live raylet can miss a 1 s check.
-SYSTEM_CONFIG = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
-                 "health_check_timeout_ms": 2000, "health_check_failure_threshold": 3}
+SYSTEM_CONFIG = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 2000,
+    "health_check_failure_threshold": 3,
+}
 # Ray's max_direct_call_object_size: a task's return larger than this goes to the object store of the node that made
 # it (here: the encoder's), and the LLM's node pulls it from there. Smaller ones travel inline through the caller.
 INLINE_LIMIT_BYTES = 100 * 1024
@@ -68,7 +72,8 @@ def build(args: dict[str, Any]) -> serve.Application:
     cache = EmbeddingCache.options(ray_actor_options=CACHE).bind(plain)
     # One encoder replica, so that "the encoder's node" is one node.
     encoder = Encoder.options(num_replicas=1, autoscaling_config=None, ray_actor_options=ENCODER).bind(
-        plain, cache, model_factory=SlowOnCue)
+        plain, cache, model_factory=SlowOnCue
+    )
     llm = LLM.options(ray_actor_options=LLM_OPTIONS).bind(plain)
     return Ingress.options(ray_actor_options=HEAD).bind(encoder, llm, plain)
 
@@ -92,8 +97,12 @@ def replica_nodes() -> dict[str, list[str]]:
 
 def body(seed: int, size: int = IMAGE_SIZE) -> dict:
     image = {"type": "image_url", "image_url": {"url": data_url(make_image(size, size, seed=seed))}}
-    return {"messages": [{"role": "user", "content": [image, {"type": "text", "text": f"Picture {seed}?"}]}],
-            "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    return {
+        "messages": [{"role": "user", "content": [image, {"type": "text", "text": f"Picture {seed}?"}]}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
 
 
 def ask(client: httpx.Client, seed: int, size: int = IMAGE_SIZE) -> tuple[int, list[int] | None, float, str | None]:
@@ -116,15 +125,26 @@ def ask_once(base_url: str, seed: int, size: int) -> tuple[int, list[int] | None
 
 
 def _phase(results: list[tuple[int, list[int] | None, float, str | None]]) -> dict:
-    return {"statuses": [r[0] for r in results], "token_ids": [r[1] for r in results],
-            "seconds": [round(r[2], 2) for r in results], "retry_after": [r[3] for r in results]}
+    return {
+        "statuses": [r[0] for r in results],
+        "token_ids": [r[1] for r in results],
+        "seconds": [round(r[2], 2) for r in results],
+        "retry_after": [r[3] for r in results],
+    }
 
 
 def main(checkpoint: str) -> dict:
     summary: dict[str, Any] = {"embedding_bytes": embedding_bytes(checkpoint), "inline_limit_bytes": INLINE_LIMIT_BYTES}
     t0 = time.monotonic()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"head": 1}, "include_dashboard": False, "_system_config": SYSTEM_CONFIG})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "resources": {"head": 1},
+            "include_dashboard": False,
+            "_system_config": SYSTEM_CONFIG,
+        },
+    )
     try:
         encoder_node = cluster.add_node(num_cpus=1, resources={"encoder_node": 1}, wait=False)
         llm_node = cluster.add_node(num_cpus=1, resources={"llm_node": 1}, wait=False)
@@ -137,8 +157,7 @@ def main(checkpoint: str) -> dict:
         args = {"model": checkpoint, "encoder": {"cache_gib": 0, "timeout_s": 5}, "llm": {"max_model_len": 1024}}
         serve.run(build(args), name="vlm", route_prefix="/")
         summary["s_cluster_and_app_up"] = round(time.monotonic() - t0, 1)
-        summary["nodes"] = {"head": cluster.head_node.node_id, "encoder": encoder_node.node_id,
-                            "llm": llm_node.node_id}
+        summary["nodes"] = {"head": cluster.head_node.node_id, "encoder": encoder_node.node_id, "llm": llm_node.node_id}
         summary["placement"] = replica_nodes()
 
         base_url = f"http://127.0.0.1:{port}"

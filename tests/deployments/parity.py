@@ -20,15 +20,30 @@ MAX_TOKENS = 24  # the tiny checkpoints' greedy margins are checked for this man
 CASES = {
     "text_only": [("user", ["Tell me about red circles."])],
     "one_image": [("user", [make_image(120, 80, seed=1), "What is in the picture?"])],
-    "three_images": [("user", ["Compare", make_image(57, 31, seed=2), make_image(300, 140, seed=3), "and",
-                               make_image(40, 260, seed=4), "please."])],
-    "two_turns": [("user", [make_image(90, 90, seed=5), "What colour is the square?"]),
-                  ("assistant", ["The square is blue."]),
-                  ("user", ["And this one?", make_image(200, 60, seed=6)])],
+    "three_images": [
+        (
+            "user",
+            [
+                "Compare",
+                make_image(57, 31, seed=2),
+                make_image(300, 140, seed=3),
+                "and",
+                make_image(40, 260, seed=4),
+                "please.",
+            ],
+        )
+    ],
+    "two_turns": [
+        ("user", [make_image(90, 90, seed=5), "What colour is the square?"]),
+        ("assistant", ["The square is blue."]),
+        ("user", ["And this one?", make_image(200, 60, seed=6)]),
+    ],
 }
 
 
-def reference_generate(checkpoint, reference, conversation, max_tokens: int = MAX_TOKENS) -> tuple[list[int], list[int]]:
+def reference_generate(
+    checkpoint, reference, conversation, max_tokens: int = MAX_TOKENS
+) -> tuple[list[int], list[int]]:
     """transformers' own pipeline: chat template, processor grids, placeholder expansion, generate.
     -> (prompt token ids, greedy completion token ids)."""
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -54,21 +69,35 @@ def reference_generate(checkpoint, reference, conversation, max_tokens: int = MA
         kwargs = {"pixel_values": processed["pixel_values"], "image_grid_thw": processed["image_grid_thw"]}
     input_ids = torch.tensor([ids])
     with torch.no_grad():
-        out = reference.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 mm_token_type_ids=(input_ids == pad).int(), do_sample=False,
-                                 max_new_tokens=max_tokens, **kwargs)
-    return ids, out[0, len(ids):].tolist()
+        out = reference.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            mm_token_type_ids=(input_ids == pad).int(),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            **kwargs,
+        )
+    return ids, out[0, len(ids) :].tolist()
 
 
-def processor_generate(checkpoint, reference, conversation, max_tokens: int = MAX_TOKENS) -> tuple[list[int], list[int]]:
+def processor_generate(
+    checkpoint, reference, conversation, max_tokens: int = MAX_TOKENS
+) -> tuple[list[int], list[int]]:
     """transformers' own pipeline for families whose processor does it all (LLaVA, LLaVA-NeXT): the processor's chat
     template, tokenization, tiling and `<image>` expansion, then generate."""
     processor = AutoProcessor.from_pretrained(checkpoint)
-    messages = [{"role": role, "content": [{"type": "text", "text": p} if isinstance(p, str) else
-                                           {"type": "image", "image": p} for p in parts]}
-                for role, parts in conversation]
-    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                           return_tensors="pt")
+    messages = [
+        {
+            "role": role,
+            "content": [
+                {"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts
+            ],
+        }
+        for role, parts in conversation
+    ]
+    inputs = processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
     with torch.no_grad():
         out = reference.generate(**inputs, do_sample=False, max_new_tokens=max_tokens)
     n = inputs["input_ids"].shape[1]
@@ -78,8 +107,12 @@ def processor_generate(checkpoint, reference, conversation, max_tokens: int = MA
 def openai_messages(conversation) -> list[dict]:
     messages = []
     for role, parts in conversation:
-        content = [{"type": "text", "text": p} if isinstance(p, str) else
-                   {"type": "image_url", "image_url": {"url": data_url(p)}} for p in parts]
+        content = [
+            {"type": "text", "text": p}
+            if isinstance(p, str)
+            else {"type": "image_url", "image_url": {"url": data_url(p)}}
+            for p in parts
+        ]
         messages.append({"role": role, "content": content})
     return messages
 
@@ -95,13 +128,18 @@ def deployed(ray_serve: str, app_args: dict, checkpoint, name: str) -> Iterator[
         serve.delete(name)
 
 
-def assert_greedy_equals_reference(client: httpx.Client, checkpoint, reference, conversation,
-                                   generate=reference_generate) -> None:
+def assert_greedy_equals_reference(
+    client: httpx.Client, checkpoint, reference, conversation, generate=reference_generate
+) -> None:
     """Prompt ids, completion ids, text and usage from the app equal transformers' on the same checkpoint
     (`generate(checkpoint, reference, conversation)`: the family's own transformers pipeline)."""
     ref_prompt, ref_tokens = generate(checkpoint, reference, conversation)
-    body = {"messages": openai_messages(conversation), "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True}
+    body = {
+        "messages": openai_messages(conversation),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -111,8 +149,19 @@ def assert_greedy_equals_reference(client: httpx.Client, checkpoint, reference, 
     assert out["choices"][0]["message"]["content"] == tokenizer.decode(ref_tokens, skip_special_tokens=True)
     usage = dict(out["usage"])
     assert 0 <= usage.pop("prompt_tokens_details")["cached_tokens"] < len(ref_prompt)  # one token at least is run
-    assert usage == {"prompt_tokens": len(ref_prompt), "completion_tokens": len(ref_tokens),
-                     "total_tokens": len(ref_prompt) + len(ref_tokens)}
+    assert usage == {
+        "prompt_tokens": len(ref_prompt),
+        "completion_tokens": len(ref_tokens),
+        "total_tokens": len(ref_prompt) + len(ref_tokens),
+    }
 
 
-__all__ = ["CASES", "MAX_TOKENS", "assert_greedy_equals_reference", "deployed", "openai_messages", "processor_generate", "reference_generate"]
+__all__ = [
+    "CASES",
+    "MAX_TOKENS",
+    "assert_greedy_equals_reference",
+    "deployed",
+    "openai_messages",
+    "processor_generate",
+    "reference_generate",
+]

@@ -22,8 +22,15 @@ def test_three_formats_one_request(client):
     }
     answers = {}
     for name, content in contents.items():
-        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
-                                                      "max_tokens": 8, "temperature": 0, "return_token_ids": True})
+        r = client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
+        )
         assert r.status_code == 200, (name, r.text)
         body = r.json()
         answers[name] = (body["prompt_token_ids"], body["choices"][0]["token_ids"])

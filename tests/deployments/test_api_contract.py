@@ -23,8 +23,15 @@ GROUNDING, COLOUR = make_item(random.Random(1), "grounding"), make_item(random.R
 
 
 def _messages(item: dict) -> list[dict]:
-    return [{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": data_url(im)}}
-                                           for im in item["images"]), {"type": "text", "text": item["question"]}]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                *({"type": "image_url", "image_url": {"url": data_url(im)}} for im in item["images"]),
+                {"type": "text", "text": item["question"]},
+            ],
+        }
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +56,19 @@ def _boxes(choice: dict) -> list:
 COMPLETIONS = {
     "plain": (_chat(COLOUR), lambda out: out["choices"][0]["logprobs"] is None),
     "n_and_seed": (_chat(COLOUR, n=3, temperature=1.0, seed=11), lambda out: len(out["choices"]) == 3),
-    "logprobs": (_chat(COLOUR, logprobs=True, top_logprobs=3),
-                 lambda out: len(out["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3),
-    "stop_string": (_chat(GROUNDING, max_tokens=48, stop=["("]),
-                    lambda out: out["choices"][0]["finish_reason"] == "stop" and not _boxes(out["choices"][0])),
+    "logprobs": (
+        _chat(COLOUR, logprobs=True, top_logprobs=3),
+        lambda out: len(out["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3,
+    ),
+    "stop_string": (
+        _chat(GROUNDING, max_tokens=48, stop=["("]),
+        lambda out: out["choices"][0]["finish_reason"] == "stop" and not _boxes(out["choices"][0]),
+    ),
     "length": (_chat(COLOUR, max_tokens=1), lambda out: out["choices"][0]["finish_reason"] == "length"),
-    "token_ids": (_chat(COLOUR, return_token_ids=True),
-                  lambda out: out["prompt_token_ids"] and out["choices"][0]["token_ids"]),
+    "token_ids": (
+        _chat(COLOUR, return_token_ids=True),
+        lambda out: out["prompt_token_ids"] and out["choices"][0]["token_ids"],
+    ),
     "grounding_boxes": (_chat(GROUNDING, max_tokens=48), lambda out: _boxes(out["choices"][0])),
 }
 
@@ -76,12 +89,18 @@ def _finish(chunks: list[dict]) -> list[dict]:
 
 STREAMS = {
     "plain": (_chat(COLOUR), lambda chunks: "usage" not in chunks[-1] and len(_finish(chunks)) == 1),
-    "with_usage": (_chat(COLOUR, stream_options={"include_usage": True}),
-                   lambda chunks: chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0),
-    "n_logprobs_usage": (_chat(COLOUR, n=2, temperature=1.0, seed=5, logprobs=True, top_logprobs=2,
-                               stream_options={"include_usage": True}),
-                         lambda chunks: len(_finish(chunks)) == 2 and any(
-                             c.get("logprobs") for chunk in chunks for c in chunk["choices"])),
+    "with_usage": (
+        _chat(COLOUR, stream_options={"include_usage": True}),
+        lambda chunks: chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0,
+    ),
+    "n_logprobs_usage": (
+        _chat(
+            COLOUR, n=2, temperature=1.0, seed=5, logprobs=True, top_logprobs=2, stream_options={"include_usage": True}
+        ),
+        lambda chunks: (
+            len(_finish(chunks)) == 2 and any(c.get("logprobs") for chunk in chunks for c in chunk["choices"])
+        ),
+    ),
     "token_ids": (_chat(COLOUR, return_token_ids=True), lambda chunks: chunks[0]["prompt_token_ids"]),
     "grounding_boxes": (_chat(GROUNDING, max_tokens=48), lambda chunks: _finish(chunks)[0]["delta"].get("boxes")),
 }
@@ -111,17 +130,38 @@ HI = [{"role": "user", "content": "hi"}]
 ERRORS = {  # (method, path, keyword arguments of httpx, status)
     "bad_field": ("POST", "/v1/chat/completions", {"json": {"messages": HI, "temperature": "hot"}}, 400),
     "not_json": ("POST", "/v1/chat/completions", {"content": b"{"}, 400),
-    "bad_image": ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}}, 400),
-    "stream_before_first_token": ("POST", "/v1/chat/completions",
-                                  {"json": {"messages": HI, "stream": True, "max_tokens": 5000}}, 400),
+    "bad_image": (
+        "POST",
+        "/v1/chat/completions",
+        {
+            "json": {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+                    }
+                ]
+            }
+        },
+        400,
+    ),
+    "stream_before_first_token": (
+        "POST",
+        "/v1/chat/completions",
+        {"json": {"messages": HI, "stream": True, "max_tokens": 5000}},
+        400,
+    ),
     "no_key": ("POST", "/v1/chat/completions", {"json": {"messages": HI}, "headers": {"Authorization": ""}}, 401),
     "wrong_key": ("GET", "/v1/models", {"headers": {"Authorization": "Bearer sk-wrong"}}, 401),
     "no_route": ("POST", "/v2/chat", {"json": {}}, 404),
     "unknown_model": ("POST", "/v1/chat/completions", {"json": {"messages": HI, "model": "gpt-4o"}}, 404),
     "wrong_method": ("GET", "/v1/chat/completions", {}, 405),
-    "body_too_large": ("POST", "/v1/chat/completions",
-                       {"json": {"messages": [{"role": "user", "content": "x" * LIMITS["max_request_bytes"]}]}}, 413),
+    "body_too_large": (
+        "POST",
+        "/v1/chat/completions",
+        {"json": {"messages": [{"role": "user", "content": "x" * LIMITS["max_request_bytes"]}]}},
+        413,
+    ),
 }
 
 

@@ -145,8 +145,11 @@ def test_without_a_channel_the_chunks_come_on_the_own_stream_and_the_hub_opens_o
 def test_channel_chunks_reach_their_stream_and_a_lost_channel_fails_the_attached_ones():
     async def go():
         gate = asyncio.Event()
-        batch = [("req-0", TokenChunk([1], num_cached_tokens=0)), ("other", TokenChunk([9])),
-                 ("req-0", TokenChunk([2], finish_reason="length"))]
+        batch = [
+            ("req-0", TokenChunk([1], num_cached_tokens=0)),
+            ("other", TokenChunk([9])),
+            ("req-0", TokenChunk([2], finish_reason="length")),
+        ]
 
         class Channel(_Call):
             async def _gen(self):

@@ -29,8 +29,9 @@ def url(ray_serve, app_args):
     # A channel stays open for the whole test: every generation after the warm-up goes through it.
     args = {**app_args, "encoder": {"startup_check": False}, "llm": {**app_args["llm"], "token_channel_idle_s": 600}}
     encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=1, autoscaling_config=None).bind(args, None)
-    llm = LLM.options(ray_actor_options={"num_cpus": 0.5}, num_replicas=1, autoscaling_config=None,
-                      graceful_shutdown_timeout_s=1).bind(args)  # the open channel would hold it up
+    llm = LLM.options(
+        ray_actor_options={"num_cpus": 0.5}, num_replicas=1, autoscaling_config=None, graceful_shutdown_timeout_s=1
+    ).bind(args)  # the open channel would hold it up
     serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name=APP, route_prefix=f"/{APP}")
     yield f"{ray_serve}/{APP}"
     serve.delete(APP)
@@ -41,8 +42,14 @@ def _llm_stats() -> dict:
 
 
 def _body(i: int, max_tokens: int = TOKENS) -> dict:
-    return {"messages": [{"role": "user", "content": f"Stream {i}: count the stars."}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    return {
+        "messages": [{"role": "user", "content": f"Stream {i}: count the stars."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
 
 
 async def _stream(client: httpx.AsyncClient, body: dict, stop_after: int | None = None) -> tuple[int, list, bool]:
@@ -76,6 +83,7 @@ def _quiet(timeout_s: float = 30) -> dict:
 
 def _warm_up(url: str) -> None:
     """One request: it opens this ingress's channel to the replica, for the requests after it."""
+
     async def one():
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             assert (await _stream(client, _body(-1, 2)))[0] == 200
@@ -86,8 +94,9 @@ def _warm_up(url: str) -> None:
 def test_64_streams_with_cancellations_through_one_channel(url):
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            return await asyncio.gather(*(_stream(client, _body(i, 600), 3) if i % 4 == 0 else
-                                          _stream(client, _body(i)) for i in range(64)))
+            return await asyncio.gather(
+                *(_stream(client, _body(i, 600), 3) if i % 4 == 0 else _stream(client, _body(i)) for i in range(64))
+            )
 
     _warm_up(url)
     before = _llm_stats()

@@ -14,10 +14,17 @@ pytestmark = pytest.mark.e2e
 
 
 def _body(i: int) -> dict:
-    content = [{"type": "image_url", "image_url": {"url": data_url(make_image(40 + 13 * (i % 5), 50, seed=i))}}
-               for _ in range(i % 3)] + [{"type": "text", "text": f"Question number {i}?"}]
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0,
-            "return_token_ids": True, "stream": i % 2 == 0}
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(make_image(40 + 13 * (i % 5), 50, seed=i))}}
+        for _ in range(i % 3)
+    ] + [{"type": "text", "text": f"Question number {i}?"}]
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "return_token_ids": True,
+        "stream": i % 2 == 0,
+    }
 
 
 async def _ask(client: httpx.AsyncClient, body: dict) -> list[int]:

@@ -39,11 +39,15 @@ CAP_S = 60.0  # how long a wait on state may take before the test fails: generou
 @pytest.fixture(scope="module")
 def slow(ray_serve, app_args, tmp_path_factory):
     record_dir = str(tmp_path_factory.mktemp("forwards"))
-    args = {**app_args, "limits": {**app_args["limits"], "request_timeout_s": DEADLINE_S},
-            "encoder": {"cache_gib": 0, "max_batch_wait_ms": 0, "startup_check": False},  # as test_encoder_faults
-            "llm": {**app_args["llm"], "max_num_seqs": 1, "max_queued_requests": 1}}  # one runs, one waits
+    args = {
+        **app_args,
+        "limits": {**app_args["limits"], "request_timeout_s": DEADLINE_S},
+        "encoder": {"cache_gib": 0, "max_batch_wait_ms": 0, "startup_check": False},  # as test_encoder_faults
+        "llm": {**app_args["llm"], "max_num_seqs": 1, "max_queued_requests": 1},
+    }  # one runs, one waits
     encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=None, num_replicas=1).bind(
-        args, None, model_factory=functools.partial(SlowEncoder, delay_s=ENCODE_S, record_dir=record_dir))
+        args, None, model_factory=functools.partial(SlowEncoder, delay_s=ENCODE_S, record_dir=record_dir)
+    )
     llm = LLM.options(ray_actor_options=SMALL).bind(args, model_factory=SlowLM.load)
     serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name="slow", route_prefix="/slow")
     yield f"{ray_serve}/slow", record_dir
@@ -53,9 +57,12 @@ def slow(ray_serve, app_args, tmp_path_factory):
 @pytest.fixture(scope="module")
 def queue_app(ray_serve, app_args):
     """One sequence runs, one waits, and deadlines far away: the queue stays full until the test empties it."""
-    args = {**app_args, "limits": {**app_args["limits"], "request_timeout_s": 120},
-            "encoder": {"cache_gib": 0, "startup_check": False},
-            "llm": {**app_args["llm"], "max_num_seqs": 1, "max_queued_requests": 1}}
+    args = {
+        **app_args,
+        "limits": {**app_args["limits"], "request_timeout_s": 120},
+        "encoder": {"cache_gib": 0, "startup_check": False},
+        "llm": {**app_args["llm"], "max_num_seqs": 1, "max_queued_requests": 1},
+    }
     encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=None, num_replicas=1).bind(args, None)
     llm = LLM.options(ray_actor_options=SMALL).bind(args, model_factory=SlowLM.load)
     serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name="queue", route_prefix="/queue")
@@ -136,8 +143,11 @@ def test_a_client_that_leaves_cancels_its_queued_images(slow):
     started, queued = sum(forwards_started(record_dir).values()), images_preprocessed(record_dir)
 
     def ask(seed: int, *more: int) -> dict:
-        return {"messages": [{"role": "user", "content": [*_images(seed, *more), {"type": "text", "text": "q"}]}],
-                "max_tokens": 1, "temperature": 0}
+        return {
+            "messages": [{"role": "user", "content": [*_images(seed, *more), {"type": "text", "text": "q"}]}],
+            "max_tokens": 1,
+            "temperature": 0,
+        }
 
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
@@ -164,8 +174,9 @@ def test_a_full_engine_queue_is_a_503_that_the_openai_client_retries(queue_app):
     url, release, refused = queue_app, threading.Event(), threading.Event()
 
     def hog():  # a stream that holds its sequence (running or queued) until released, then leaves
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**LONG, "max_tokens": 900, "stream": True},
-                          timeout=120) as r:
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", json={**LONG, "max_tokens": 900, "stream": True}, timeout=120
+        ) as r:
             for _ in r.iter_lines():
                 if release.is_set():
                     return
@@ -181,11 +192,17 @@ def test_a_full_engine_queue_is_a_503_that_the_openai_client_retries(queue_app):
     assert r.json()["error"]["code"] == "overloaded"
     # The openai client waits Retry-After and tries again; the hogs leave once its first try was refused.
     hooks = {"response": [lambda resp: refused.set() if resp.status_code == 503 else None]}
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=10,
-                           http_client=httpx.Client(event_hooks=hooks, timeout=60))
+    client = openai.OpenAI(
+        base_url=f"{url}/v1", api_key="unused", max_retries=10, http_client=httpx.Client(event_hooks=hooks, timeout=60)
+    )
     answer = []
-    asker = threading.Thread(target=lambda: answer.append(client.chat.completions.with_raw_response.create(
-        model="qwen2-vl-tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])))
+    asker = threading.Thread(
+        target=lambda: answer.append(
+            client.chat.completions.with_raw_response.create(
+                model="qwen2-vl-tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+            )
+        )
+    )
     asker.start()
     assert refused.wait(60), "the client's first try was not refused"
     release.set()

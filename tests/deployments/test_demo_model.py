@@ -26,10 +26,14 @@ def demo(ray_serve, app_args):
 
 
 def _ask(client: httpx.Client, images, question: str) -> dict:
-    content = [*({"type": "image_url", "image_url": {"url": data_url(im)}} for im in images),
-               {"type": "text", "text": question}]
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
-                                                  "max_tokens": 48, "temperature": 0})
+    content = [
+        *({"type": "image_url", "image_url": {"url": data_url(im)}} for im in images),
+        {"type": "text", "text": question},
+    ]
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": content}], "max_tokens": 48, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]
 
@@ -61,6 +65,8 @@ def test_the_answer_follows_the_image_not_the_text(demo):
         circles = [o for o in scene.objects if o.shape == "circle"]
         if len(circles) == 1 and circles[0].colour not in found:
             found[circles[0].colour] = scene
-    answers = {colour: _ask(demo, [scene.image], "What colour is the circle?")["content"].strip()
-               for colour, scene in found.items()}
+    answers = {
+        colour: _ask(demo, [scene.image], "What colour is the circle?")["content"].strip()
+        for colour, scene in found.items()
+    }
     assert answers == {colour: colour for colour in found}, answers

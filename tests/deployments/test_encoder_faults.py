@@ -23,16 +23,18 @@ from tests.helpers import data_url, image_bytes, make_image
 
 pytestmark = pytest.mark.e2e
 SMALL = {"num_cpus": 0.1}  # these apps share the session's logical CPUs with the others
-RETRY = re.compile(r"(?P<id>chatcmpl-[0-9a-f]{32}): no embeddings for images (?P<images>\[[0-9, ]*\]); retrying them once")
+RETRY = re.compile(
+    r"(?P<id>chatcmpl-[0-9a-f]{32}): no embeddings for images (?P<images>\[[0-9, ]*\]); retrying them once"
+)
 
 
 def _app(app_args, record_dir: str, delay_s: float, **encoder_options):
     # Every request really encodes; no start-up forward, which the slow encoder would record as a served one.
     args = {**app_args, "encoder": {"cache_gib": 0, "startup_check": False}}
     encoder = Encoder.options(ray_actor_options=SMALL, **encoder_options).bind(
-        args, None, model_factory=functools.partial(SlowEncoder, delay_s=delay_s, record_dir=record_dir))
-    return Ingress.options(ray_actor_options=SMALL).bind(
-        encoder, LLM.options(ray_actor_options=SMALL).bind(args), args)
+        args, None, model_factory=functools.partial(SlowEncoder, delay_s=delay_s, record_dir=record_dir)
+    )
+    return Ingress.options(ray_actor_options=SMALL).bind(encoder, LLM.options(ray_actor_options=SMALL).bind(args), args)
 
 
 def _replicas(app: str) -> list[str]:
@@ -63,10 +65,16 @@ def _wait(condition, timeout_s: float) -> float:
 
 
 def _body(i: int, images: int = 1) -> dict:
-    parts = [{"type": "image_url", "image_url": {"url": data_url(make_image(56 + 28 * (i % 4), 56, seed=i))}}
-             for _ in range(images)]
-    return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": f"q{i}"}]}],
-            "max_tokens": 2, "temperature": 0, "stream": i % 2 == 1}
+    parts = [
+        {"type": "image_url", "image_url": {"url": data_url(make_image(56 + 28 * (i % 4), 56, seed=i))}}
+        for _ in range(images)
+    ]
+    return {
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": f"q{i}"}]}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": i % 2 == 1,
+    }
 
 
 async def _post(client: httpx.AsyncClient, body: dict) -> tuple[int, str | None, str]:
@@ -77,8 +85,9 @@ async def _post(client: httpx.AsyncClient, body: dict) -> tuple[int, str | None,
 @pytest.fixture(scope="module")
 def faults(ray_serve, app_args, tmp_path_factory):
     record_dir = str(tmp_path_factory.mktemp("forwards"))
-    serve.run(_app(app_args, record_dir, 1.0, num_replicas=2, autoscaling_config=None), name="faults",
-              route_prefix="/faults")
+    serve.run(
+        _app(app_args, record_dir, 1.0, num_replicas=2, autoscaling_config=None), name="faults", route_prefix="/faults"
+    )
     yield f"{ray_serve}/faults", record_dir
     serve.delete("faults")
 
@@ -101,8 +110,13 @@ async def _kill_mid_forward(record_dir: str, app: str) -> str:
     """Wait (on the encoders' records, not the clock) for a forward to be in flight on a replica, and kill that
     replica; returns its actor name."""
     deadline = time.monotonic() + 60
-    while not (busy := [n for n, k in forwards_started(record_dir).items()
-                        if n in _replicas(app) and k > forwards_finished(record_dir).get(n, 0)]):
+    while not (
+        busy := [
+            n
+            for n, k in forwards_started(record_dir).items()
+            if n in _replicas(app) and k > forwards_finished(record_dir).get(n, 0)
+        ]
+    ):
         assert time.monotonic() < deadline, "no forward started"
         await asyncio.sleep(0.01)
     ray.kill(ray.get_actor(busy[0], namespace="serve"), no_restart=True)
@@ -153,8 +167,10 @@ def test_killed_replica_under_load(faults):
     assert sum(map(len, retried.values())) == after["encoder_retries"] - before["encoder_retries"] > 0, retried
     ok = {_response_id(text) for s, _, text in results if s == 200}
     assert set(retried) <= ok, (set(retried) - ok, statuses)  # every re-encoded request was answered
-    print(f"under a replica kill: {statuses.count(200)} x 200, {statuses.count(503)} x 503, "
-          f"{len(retried)} requests retried ({after['encoder_retries'] - before['encoder_retries']} images)")
+    print(
+        f"under a replica kill: {statuses.count(200)} x 200, {statuses.count(503)} x 503, "
+        f"{len(retried)} requests retried ({after['encoder_retries'] - before['encoder_retries']} images)"
+    )
     _wait(lambda: _recovered("faults", killed), 90)
     assert [s for s, _, _ in asyncio.run(burst(8, kill=False))] == [200] * 8
 
@@ -163,10 +179,20 @@ def test_killed_replica_under_load(faults):
 def scaling(ray_serve, app_args, tmp_path_factory):
     record_dir = str(tmp_path_factory.mktemp("forwards"))
     # The settings serve_config.yaml documents, with shorter look-back so that the test is quick.
-    autoscaling = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2, "upscale_delay_s": 1,
-                   "downscale_delay_s": 4, "metrics_interval_s": 0.5, "look_back_period_s": 2}
-    serve.run(_app(app_args, record_dir, 0.4, autoscaling_config=autoscaling, max_ongoing_requests=4),
-              name="scaling", route_prefix="/scaling")
+    autoscaling = {
+        "min_replicas": 1,
+        "max_replicas": 3,
+        "target_ongoing_requests": 2,
+        "upscale_delay_s": 1,
+        "downscale_delay_s": 4,
+        "metrics_interval_s": 0.5,
+        "look_back_period_s": 2,
+    }
+    serve.run(
+        _app(app_args, record_dir, 0.4, autoscaling_config=autoscaling, max_ongoing_requests=4),
+        name="scaling",
+        route_prefix="/scaling",
+    )
     yield f"{ray_serve}/scaling", record_dir
     serve.delete("scaling")
 
@@ -210,7 +236,9 @@ def test_scales_up_under_an_image_burst_and_down_after(scaling):
     rows = forwards(record_dir)
     new = [t for pid, t, _ in rows if pid != rows[0][0]]  # rows[0]: the one replica there was at the start
     assert peak >= 2 and new, f"did not scale up: peak {peak} replicas"
-    print(f"scale-up after the load step: a second replica asked for at {asked_at - start:.1f} s, running at "
-          f"{scaled_at - start:.1f} s, serving at {new[0] - start:.1f} s; peak {peak} replicas")
+    print(
+        f"scale-up after the load step: a second replica asked for at {asked_at - start:.1f} s, running at "
+        f"{scaled_at - start:.1f} s, serving at {new[0] - start:.1f} s; peak {peak} replicas"
+    )
     down = _wait(lambda: _running("scaling") == 1, 60)
     print(f"scale-down: back to 1 replica {time.monotonic() - ended:.1f} s after the load ended ({down:.1f} s waited)")

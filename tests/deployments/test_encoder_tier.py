@@ -16,8 +16,12 @@ pytestmark = pytest.mark.e2e
 
 
 def _ask(client: httpx.Client, conversation, url: str = "/v1/chat/completions") -> list[int]:
-    body = {"messages": openai_messages(conversation), "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True}
+    body = {
+        "messages": openai_messages(conversation),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     r = client.post(url, json=body)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
@@ -76,8 +80,9 @@ def test_colocated_bad_image_is_a_400(colocated):
     """Header fine, pixels truncated: the LLM replica's own decode fails, and that is the client's 400."""
     png = image_bytes(make_image(200, 150, seed=3))
     part = {"type": "image_url", "image_url": {"url": data_url(png[: len(png) // 2])}}
-    r = httpx.post(f"{colocated}/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]},
-                   timeout=60)
+    r = httpx.post(
+        f"{colocated}/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]}, timeout=60
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert "could not be decoded" in r.json()["error"]["message"]
     assert httpx.get(f"{colocated}/health", timeout=10).status_code == 200

@@ -27,10 +27,21 @@ from schemas.openai import (
 )
 
 DEMO = Path(__file__).parents[2] / "demo" / "qwen2-vl-shapes"
-HEADS = [{"id": "chatcmpl-0", "created": 1_700_000_000, "model": "qwen2-vl-shapes"},
-         {"id": 'chatcmpl-"quoted"\\', "created": 0, "model": "modèle/视觉 \n"}]
-TEXTS = ["", "a", " world", 'say "hi" \\ / back', "line\nbreak\ttab\rcr", "\x00\x01\x1f\x7f\x80",
-         "你好，世界 🙂👍🏽 é", "\u2028\u2029</script>\ufffd", "x" * 300]
+HEADS = [
+    {"id": "chatcmpl-0", "created": 1_700_000_000, "model": "qwen2-vl-shapes"},
+    {"id": 'chatcmpl-"quoted"\\', "created": 0, "model": "modèle/视觉 \n"},
+]
+TEXTS = [
+    "",
+    "a",
+    " world",
+    'say "hi" \\ / back',
+    "line\nbreak\ttab\rcr",
+    "\x00\x01\x1f\x7f\x80",
+    "你好，世界 🙂👍🏽 é",
+    "\u2028\u2029</script>\ufffd",
+    "x" * 300,
+]
 TOKEN_IDS = [None, [], [7], [1, 2, 151643]]
 LOGPROBS = [-0.5, -0.0, 0.0, -1e-10, -123.456789012345, -1e-300, float("-inf"), float("nan")]
 
@@ -42,17 +53,32 @@ def _piece(token: str, logprob: float) -> dict:
 def _items(n: int, top: int) -> list[dict]:
     """n tokens' logprob items with `top` alternatives each, cycling through the awkward floats and texts."""
     lps, texts = itertools.cycle(LOGPROBS), itertools.cycle(TEXTS[1:8])
-    return [{**_piece(next(texts), next(lps)), "top_logprobs": [_piece(next(texts), next(lps)) for _ in range(top)]}
-            for _ in range(n)]
+    return [
+        {**_piece(next(texts), next(lps)), "top_logprobs": [_piece(next(texts), next(lps)) for _ in range(top)]}
+        for _ in range(n)
+    ]
 
 
 def _pydantic(head: dict, index: int, text: str, token_ids: list[int] | None, items: list[dict] | None) -> str:
     """The chunk as the ingress wrote it before ContentChunks: models all the way down."""
-    logprobs = None if items is None else ChoiceLogprobs(content=[
-        TokenLogprobOut(token=t["token"], logprob=t["logprob"], bytes=t["bytes"],
-                        top_logprobs=[TopLogprob(**p) for p in t["top_logprobs"]]) for t in items])
-    chunk = ChatCompletionChunk(**head, choices=[ChunkChoice(index=index, delta=Delta(content=text),
-                                                             token_ids=token_ids, logprobs=logprobs)])
+    logprobs = (
+        None
+        if items is None
+        else ChoiceLogprobs(
+            content=[
+                TokenLogprobOut(
+                    token=t["token"],
+                    logprob=t["logprob"],
+                    bytes=t["bytes"],
+                    top_logprobs=[TopLogprob(**p) for p in t["top_logprobs"]],
+                )
+                for t in items
+            ]
+        )
+    )
+    chunk = ChatCompletionChunk(
+        **head, choices=[ChunkChoice(index=index, delta=Delta(content=text), token_ids=token_ids, logprobs=logprobs)]
+    )
     return f"data: {chunk.model_dump_json()}\n\n"
 
 
@@ -99,8 +125,9 @@ def test_logprob_items_decode_each_token_as_the_tokenizer_does(tokenizer):
     lps = [TokenLogprob(-0.25, [(t, -0.25), ((t + 1) % len(tokenizer), -2.0)]) for t in ids]
     items = logprob_items(tokenizer, ids, lps)
     assert [it["token"] for it in items] == [tokenizer.decode([t]) for t in ids]
-    assert [it["top_logprobs"][1]["token"] for it in items] == [tokenizer.decode([(t + 1) % len(tokenizer)])
-                                                                for t in ids]
+    assert [it["top_logprobs"][1]["token"] for it in items] == [
+        tokenizer.decode([(t + 1) % len(tokenizer)]) for t in ids
+    ]
     assert all(it["bytes"] == list(it["token"].encode()) for it in items)
     ChoiceLogprobs(content=items)  # the model's fields, no more, no fewer
 
@@ -109,9 +136,10 @@ def test_logprob_items_decode_each_token_as_the_tokenizer_does(tokenizer):
 def test_the_streams_content_chunks_are_what_pydantic_writes(tokenizer, fields):
     """Through sse_stream, n=2: each content event against the chunk pydantic writes for the same delta."""
     req = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2, **fields})
+        {"messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2, **fields}
+    )
     deltas = []
-    for i, text in enumerate(["It is \"the\" red\ncircle 🙂", "a 圆"]):
+    for i, text in enumerate(['It is "the" red\ncircle 🙂', "a 圆"]):
         ids = tokenizer.encode(text, add_special_tokens=False)
         for k, t in enumerate(ids):
             lp = [TokenLogprob(-0.5, [(t, -0.5), (t + 1, -1.5)])] if req.logprobs else None
@@ -121,8 +149,10 @@ def test_the_streams_content_chunks_are_what_pydantic_writes(tokenizer, fields):
         async def events():
             for item in deltas:
                 yield item
-        return [e async for e in sse_stream(req, HEADS[0], [1, 2], events(), tokenizer, "chatcmpl-0",
-                                            lambda choices: None)]
+
+        return [
+            e async for e in sse_stream(req, HEADS[0], [1, 2], events(), tokenizer, "chatcmpl-0", lambda choices: None)
+        ]
 
     events = asyncio.run(collect())
     content = [e for e in events if '"delta":{"content"' in e]

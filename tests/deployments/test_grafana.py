@@ -12,7 +12,9 @@ DASHBOARD = ROOT / "deployments" / "grafana" / "vlm-dashboard.json"
 
 
 def test_the_dashboard_queries_only_exported_metrics():
-    declared = set(re.findall(r'(?:Histogram|Counter|Gauge)\(\s*"(vlm_\w+)"', (ROOT / "schemas" / "metrics.py").read_text()))
+    declared = set(
+        re.findall(r'(?:Histogram|Counter|Gauge)\(\s*"(vlm_\w+)"', (ROOT / "schemas" / "metrics.py").read_text())
+    )
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     used = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"ray_(vlm_\w+)", e)}

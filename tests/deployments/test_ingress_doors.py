@@ -33,7 +33,7 @@ class Door:
     def _read(self) -> dict:
         while line := self.proc.stdout.readline():
             if line.startswith(TAG):
-                return json.loads(line[len(TAG):])
+                return json.loads(line[len(TAG) :])
         raise AssertionError(f"ingress_door exited with {self.proc.wait()}; its log ends:\n{self._tail()}")
 
     def _tail(self) -> str:
@@ -55,8 +55,9 @@ def door(request, app_args, tmp_path_factory):
     log = tmp_path_factory.mktemp("door") / f"{request.param}.log"
     with open(log, "w") as err:
         cmd = [sys.executable, "-m", "tests.deployments.ingress_door", str(port), json.dumps(app_args)]
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
+        )
     try:
         d = Door(proc, f"http://127.0.0.1:{client_port}", log)
         d.replica_port = int(port_env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"])

@@ -37,8 +37,11 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def instrumented(ray_serve, app_args):
     """A second app at /traced: its LM fails at position 40."""
-    serve.run(Ingress.bind(Encoder.bind(app_args), LLM.bind(app_args, model_factory=FaultyLM.load), app_args),
-              name="traced", route_prefix="/traced")
+    serve.run(
+        Ingress.bind(Encoder.bind(app_args), LLM.bind(app_args, model_factory=FaultyLM.load), app_args),
+        name="traced",
+        route_prefix="/traced",
+    )
     yield f"{ray_serve}/traced"
     serve.delete("traced")
 
@@ -47,8 +50,9 @@ def instrumented(ray_serve, app_args):
 def big_images(tmp_path_factory):
     """A checkpoint like the session's that takes images of up to 1024 merged tokens, and two images whose
     embeddings (462 tokens x 64 float32 = 118 KiB each) are over Ray's inline limit."""
-    checkpoint = build_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2-vl-tiny-1024", seed=0,
-                                  max_pixels=28 * 28 * 1024)
+    checkpoint = build_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "qwen2-vl-tiny-1024", seed=0, max_pixels=28 * 28 * 1024
+    )
     images = [make_image(616, 588, seed=20 + i) for i in range(2)]  # 44 x 42 patches: 462 tokens each
     return checkpoint, images, 462 * 64 * 4
 
@@ -58,8 +62,12 @@ def through_the_store(request, ray_serve, app_args, big_images, tmp_path_factory
     """An app at /store whose encoder's outputs record who unpickles them and whose LLM records where they live."""
     checkpoint, _, _ = big_images
     record_dir = str(tmp_path_factory.mktemp("store"))
-    args = {**app_args, "model": str(checkpoint), "llm": {"max_model_len": 2048},
-            "encoder": {"cache_gib": request.param, "startup_check": False}}
+    args = {
+        **app_args,
+        "model": str(checkpoint),
+        "llm": {"max_model_len": 2048},
+        "encoder": {"cache_gib": request.param, "startup_check": False},
+    }
     cache = EmbeddingCache.bind(args) if request.param else None
     encoder = Encoder.bind(args, cache, model_factory=functools.partial(TracingEncoder, record_dir=record_dir))
     llm = LLM.options(func_or_class=LocatingLLM).bind(args, record_dir=record_dir)
@@ -109,16 +117,18 @@ def test_error_after_first_token_is_an_event_the_client_raises(instrumented):
     messages = [{"role": "user", "content": "hi"}]
     received = []
     with pytest.raises(openai.APIError, match="internal error \\(request chatcmpl-") as e:
-        for chunk in client.chat.completions.create(model="qwen2-vl-tiny", messages=messages, max_tokens=200,
-                                                    temperature=0, stream=True):
+        for chunk in client.chat.completions.create(
+            model="qwen2-vl-tiny", messages=messages, max_tokens=200, temperature=0, stream=True
+        ):
             received.append(chunk)
     # The 200 and the tokens made before the fault went out; the fault came as an event, not as a status.
     assert not isinstance(e.value, openai.APIStatusError)
     assert received and received[0].choices[0].delta.role == "assistant"
     # Before the first token, the same fault is a 500 with the OpenAI body, and the app keeps serving.
     with pytest.raises(openai.InternalServerError) as e:
-        client.chat.completions.create(model="qwen2-vl-tiny", max_tokens=5,
-                                       messages=[{"role": "user", "content": "x " * 120}])
+        client.chat.completions.create(
+            model="qwen2-vl-tiny", max_tokens=5, messages=[{"role": "user", "content": "x " * 120}]
+        )
     message = e.value.body["message"]
     request_id = re.fullmatch(r"internal error \(request (chatcmpl-[0-9a-f]{32})\)", message).group(1)
     # The body says nothing of the fault; the ingress's log has the same id with the traceback.
@@ -170,8 +180,13 @@ def test_stop_strings_cut_the_text(client):
 
 
 def test_seeded_sampling_is_reproducible(client):
-    body = {"messages": [{"role": "user", "content": "Pick words."}], "max_tokens": 10, "temperature": 1.0,
-            "seed": 1234, "return_token_ids": True}
+    body = {
+        "messages": [{"role": "user", "content": "Pick words."}],
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "seed": 1234,
+        "return_token_ids": True,
+    }
     first, second = (client.post("/v1/chat/completions", json=body).json() for _ in range(2))
     assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
     other = client.post("/v1/chat/completions", json={**body, "seed": 99}).json()
@@ -184,11 +199,14 @@ def test_second_turn_reuses_the_cached_prefix(client):
     image = {"type": "image_url", "image_url": {"url": data_url(make_image(120, 90, seed=42))}}
     turn1 = [{"role": "user", "content": [image, {"type": "text", "text": "Describe the picture in detail."}]}]
     first = client.post("/v1/chat/completions", json={"messages": turn1, "max_tokens": 8, "temperature": 0}).json()
-    turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": "And the colours?"}]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And the colours?"},
+    ]
     before = llm.stats.remote().result()["prefix_hits"]
-    second = client.post("/v1/chat/completions", json={"messages": turn2, "max_tokens": 8, "temperature": 0,
-                                                       "return_token_ids": True}).json()
+    second = client.post(
+        "/v1/chat/completions", json={"messages": turn2, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    ).json()
     hits = llm.stats.remote().result()["prefix_hits"] - before
     assert hits >= first["usage"]["prompt_tokens"] // 16  # at least the whole first prompt, image included
     # A different image in the same place: only the text blocks before it match (exactness of reused blocks is

@@ -28,8 +28,15 @@ def _llm_states() -> dict[str, int]:
 def scaling(ray_serve, app_args):
     args = {**app_args, "encoder": {"startup_check": False}}
     # serve_config.yaml's policy, with short delays so that the test is quick
-    autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 1,
-                   "downscale_delay_s": 4, "metrics_interval_s": 0.5, "look_back_period_s": 2}
+    autoscaling = {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "target_ongoing_requests": 2,
+        "upscale_delay_s": 1,
+        "downscale_delay_s": 4,
+        "metrics_interval_s": 0.5,
+        "look_back_period_s": 2,
+    }
     llm = LLM.options(autoscaling_config=autoscaling, ray_actor_options={"num_cpus": 0.5}).bind(args)
     encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=1, autoscaling_config=None).bind(args, None)
     serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name=APP, route_prefix=f"/{APP}")
@@ -48,8 +55,12 @@ def test_text_load_scales_the_llm_up_and_down(scaling, metrics_port):
     async def worker(client: httpx.AsyncClient, w: int) -> list[int]:
         statuses = []
         while time.monotonic() < stop_at:
-            body = {"messages": [{"role": "user", "content": f"Stream {w}, request {len(statuses)}: tell a story."}],
-                    "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+            body = {
+                "messages": [{"role": "user", "content": f"Stream {w}, request {len(statuses)}: tell a story."}],
+                "max_tokens": 48,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             statuses.append((await client.post("/v1/chat/completions", json=body)).status_code)
         return statuses
 

@@ -59,12 +59,16 @@ def _conversation(i: int) -> list[list[dict]]:
     """Three turns' messages; an image in the first. The system message differs from the first token on, so no
     KV block is shared between conversations: every prefix hit comes from the conversation's own earlier turns."""
     image = {"type": "image_url", "image_url": {"url": data_url(make_image(224, 168, seed=100 + i))}}
-    messages = [{"role": "system", "content": f"{i} is your number. You look at pictures."},
-                {"role": "user", "content": [image, {"type": "text", "text": f"What is in picture {i}?"}]}]
+    messages = [
+        {"role": "system", "content": f"{i} is your number. You look at pictures."},
+        {"role": "user", "content": [image, {"type": "text", "text": f"What is in picture {i}?"}]},
+    ]
     turns = [list(messages)]
     for t in (2, 3):
-        messages += [{"role": "assistant", "content": f"Answer {t - 1}."},
-                     {"role": "user", "content": f"Tell me more, part {t}."}]
+        messages += [
+            {"role": "assistant", "content": f"Answer {t - 1}."},
+            {"role": "user", "content": f"Tell me more, part {t}."},
+        ]
         turns.append(list(messages))
     return turns
 

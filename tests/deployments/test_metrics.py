@@ -24,17 +24,29 @@ def _total(samples, name: str, **labels: str) -> float:
     return sum(v for n, lab, v in samples if n == f"ray_{name}" and want.items() <= lab.items())
 
 
-COUNTS = ["vlm_time_to_first_token_seconds_count", "vlm_e2e_request_latency_seconds_count",
-          "vlm_inter_token_latency_seconds_count", "vlm_request_queue_time_seconds_count",
-          "vlm_encoder_latency_seconds_count", "vlm_encoder_batch_size_count", "vlm_images_encoded_total",
-          "vlm_embedding_cache_queries_total", "vlm_request_images_total", "vlm_prefix_cache_queries_total"]
+COUNTS = [
+    "vlm_time_to_first_token_seconds_count",
+    "vlm_e2e_request_latency_seconds_count",
+    "vlm_inter_token_latency_seconds_count",
+    "vlm_request_queue_time_seconds_count",
+    "vlm_encoder_latency_seconds_count",
+    "vlm_encoder_batch_size_count",
+    "vlm_images_encoded_total",
+    "vlm_embedding_cache_queries_total",
+    "vlm_request_images_total",
+    "vlm_prefix_cache_queries_total",
+]
 
 
 def test_requests_show_in_the_metrics(client, metrics_port):
     before = _scrape(metrics_port)
     image = {"type": "image_url", "image_url": {"url": data_url(make_image(84, 56, seed=int(time.time())))}}
-    body = {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}], "max_tokens": 6,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     assert client.post("/v1/chat/completions", json=body).status_code == 200
     assert client.post("/v1/chat/completions", json={**body, "stream": True}).status_code == 200  # a cache hit
     assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 400

@@ -33,8 +33,14 @@ def _run_cluster_script(checkpoint: Path, timeout_s: float = 240) -> tuple[dict 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     # The proxy check timeouts of tests/conftest.py: a loaded 2-core machine misses Serve's defaults.
     env |= {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.deployments.multinode_cluster", str(checkpoint)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.deployments.multinode_cluster", str(checkpoint)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -59,8 +65,12 @@ def test_encoder_node_loss_gives_503s_then_recovers_on_a_new_node(wide_checkpoin
     print({k: v for k, v in s.items() if k.startswith("s_")})  # timings, shown with -rP
 
     # Placement by custom resources: ingress and cache on the head, encoder and LLM each on a node of their own.
-    assert s["placement"] == {"Ingress": [nodes["head"]], "EmbeddingCache": [nodes["head"]],
-                              "Encoder": [nodes["encoder"]], "LLM": [nodes["llm"]]}, context
+    assert s["placement"] == {
+        "Ingress": [nodes["head"]],
+        "EmbeddingCache": [nodes["head"]],
+        "Encoder": [nodes["encoder"]],
+        "LLM": [nodes["llm"]],
+    }, context
     # Every answer needed embeddings made on the encoder's node, too large to travel inline: the object store.
     assert s["embedding_bytes"] > s["inline_limit_bytes"], context
     assert s["before"]["statuses"] == [200] * 4, context

@@ -16,8 +16,15 @@ def oai(base_url):
 
 
 def _image_message(text="What is in the picture?"):
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(make_image(100, 70))}},
-                                         {"type": "text", "text": text}]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(make_image(100, 70))}},
+                {"type": "text", "text": text},
+            ],
+        }
+    ]
 
 
 def test_models_and_non_streaming(oai):
@@ -26,12 +33,21 @@ def test_models_and_non_streaming(oai):
     assert out.model == model.id and out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content
     assert out.choices[0].finish_reason in ("stop", "length")
-    assert out.usage.completion_tokens <= 8 and out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    assert (
+        out.usage.completion_tokens <= 8
+        and out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    )
 
 
 def test_streaming_with_usage(oai):
-    stream = oai.chat.completions.create(model="qwen2-vl-tiny", messages=_image_message(), max_tokens=8,
-                                         temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = oai.chat.completions.create(
+        model="qwen2-vl-tiny",
+        messages=_image_message(),
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage is not None and usage.completion_tokens <= 8
@@ -43,8 +59,13 @@ def test_streaming_with_usage(oai):
 
 def test_errors_are_raised_by_the_client(oai):
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model="qwen2-vl-tiny", max_tokens=4, messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "ftp://example.com/cat.png"}}]}])
+        oai.chat.completions.create(
+            model="qwen2-vl-tiny",
+            max_tokens=4,
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://example.com/cat.png"}}]}
+            ],
+        )
     assert e.value.status_code == 400
     assert e.value.body["param"] == "messages[0].content[0].image_url"
     assert "'ftp' is not accepted" in e.value.body["message"] and e.value.body["code"] == "image_url_not_allowed"
@@ -52,13 +73,24 @@ def test_errors_are_raised_by_the_client(oai):
         oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     # Streaming requests that fail before the first token get a real status too.
     with pytest.raises(openai.BadRequestError):
-        list(oai.chat.completions.create(model="qwen2-vl-tiny", stream=True, max_tokens=5000,
-                                         messages=[{"role": "user", "content": "hi"}]))
+        list(
+            oai.chat.completions.create(
+                model="qwen2-vl-tiny", stream=True, max_tokens=5000, messages=[{"role": "user", "content": "hi"}]
+            )
+        )
 
 
 def test_n_choices_and_logprobs(oai):
-    out = oai.chat.completions.create(model="qwen2-vl-tiny", messages=_image_message(), max_tokens=6, n=3,
-                                      temperature=1.0, seed=11, logprobs=True, top_logprobs=3)
+    out = oai.chat.completions.create(
+        model="qwen2-vl-tiny",
+        messages=_image_message(),
+        max_tokens=6,
+        n=3,
+        temperature=1.0,
+        seed=11,
+        logprobs=True,
+        top_logprobs=3,
+    )
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert len({c.message.content for c in out.choices}) > 1  # seeds differ per choice
     assert out.usage.completion_tokens == sum(len(c.logprobs.content) for c in out.choices)
@@ -66,11 +98,13 @@ def test_n_choices_and_logprobs(oai):
         for tok in c.logprobs.content:
             assert tok.logprob <= 0 and len(tok.top_logprobs) == 3
             assert tok.top_logprobs[0].logprob >= tok.top_logprobs[-1].logprob
-    again = oai.chat.completions.create(model="qwen2-vl-tiny", messages=_image_message(), max_tokens=6, n=3,
-                                        temperature=1.0, seed=11)
+    again = oai.chat.completions.create(
+        model="qwen2-vl-tiny", messages=_image_message(), max_tokens=6, n=3, temperature=1.0, seed=11
+    )
     assert [c.message.content for c in again.choices] == [c.message.content for c in out.choices]
-    stream = oai.chat.completions.create(model="qwen2-vl-tiny", messages=_image_message(), max_tokens=6, n=3,
-                                         temperature=1.0, seed=11, stream=True)
+    stream = oai.chat.completions.create(
+        model="qwen2-vl-tiny", messages=_image_message(), max_tokens=6, n=3, temperature=1.0, seed=11, stream=True
+    )
     texts = ["", "", ""]
     finished = set()
     for chunk in stream:

@@ -38,9 +38,18 @@ def browser(tmp_path_factory):
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     # The flags that keep Chromium off the network it cannot reach here, and runnable as root without a display.
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1100,900", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1100,900",
+        f"--user-data-dir={tmp_path_factory.mktemp('chromium')}",
+    ):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     yield driver

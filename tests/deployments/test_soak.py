@@ -13,8 +13,7 @@ pytestmark = pytest.mark.e2e
 def test_short_soak_leaves_nothing_behind(base_url):
     # NOTE: the Ray cluster is the session's, shared with the other tests: the bounds are on deltas, not totals.
     # 64 MiB, not make soak's 150: 300 requests grow a replica by about 10 (2-core VM, 2026-11-22).
-    result = soak(base_url, "vlm", requests=300, concurrency=8, seed=1, warmup=40,
-                  bounds=Bounds(max_rss_growth_mib=64))
+    result = soak(base_url, "vlm", requests=300, concurrency=8, seed=1, warmup=40, bounds=Bounds(max_rss_growth_mib=64))
     print(report(result))
     by_category = {c: [o for o in result.outcomes if o.category == c] for c in ("good", "stream", "cancel", "bad")}
     assert all(by_category.values()), {c: len(v) for c, v in by_category.items()}

@@ -75,14 +75,19 @@ def served(request, tmp_path_factory):
         return
     checkpoint = family.build(tmp_path_factory.mktemp(request.param))
     reference = family.model.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    with deployed(request.getfixturevalue("ray_serve"), request.getfixturevalue("app_args"), checkpoint,
-                  family.app) as client:
+    with deployed(
+        request.getfixturevalue("ray_serve"), request.getfixturevalue("app_args"), checkpoint, family.app
+    ) as client:
         yield Served(client, checkpoint, reference, family.generate)
 
 
 def _greedy_tokens(client: httpx.Client, conversation) -> list[int]:
-    body = {"messages": openai_messages(conversation), "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True}
+    body = {
+        "messages": openai_messages(conversation),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
@@ -94,25 +99,31 @@ def test_the_app_serves_the_checkpoint(served):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_equals_transformers(case, served):
-    assert_greedy_equals_reference(served.client, served.checkpoint, served.reference, CASES[case],
-                                   generate=served.generate)
+    assert_greedy_equals_reference(
+        served.client, served.checkpoint, served.reference, CASES[case], generate=served.generate
+    )
 
 
 def test_changing_one_image_changes_the_tokens_and_they_still_equal_transformers(served):
     """On random weights, equal tokens alone would pass with the images ignored on both sides: the tokens must
     follow the image. The 300x140 image of three, turned upside down (same size, so the same prompt length)."""
     conversation = CASES["three_images"]
-    (role, parts), = conversation
+    ((role, parts),) = conversation
     changed = [(role, [p.transpose(Image.Transpose.ROTATE_180) if i == 2 else p for i, p in enumerate(parts)])]
     assert not isinstance(parts[2], str)
     assert _greedy_tokens(served.client, changed) != _greedy_tokens(served.client, conversation)
-    assert_greedy_equals_reference(served.client, served.checkpoint, served.reference, changed,
-                                   generate=served.generate)
+    assert_greedy_equals_reference(
+        served.client, served.checkpoint, served.reference, changed, generate=served.generate
+    )
 
 
 def test_streaming_equals_non_streaming(served):
-    body = {"messages": openai_messages(CASES["three_images"]), "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True}
+    body = {
+        "messages": openai_messages(CASES["three_images"]),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     whole = served.client.post("/v1/chat/completions", json=body).json()
     with served.client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")

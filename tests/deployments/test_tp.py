@@ -21,14 +21,18 @@ pytestmark = pytest.mark.timeout(600)
 
 def _ranks() -> dict[str, int]:
     """Live tensor-parallel rank actors: actor id -> pid."""
-    return {aid: a["Pid"] for aid, a in ray._private.state.actors().items()
-            if a["ActorClassName"] == "Rank" and a["State"] == "ALIVE"}
+    return {
+        aid: a["Pid"]
+        for aid, a in ray._private.state.actors().items()
+        if a["ActorClassName"] == "Rank" and a["State"] == "ALIVE"
+    }
 
 
 @pytest.fixture(scope="module")
 def tp_client(ray_serve, app_args, checkpoint):
-    with deployed(ray_serve, {**app_args, "llm": {**app_args["llm"], "tensor_parallel_size": 2}}, checkpoint,
-                  "tp") as client:
+    with deployed(
+        ray_serve, {**app_args, "llm": {**app_args["llm"], "tensor_parallel_size": 2}}, checkpoint, "tp"
+    ) as client:
         yield client
 
 
@@ -38,8 +42,13 @@ def test_two_ranks_give_the_reference_tokens(tp_client, checkpoint, reference, c
 
 
 def test_two_ranks_answer_like_one(tp_client, client):
-    body = {"messages": openai_messages(CASES["two_turns"]), "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True, "n": 2}
+    body = {
+        "messages": openai_messages(CASES["two_turns"]),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+        "n": 2,
+    }
     one, two = client.post("/v1/chat/completions", json=body), tp_client.post("/v1/chat/completions", json=body)
     assert one.status_code == two.status_code == 200, two.text
     assert [c["token_ids"] for c in two.json()["choices"]] == [c["token_ids"] for c in one.json()["choices"]]
@@ -69,8 +78,10 @@ def test_a_killed_rank_restarts_the_replica_without_hanging_a_request(tp_client,
 
 def test_placement_packs_the_ranks_and_checks_the_gpus(ray_serve):  # a cluster with no GPUs
     assert llm_placement(1, "cpu") == {}
-    assert llm_placement(2, "cpu") == {"placement_group_bundles": [{"CPU": 1}] * 2,
-                                       "placement_group_strategy": "STRICT_PACK"}
+    assert llm_placement(2, "cpu") == {
+        "placement_group_bundles": [{"CPU": 1}] * 2,
+        "placement_group_strategy": "STRICT_PACK",
+    }
     check_gpus(4, [2, 4])
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 needs 4 GPUs on one node .* nodes have 2, 2 GPUs"):
         check_gpus(4, [2, 2])
@@ -79,8 +90,10 @@ def test_placement_packs_the_ranks_and_checks_the_gpus(ray_serve):  # a cluster 
 
 
 def test_a_size_that_does_not_split_the_model_fails_at_build(app_args):
-    with pytest.raises(ValueError, match="llm.tensor_parallel_size: tensor_parallel_size=3 does not divide the "
-                                         "model's 4 attention heads"):
+    with pytest.raises(
+        ValueError,
+        match="llm.tensor_parallel_size: tensor_parallel_size=3 does not divide the model's 4 attention heads",
+    ):
         build_app({**app_args, "llm": {"tensor_parallel_size": 3}})
 
 

@@ -73,8 +73,9 @@ def test_a_failing_forward_fails_its_batch_only():
     batcher = ImageBatcher(forward, max_patches=100, max_wait_s=0.05)
 
     async def run():
-        first = await asyncio.gather(*(batcher.encode((torch.ones(2, 2), (1, 2, 1))) for _ in range(3)),
-                                     return_exceptions=True)
+        first = await asyncio.gather(
+            *(batcher.encode((torch.ones(2, 2), (1, 2, 1))) for _ in range(3)), return_exceptions=True
+        )
         second = await batcher.encode((torch.ones(2, 2), (1, 2, 1)))
         return first, second
 

@@ -11,8 +11,17 @@ from transformers.models.clip.image_processing_pil_clip import CLIPImageProcesso
 from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
 from demo.tiny_llava import build_llava_checkpoint, build_llava_tokenizer
-from encoders import FAMILIES, EncoderRunner, ImageTokens, LlavaImageProcessing, LlavaVisionEncoder, family_of
-from encoders import image_size, image_tokens_of, load_rgb
+from encoders import (
+    FAMILIES,
+    EncoderRunner,
+    ImageTokens,
+    LlavaImageProcessing,
+    LlavaVisionEncoder,
+    family_of,
+    image_size,
+    image_tokens_of,
+    load_rgb,
+)
 from schemas import EncoderArgs, ModelSpec
 from tests.helpers import image_bytes, make_image
 
@@ -22,11 +31,13 @@ SIZES = [(1, 1), (5, 3), (56, 56), (57, 31), (120, 80), (31, 200), (640, 17), (3
 # to square), CLIPImageProcessor (the older files), and a short side below the crop (the crop pads with zeros).
 PROCESSORS = {
     "llava_crop": lambda: LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
-    "llava_pad": lambda: LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56},
-                                                do_pad=True),
+    "llava_pad": lambda: LlavaImageProcessorPil(
+        size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}, do_pad=True
+    ),
     "clip": lambda: CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
-    "short_side_below_crop": lambda: LlavaImageProcessorPil(size={"shortest_edge": 45},
-                                                            crop_size={"height": 56, "width": 56}),
+    "short_side_below_crop": lambda: LlavaImageProcessorPil(
+        size={"shortest_edge": 45}, crop_size={"height": 56, "width": 56}
+    ),
 }
 
 
@@ -67,8 +78,9 @@ def test_preprocessing_matches_transformers(processors, width, height):
 
 def test_pad_and_crop_settings_are_read_from_the_checkpoint(ckpt, tmp_path):
     shutil.copy(ckpt / "config.json", tmp_path / "config.json")
-    LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}, do_pad=True,
-                           do_center_crop=False).save_pretrained(tmp_path)
+    LlavaImageProcessorPil(
+        size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}, do_pad=True, do_center_crop=False
+    ).save_pretrained(tmp_path)
     p = LlavaImageProcessing.from_pretrained(tmp_path)
     assert p.do_pad and not p.do_center_crop and p.out_size == (56, 56)
     # transformers 5 nests the image processor in processor_config.json: read there when it is not on its own
@@ -114,8 +126,13 @@ def test_llava_1_5_336px_patch14_gives_576_tokens(tmp_path):
     ours = LlavaImageProcessing.from_pretrained(tmp_path)
     assert ours.num_image_tokens(640, 480) == ours.max_image_tokens == config.image_seq_length == 576
     assert ours.grid_thw(640, 480) == (1, 24, 24)
-    processor = LlavaProcessor(image_processor=image_processor, tokenizer=build_llava_tokenizer(), patch_size=14,
-                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=build_llava_tokenizer(),
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
     assert _expanded_count(processor, [make_image(640, 480)]) == 576
 
 
@@ -178,8 +195,10 @@ def test_runner_places_the_projector_on_its_own_dtype(ckpt):
     """The family's projector path is real: a bf16 tower with an fp32 projector, and the start-up check runs."""
     image = make_image(96, 72, seed=3)
     full = LlavaVisionEncoder(ckpt).encode([image])[0]
-    runner = EncoderRunner(ModelSpec.load(ckpt, device="cpu", dtype="float32"),
-                           EncoderArgs(vision_dtype="bfloat16", projector_dtype="float32"))
+    runner = EncoderRunner(
+        ModelSpec.load(ckpt, device="cpu", dtype="float32"),
+        EncoderArgs(vision_dtype="bfloat16", projector_dtype="float32"),
+    )
     assert next(runner.encoder.tower.parameters()).dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in runner.encoder.projector.parameters())
     out = runner.encoder.encode([image])[0]

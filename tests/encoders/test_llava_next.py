@@ -13,8 +13,17 @@ from transformers.models.llava_next.image_processing_pil_llava_next import Llava
 
 from demo.tiny_llava import build_llava_tokenizer
 from demo.tiny_llava_next import GRID_PINPOINTS, build_llava_next_checkpoint, rename_to_layout
-from encoders import FAMILIES, EncoderRunner, ImageTokens, LlavaNextImageProcessing, LlavaNextVisionEncoder
-from encoders import family_of, image_size, image_tokens_of, load_rgb
+from encoders import (
+    FAMILIES,
+    EncoderRunner,
+    ImageTokens,
+    LlavaNextImageProcessing,
+    LlavaNextVisionEncoder,
+    family_of,
+    image_size,
+    image_tokens_of,
+    load_rgb,
+)
 from schemas import EncoderArgs, ModelSpec
 from tests.helpers import image_bytes, make_image
 
@@ -24,11 +33,12 @@ SIZES = [(1, 1), (5, 3), (28, 28), (56, 56), (57, 31), (120, 80), (31, 200), (64
 # The image processor as the builder writes it, and one whose short side is above the crop: then every crop is
 # resized and centre-cropped again (the base image to 32x32 first).
 PROCESSORS = {
-    "tiles": lambda: LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
-                                                image_grid_pinpoints=GRID_PINPOINTS),
-    "resize_then_crop": lambda: LlavaNextImageProcessorPil(size={"shortest_edge": 32},
-                                                           crop_size={"height": 28, "width": 28},
-                                                           image_grid_pinpoints=GRID_PINPOINTS),
+    "tiles": lambda: LlavaNextImageProcessorPil(
+        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}, image_grid_pinpoints=GRID_PINPOINTS
+    ),
+    "resize_then_crop": lambda: LlavaNextImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 28, "width": 28}, image_grid_pinpoints=GRID_PINPOINTS
+    ),
 }
 
 
@@ -87,8 +97,13 @@ def test_counts_differ_with_the_aspect_ratio_and_have_a_largest(ckpt):
     ours = LlavaNextImageProcessing.from_pretrained(ckpt)
     # The base image's 4 tokens, then the unpadded rows of the tile map, each with its image_newline: a 120x80
     # image fills a 4x4-tile pinpoint (8x8 features) but only 6 rows of it; 640x17 keeps no row at all.
-    assert [ours.num_image_tokens(w, h) for w, h in [(120, 80), (80, 120), (640, 17), (17, 640), (112, 112)]] == \
-        [4 + 6 * 9, 4 + 8 * 7, 4, 4 + 8 * 1, 4 + 8 * 9]
+    assert [ours.num_image_tokens(w, h) for w, h in [(120, 80), (80, 120), (640, 17), (17, 640), (112, 112)]] == [
+        4 + 6 * 9,
+        4 + 8 * 7,
+        4,
+        4 + 8 * 1,
+        4 + 8 * 9,
+    ]
     assert ours.max_image_tokens == 76 and ours.worst_case_size() == (112, 112)
     assert max(ours.num_image_tokens(w, h) for w in range(1, 260, 7) for h in range(1, 260, 11)) == 76
 
@@ -97,14 +112,22 @@ def test_llava_v1_6_geometry_gives_its_counts(tmp_path):
     """LLaVA-1.6's real geometry (336 px tiles of CLIP ViT-L/14, its five pinpoints), no weights needed."""
     config = LlavaNextConfig()
     config.save_pretrained(tmp_path)
-    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
-                                                 image_grid_pinpoints=config.image_grid_pinpoints)
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": 336},
+        crop_size={"height": 336, "width": 336},
+        image_grid_pinpoints=config.image_grid_pinpoints,
+    )
     image_processor.save_pretrained(tmp_path)
     ours = LlavaNextImageProcessing.from_pretrained(tmp_path)
     assert ours.max_image_tokens == 2928 and ours.worst_case_size() == (672, 672)  # 576 + 48 * 49
     assert ours.grid_thw(640, 480) == (5, 24, 24)
-    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=build_llava_tokenizer(), patch_size=14,
-                                   vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    processor = LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=build_llava_tokenizer(),
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
     # 640x480 fills the 672x672 pinpoint (2x2 tiles, 48x48 features) but only 36 of its rows: 576 + 36 * 49.
     assert _expanded_count(processor, [make_image(640, 480)]) == ours.num_image_tokens(640, 480) == 2340
 
@@ -162,8 +185,10 @@ def test_runner_projector_dtype_and_jpeg_draft(ckpt):
     JPEG decoded at a reduced scale keeps its tiles and its token count."""
     image = make_image(333, 251, seed=3)
     full = LlavaNextVisionEncoder(ckpt).encode([image])[0]
-    runner = EncoderRunner(ModelSpec.load(ckpt, device="cpu", dtype="float32"),
-                           EncoderArgs(vision_dtype="bfloat16", projector_dtype="float32"))
+    runner = EncoderRunner(
+        ModelSpec.load(ckpt, device="cpu", dtype="float32"),
+        EncoderArgs(vision_dtype="bfloat16", projector_dtype="float32"),
+    )
     out = runner.encoder.encode([image])[0]
     assert out.dtype == torch.float32 and out.shape == full.shape
     assert 0 < ((out - full).norm() / full.norm()).item() < 0.05

@@ -39,7 +39,7 @@ def test_parts_default_to_the_app_device_and_dtype(checkpoint):
 def test_startup_check_encodes_the_largest_image_and_logs_it(checkpoint, caplog):
     with caplog.at_level(logging.INFO, logger="ray.serve"):
         runner = _runner(checkpoint)
-    side = int(runner.processing.max_pixels ** 0.5)
+    side = int(runner.processing.max_pixels**0.5)
     assert f"largest image ({side}x{side}, {runner.processing.max_image_tokens} tokens at most)" in caplog.text
 
 
@@ -58,8 +58,9 @@ def test_an_encoder_that_cannot_fit_its_largest_image_refuses_to_start(checkpoin
 def test_tower_on_gpu_projector_on_cpu(checkpoint):
     image = make_image(96, 72, seed=3)
     full = _runner(checkpoint, startup_check=False).encoder.encode([image])[0]
-    split = _runner(checkpoint, vision_device="cuda", vision_dtype="float32", projector_device="cpu",
-                    startup_check=False)
+    split = _runner(
+        checkpoint, vision_device="cuda", vision_dtype="float32", projector_device="cpu", startup_check=False
+    )
     out = split.encoder.encode([image])[0]
     assert out.device.type == "cpu"
     torch.testing.assert_close(out, full, atol=1e-4, rtol=1e-4)

@@ -32,8 +32,9 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def legacy_ckpt(tmp_path_factory):
-    return build_qwen2_5_vl_checkpoint(tmp_path_factory.mktemp("q25") / "qwen2.5-vl-tiny-legacy", seed=1,
-                                       layout="legacy")
+    return build_qwen2_5_vl_checkpoint(
+        tmp_path_factory.mktemp("q25") / "qwen2.5-vl-tiny-legacy", seed=1, layout="legacy"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,12 @@ def processor(ckpt, monkeypatch):
     mapping that needs torchvision (not installed); that check alone is skipped, images never touch video code."""
     monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None)
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    return Qwen2_5_VLProcessor(image_processor=AutoImageProcessor.from_pretrained(ckpt), tokenizer=tokenizer,
-                               video_processor=None, chat_template=tokenizer.chat_template)
+    return Qwen2_5_VLProcessor(
+        image_processor=AutoImageProcessor.from_pretrained(ckpt),
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=tokenizer.chat_template,
+    )
 
 
 def test_registry_picks_the_family_from_config_json(ckpt):
@@ -108,8 +113,9 @@ def test_encoder_matches_get_image_features_on_a_batch(ckpt, ref):
     vc = ref.config.vision_config
     assert 0 < len(vc.fullatt_block_indexes) < vc.depth
     for _, grid in batch:
-        _, cu_windows = get_vision_window_index(torch.tensor([grid]), vc.spatial_merge_size, vc.window_size,
-                                                vc.patch_size)
+        _, cu_windows = get_vision_window_index(
+            torch.tensor([grid]), vc.spatial_merge_size, vc.window_size, vc.patch_size
+        )
         assert len(cu_windows) - 1 >= 4, grid
     ours = encoder.forward(batch)  # all three in one forward
     processed = AutoImageProcessor.from_pretrained(ckpt)(images=images, return_tensors="pt")
@@ -142,8 +148,10 @@ def test_encoder_loads_only_vision_weights_from_both_layouts(ckpt, legacy_ckpt, 
 def test_bf16_tower_with_an_fp32_projector(ckpt):
     # The family's projector path ("vit.merger") is placeable: the merger's output is reordered after it.
     image = make_image(120, 80, seed=3)
-    runner = EncoderRunner(ModelSpec.load(ckpt, device="cpu", dtype="float32"),
-                           EncoderArgs(vision_dtype="bfloat16", projector_dtype="float32"))
+    runner = EncoderRunner(
+        ModelSpec.load(ckpt, device="cpu", dtype="float32"),
+        EncoderArgs(vision_dtype="bfloat16", projector_dtype="float32"),
+    )
     assert next(runner.encoder.vit.blocks.parameters()).dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in runner.encoder.vit.merger.parameters())
     full = Qwen2_5_VLVisionEncoder(ckpt).encode([image])[0]
@@ -173,8 +181,16 @@ def test_text_config_of_a_hub_checkpoint(tmp_path):
     assert (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers) == (3584, 28, 4, 128, 28)
     assert (c.vocab_size, c.rms_norm_eps, c.max_position_embeddings) == (152064, 1e-06, 128000)
     # Pre-v5 saves put tie_word_embeddings in text_config (the 3B does tie); transformers moves it up, so do we.
-    text_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "rope_theta", "rope_scaling", "vocab_size")
+    text_keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rope_theta",
+        "rope_scaling",
+        "vocab_size",
+    )
     nested = {k: v for k, v in config.items() if k not in text_keys and k != "tie_word_embeddings"}
     nested["text_config"] = {k: config[k] for k in text_keys} | {"tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(nested))
@@ -198,8 +214,9 @@ def test_mrope_positions_match_qwen2_5_vl_get_rope_index(ref, second_per_grid_t)
     ids = torch.tensor([t for kind, n in runs for t in ([img] * n if kind == "img" else range(1, n + 1))])
     ours, delta = mrope_positions(ids, img, grids, merge_size=2)
     kwargs = {} if second_per_grid_t is None else {"second_per_grid_ts": torch.tensor([second_per_grid_t] * 3)}
-    theirs, their_delta = ref.model.get_rope_index(ids[None], mm_token_type_ids=(ids == img).int()[None],
-                                                   image_grid_thw=torch.tensor(grids), **kwargs)
+    theirs, their_delta = ref.model.get_rope_index(
+        ids[None], mm_token_type_ids=(ids == img).int()[None], image_grid_thw=torch.tensor(grids), **kwargs
+    )
     torch.testing.assert_close(ours, theirs[:, 0])
     assert delta == int(their_delta)
 
@@ -210,8 +227,10 @@ def test_tower_on_gpu_projector_on_cpu(ckpt):
     # The window index transformers builds is a CPU tensor; the tower's activations are on the GPU.
     images = [make_image(w, h, seed=i) for i, (w, h) in enumerate(BATCH)]
     full = Qwen2_5_VLVisionEncoder(ckpt).encode(images)
-    split = EncoderRunner(ModelSpec.load(ckpt, device="cpu", dtype="float32"),
-                          EncoderArgs(vision_device="cuda", vision_dtype="float32", projector_device="cpu"))
+    split = EncoderRunner(
+        ModelSpec.load(ckpt, device="cpu", dtype="float32"),
+        EncoderArgs(vision_device="cuda", vision_dtype="float32", projector_device="cpu"),
+    )
     for out, ref in zip(split.encoder.encode(images), full, strict=True):
         assert out.device.type == "cpu"
         torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-4)

@@ -30,14 +30,20 @@ def test_preprocessing_matches_transformers(width, height, max_pixels):
 @pytest.mark.parametrize(("height", "width"), [(1, 1), (27, 29), (4000, 30), (10, 1999), (5000, 5000), (56, 56)])
 def test_smart_resize_matches_transformers(height, width):
     for max_pixels in (28 * 28 * 4, 28 * 28 * 1280):
-        assert smart_resize(height, width, 28, 56 * 56, max_pixels) == hf_smart_resize(height, width, 28, 56 * 56, max_pixels)
+        assert smart_resize(height, width, 28, 56 * 56, max_pixels) == hf_smart_resize(
+            height, width, 28, 56 * 56, max_pixels
+        )
 
 
 def test_processing_config_read_from_checkpoint(checkpoint):
     p = Qwen2VLImageProcessing.from_pretrained(checkpoint)
     ref = Qwen2VLImageProcessorPil.from_pretrained(checkpoint)
     assert (p.min_pixels, p.max_pixels) == (ref.size["shortest_edge"], ref.size["longest_edge"])
-    assert (p.patch_size, p.merge_size, p.temporal_patch_size) == (ref.patch_size, ref.merge_size, ref.temporal_patch_size)
+    assert (p.patch_size, p.merge_size, p.temporal_patch_size) == (
+        ref.patch_size,
+        ref.merge_size,
+        ref.temporal_patch_size,
+    )
 
 
 def test_transparent_image_composited_on_white_like_transformers(checkpoint):

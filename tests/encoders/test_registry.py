@@ -21,8 +21,11 @@ def test_an_unsupported_checkpoint_fails_at_build_listing_the_families(checkpoin
     shutil.copytree(checkpoint, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "model_type": "paligemma"}))
-    with pytest.raises(ValueError, match=r"model_type 'paligemma' is not supported; supported: \['llava', 'llava_next', "
-                                         r"'qwen2_5_vl', 'qwen2_vl'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"model_type 'paligemma' is not supported; supported: \['llava', 'llava_next', "
+        r"'qwen2_5_vl', 'qwen2_vl'\]",
+    ):
         build_app({"model": str(other)})
     # ...unless args.family says which family it is.
     assert family_of(other, "qwen2_vl") is FAMILIES["qwen2_vl"]

@@ -22,6 +22,7 @@ class _Call:
     def remote(self, *args):
         async def run():
             return self.fn(*args)
+
         return run()
 
 

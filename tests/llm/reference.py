@@ -16,8 +16,9 @@ def make_engine(model, reference, **kw) -> Engine:
     return Engine(model, config, image_token_id=reference.config.image_token_id, merge_size=2, eos_token_ids=eos)
 
 
-def request_for(checkpoint, reference, vision, sizes, *, seed: int, prefix: list[int], max_tokens: int = 12,
-                **sampling) -> tuple[GenerateRequest, dict]:
+def request_for(
+    checkpoint, reference, vision, sizes, *, seed: int, prefix: list[int], max_tokens: int = 12, **sampling
+) -> tuple[GenerateRequest, dict]:
     """A prompt `prefix` + one placeholder run per image (framed like the chat template frames them)."""
     cfg = reference.config
     images = [make_image(w, h, seed=seed * 10 + i) for i, (w, h) in enumerate(sizes)]
@@ -40,12 +41,18 @@ def reference_generate(reference, ref: dict, max_new_tokens: int, **kw):
     input_ids = ref["input_ids"]
     extra = {k: v for k, v in ref.items() if k != "input_ids"}
     with torch.no_grad():
-        out = reference.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 mm_token_type_ids=(input_ids == reference.config.image_token_id).int(),
-                                 do_sample=False, max_new_tokens=max_new_tokens, **extra, **kw)
+        out = reference.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            mm_token_type_ids=(input_ids == reference.config.image_token_id).int(),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            **extra,
+            **kw,
+        )
     if kw.get("return_dict_in_generate"):
         return out
-    return out[0, input_ids.shape[1]:].tolist()
+    return out[0, input_ids.shape[1] :].tolist()
 
 
 async def collect(engine: Engine, inp: GenerateRequest) -> tuple[list[int], str | None]:

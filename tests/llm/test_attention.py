@@ -66,7 +66,7 @@ def test_mixed_decode_and_prefill_equal_per_sequence_attention(dtype, decode_pat
     row, tol = 0, 1e-5 if dtype == torch.float32 else 2e-2
     for i, c in enumerate(chunks):
         expected = _reference(q_rows[i].float(), full_k[i].float(), full_v[i].float(), c.start)
-        torch.testing.assert_close(out[row:row + c.n].float(), expected, atol=tol, rtol=tol)
+        torch.testing.assert_close(out[row : row + c.n].float(), expected, atol=tol, rtol=tol)
         row += c.n
 
 

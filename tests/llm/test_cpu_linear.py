@@ -31,15 +31,17 @@ def test_bf16_linear_is_the_float32_product_rounded_once(kernel, T, N, K, bias):
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())  # (T, N) float32
     assert y.dtype == torch.bfloat16 and y.shape == (T, N)
     # float32 sums in another order: at most one bfloat16 rounding step apart
-    torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * K ** 0.5)
+    torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-3 * K**0.5)
 
 
 def test_what_the_kernel_does_not_take_goes_to_torch(kernel):
     calls = kernel.calls
     w = torch.randn(16, 24).bfloat16()
-    for x in (torch.randn(kernel.MAX_LINEAR_ROWS + 1, 24).bfloat16(),  # a prefill chunk
-              torch.randn(4, 24),  # float32
-              torch.randn(2, 3, 24).bfloat16()):  # not (T, K)
+    for x in (
+        torch.randn(kernel.MAX_LINEAR_ROWS + 1, 24).bfloat16(),  # a prefill chunk
+        torch.randn(4, 24),  # float32
+        torch.randn(2, 3, 24).bfloat16(),
+    ):  # not (T, K)
         y = kernel.linear(x, w.to(x.dtype), None)
         torch.testing.assert_close(y, F.linear(x, w.to(x.dtype)))
     kernel.linear(torch.randn(2, 12).bfloat16(), torch.randn(4, 12).bfloat16(), None)  # K not a multiple of 8

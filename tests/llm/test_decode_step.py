@@ -11,17 +11,28 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.op_count import OpCount
 from llm.engine.decode_step import StaticDecode, bucket_for, buckets_up_to
 from llm.model import BatchMeta, ChunkSpec, cpu_kernels
-from bench.op_count import OpCount
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
 BS, MAX_LEN = 4, 96
 
 
 def test_buckets():
-    assert [bucket_for(n) for n in (1, 2, 3, 9, 17, 25, 33, 49, 64, 65, 97)] == [1, 2, 4, 16, 24, 32, 48, 64, 64, 96,
-                                                                               128]
+    assert [bucket_for(n) for n in (1, 2, 3, 9, 17, 25, 33, 49, 64, 65, 97)] == [
+        1,
+        2,
+        4,
+        16,
+        24,
+        32,
+        48,
+        64,
+        64,
+        96,
+        128,
+    ]
     assert buckets_up_to(3) == [1, 2, 4] and buckets_up_to(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
 
 
@@ -89,6 +100,7 @@ def test_greedy_through_the_static_step_matches_transformers(checkpoint, referen
 
 class _NoHostSync(TorchDispatchMode):
     """Fails on any op that reads a tensor's value on the host (what a CUDA graph cannot hold)."""
+
     SYNCS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.equal", "aten.is_nonzero")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -43,8 +43,10 @@ def test_greedy_matches_transformers_generate(checkpoint, reference, model, visi
 def test_mixed_batch_matches_transformers_one_by_one(checkpoint, reference, model, vision, budget, block_size):
     """Text-only, one-image and two-image prompts of different lengths, generated together in one batch; with a
     7-token budget every prefill goes in chunks that cut through images."""
-    requests = [request_for(checkpoint, reference, vision, sizes, seed=i, prefix=list(range(3, 3 + 2 * i + 1)))
-                for i, sizes in enumerate([[], [(64, 48)], [(30, 200), (120, 60)], [], [(28, 28)]])]
+    requests = [
+        request_for(checkpoint, reference, vision, sizes, seed=i, prefix=list(range(3, 3 + 2 * i + 1)))
+        for i, sizes in enumerate([[], [(64, 48)], [(30, 200), (120, 60)], [], [(28, 28)]])
+    ]
     engine = make_engine(model, reference, max_num_batched_tokens=budget, block_size=block_size, num_blocks=512)
 
     async def together():
@@ -65,8 +67,9 @@ def test_seed_reproducible_whatever_the_neighbours(model, reference):
 
     async def crowded():
         others = [collect(engine, _seq(range(3, 3 + k), max_tokens=16, temperature=1.0)) for k in range(1, 6)]
-        mine, *_ = await asyncio.gather(collect(engine, _seq([5, 6, 7], max_tokens=16, temperature=1.0, seed=7)),
-                                        *others)
+        mine, *_ = await asyncio.gather(
+            collect(engine, _seq([5, 6, 7], max_tokens=16, temperature=1.0, seed=7)), *others
+        )
         return mine[0]
 
     assert asyncio.run(crowded()) == alone
@@ -197,11 +200,12 @@ def test_cuda_float32_matches_cpu_and_bfloat16_runs(checkpoint, reference, model
     assert len(tokens) >= 1 and finish in ("stop", "length")
 
 
-
 def test_embedding_rows_must_match_the_image_grid(model, reference):
     engine = make_engine(model, reference)
     pad = reference.config.image_token_id
-    bad = SequenceInput("r", [5, pad, pad, pad, pad, 6], [(1, 4, 4)], [torch.zeros(3, 64)], SamplingParams(max_tokens=2))
+    bad = SequenceInput(
+        "r", [5, pad, pad, pad, pad, 6], [(1, 4, 4)], [torch.zeros(3, 64)], SamplingParams(max_tokens=2)
+    )
     with pytest.raises(ValueError, match="image 0: 3 embedding rows for a grid of 4 tokens"):
         asyncio.run(collect(engine, bad))
 

@@ -61,10 +61,19 @@ def test_every_layout_loads_the_same_language_model(layout, ckpt, tmp_path):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_llama_with_biases_and_its_own_head_dim_matches_transformers(tied, tmp_path):
     """Llama options LLaVA-1.5 does not use but Llama-family LMs do: biases everywhere, head_dim != hidden / heads."""
-    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
-                         mlp_bias=True, tie_word_embeddings=tied, rope_parameters={"rope_type": "default",
-                                                                                    "rope_theta": 500.0})
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )
     reference = LlamaForCausalLM(config).eval()
     init_weights(reference, seed=3, std=0.5)
     if tied:
@@ -82,8 +91,15 @@ def test_llama_with_biases_and_its_own_head_dim_matches_transformers(tied, tmp_p
 
 def test_mistral_has_no_biases_and_matches_transformers(tmp_path):
     """LLaVA-NeXT's Mistral LM: no bias fields in its config (unlike Qwen2, none biased); a window is refused."""
-    config = MistralConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=None)
+    config = MistralConfig(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=None,
+    )
     reference = MistralForCausalLM(config).eval()
     init_weights(reference, seed=4, std=0.5)
     reference.save_pretrained(tmp_path)

@@ -8,8 +8,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from encoders import Qwen2VLVisionEncoder
 from llm import Qwen2LM
-from llm.model import BatchMeta, ChunkSpec, merge_image_embeds, mrope_positions
-from llm.model import cpu_kernels
+from llm.model import BatchMeta, ChunkSpec, cpu_kernels, merge_image_embeds, mrope_positions
 from llm.model.model import fuse_projections
 from tests.helpers import make_image
 
@@ -47,9 +46,12 @@ def test_prefill_logits_match_transformers(checkpoint, reference, ops, monkeypat
     ids, images, processed = _prompt_with_images(reference, checkpoint, [(57, 31), (200, 90)])
     image_token_id = reference.config.image_token_id
     with torch.no_grad():
-        ref = reference(input_ids=ids[None], pixel_values=processed["pixel_values"],
-                        image_grid_thw=processed["image_grid_thw"],
-                        mm_token_type_ids=(ids == image_token_id).int()[None]).logits[0]
+        ref = reference(
+            input_ids=ids[None],
+            pixel_values=processed["pixel_values"],
+            image_grid_thw=processed["image_grid_thw"],
+            mm_token_type_ids=(ids == image_token_id).int()[None],
+        ).logits[0]
     model = Qwen2LM.from_pretrained(checkpoint)
     embeds = Qwen2VLVisionEncoder(checkpoint).encode(images)
     grids = [tuple(g) for g in processed["image_grid_thw"].tolist()]
@@ -74,7 +76,10 @@ def test_chunked_prefill_equals_one_prefill(checkpoint):
 
 
 def test_both_layouts_load_the_same_language_model(checkpoint, legacy_checkpoint, reference):
-    hub, legacy = Qwen2LM.from_pretrained(checkpoint).state_dict(), Qwen2LM.from_pretrained(legacy_checkpoint).state_dict()
+    hub, legacy = (
+        Qwen2LM.from_pretrained(checkpoint).state_dict(),
+        Qwen2LM.from_pretrained(legacy_checkpoint).state_dict(),
+    )
     assert hub.keys() == legacy.keys()
     for name in hub:
         assert torch.equal(hub[name], legacy[name]), name

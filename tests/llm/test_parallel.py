@@ -41,8 +41,10 @@ def ranks(checkpoint, world_size: int) -> Iterator[tuple[ParallelLM, list]]:
     """(rank 0's ParallelLM in this process, the child processes of ranks 1..N-1)."""
     init_method = f"tcp://127.0.0.1:{free_port()}"
     spawn = mp.get_context("spawn")
-    children = [spawn.Process(target=_follow, args=(str(checkpoint), init_method, r, world_size), daemon=True)
-                for r in range(1, world_size)]
+    children = [
+        spawn.Process(target=_follow, args=(str(checkpoint), init_method, r, world_size), daemon=True)
+        for r in range(1, world_size)
+    ]
     for child in children:
         child.start()
     init_process_group(0, world_size, init_method, CPU, timeout_s=60)
@@ -67,8 +69,15 @@ def two_ranks(checkpoint):
 @pytest.fixture(scope="module")
 def odd_checkpoint(tmp_path_factory):
     """6 heads, 3 KV heads, tied embeddings: three ranks, and a vocabulary (1088) that 3 does not divide."""
-    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "odd", seed=2, hidden_size=48, num_heads=6,
-                            num_kv_heads=3, intermediate_size=96, tie_word_embeddings=True)
+    return build_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "odd",
+        seed=2,
+        hidden_size=48,
+        num_heads=6,
+        num_kv_heads=3,
+        intermediate_size=96,
+        tie_word_embeddings=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -100,23 +109,28 @@ def test_each_rank_reads_only_its_slices(checkpoint, model):
     for rank in (0, 1):
         shard = Qwen2LM.from_pretrained(checkpoint, tp=TPGroup(rank, 2))
         attn, mlp = shard.layers[0].self_attn, shard.layers[0].mlp
-        heads, kv, inter = slice(rank * c.num_heads // 2 * c.head_dim, (rank + 1) * c.num_heads // 2 * c.head_dim), \
-            slice(rank * c.num_kv_heads // 2 * c.head_dim, (rank + 1) * c.num_kv_heads // 2 * c.head_dim), \
-            slice(rank * c.intermediate_size // 2, (rank + 1) * c.intermediate_size // 2)
+        heads, kv, inter = (
+            slice(rank * c.num_heads // 2 * c.head_dim, (rank + 1) * c.num_heads // 2 * c.head_dim),
+            slice(rank * c.num_kv_heads // 2 * c.head_dim, (rank + 1) * c.num_kv_heads // 2 * c.head_dim),
+            slice(rank * c.intermediate_size // 2, (rank + 1) * c.intermediate_size // 2),
+        )
         full_attn, full_mlp = model.layers[0].self_attn, model.layers[0].mlp
         full_qkv, full_gu = model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.gate_up_proj
         nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim  # the fused rows: q, then k, then v
         for part in ("weight", "bias"):
             whole = getattr(full_qkv, part)
-            q, k, v = whole[:nq], whole[nq:nq + nk], whole[nq + nk:]
-            torch.testing.assert_close(getattr(attn.qkv_proj, part), torch.cat([q[heads], k[kv], v[kv]]), rtol=0, atol=0)
+            q, k, v = whole[:nq], whole[nq : nq + nk], whole[nq + nk :]
+            torch.testing.assert_close(
+                getattr(attn.qkv_proj, part), torch.cat([q[heads], k[kv], v[kv]]), rtol=0, atol=0
+            )
         torch.testing.assert_close(attn.o_proj.weight, full_attn.o_proj.weight[:, heads], rtol=0, atol=0)
         gate, up = full_gu.weight.chunk(2)
         torch.testing.assert_close(mlp.gate_up_proj.weight, torch.cat([gate[inter], up[inter]]), rtol=0, atol=0)
         torch.testing.assert_close(mlp.down_proj.weight, full_mlp.down_proj.weight[:, inter], rtol=0, atol=0)
         half = -(-c.vocab_size // 2)
-        torch.testing.assert_close(shard.lm_head.weight, model.lm_head.weight[rank * half:(rank + 1) * half],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            shard.lm_head.weight, model.lm_head.weight[rank * half : (rank + 1) * half], rtol=0, atol=0
+        )
         assert (shard.embed_tokens is None) == (rank == 1)  # rank 0 embeds for everyone
         assert shard.new_cache(4, 16).k.shape[1] == c.num_kv_heads // 2  # the KV cache follows the heads
 
@@ -146,8 +160,9 @@ def test_a_rank_reads_no_more_than_its_shard_from_disk(checkpoint, monkeypatch):
 
         def get_slice(self, key):
             part = self.inner.get_slice(key)
-            return type("Part", (), {"get_shape": part.get_shape,
-                                     "__getitem__": lambda _, i: read.append(t := part[i]) or t})()
+            return type(
+                "Part", (), {"get_shape": part.get_shape, "__getitem__": lambda _, i: read.append(t := part[i]) or t}
+            )()
 
     ckpt_open = ckpt.safe_open
     monkeypatch.setattr(ckpt, "safe_open", Recording)
@@ -176,8 +191,10 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(checkpoint, referenc
     torch.testing.assert_close(two, one, rtol=1e-4, atol=1e-4)
 
     # Mixed batches through the engine, images included: transformers' tokens exactly.
-    requests = [request_for(checkpoint, reference, vision, sizes, seed=i, prefix=list(range(3, 4 + 2 * i)))
-                for i, sizes in enumerate([[], [(64, 48)], [(30, 200), (120, 60)]])]
+    requests = [
+        request_for(checkpoint, reference, vision, sizes, seed=i, prefix=list(range(3, 4 + 2 * i)))
+        for i, sizes in enumerate([[], [(64, 48)], [(30, 200), (120, 60)]])
+    ]
     engine = make_engine(parallel, reference, max_num_batched_tokens=64, num_blocks=64)
 
     async def together():
@@ -195,8 +212,10 @@ def test_three_ranks_give_the_greedy_tokens_of_one_and_of_transformers(odd_check
 
     reference = Qwen2VLForConditionalGeneration.from_pretrained(odd_checkpoint, dtype=torch.float32).eval()
     vision = Qwen2VLVisionEncoder(odd_checkpoint)
-    requests = [request_for(odd_checkpoint, reference, vision, sizes, seed=i, prefix=list(range(3, 4 + 2 * i)))
-                for i, sizes in enumerate([[], [(64, 48)], [(30, 200), (120, 60)]])]
+    requests = [
+        request_for(odd_checkpoint, reference, vision, sizes, seed=i, prefix=list(range(3, 4 + 2 * i)))
+        for i, sizes in enumerate([[], [(64, 48)], [(30, 200), (120, 60)]])
+    ]
     expected = [reference_generate(reference, ref, max_new_tokens=inp.sampling.max_tokens) for inp, ref in requests]
 
     def generate(model) -> list[list[int]]:

@@ -25,7 +25,8 @@ def test_matches_get_rope_index(reference):
     ref_ids = ids.clone()
     ref_ids[ids == IMG] = reference.config.image_token_id
     ref, ref_delta = reference.model.get_rope_index(
-        ref_ids[None], mm_token_type_ids=(ids == IMG).int()[None], image_grid_thw=torch.tensor(grids))
+        ref_ids[None], mm_token_type_ids=(ids == IMG).int()[None], image_grid_thw=torch.tensor(grids)
+    )
     torch.testing.assert_close(ours, ref[:, 0])
     assert delta == int(ref_delta)
 
@@ -52,8 +53,10 @@ def test_a_split_image_is_rejected():
         mrope_positions(ids, IMG, [(1, 4, 6)], merge_size=2)
 
 
-@pytest.mark.parametrize(("n_placeholders", "fragment"), [(5, "needs 6 placeholder tokens, 5 are left"),
-                                                          (7, "7 placeholder tokens for 6 image embedding rows")])
+@pytest.mark.parametrize(
+    ("n_placeholders", "fragment"),
+    [(5, "needs 6 placeholder tokens, 5 are left"), (7, "7 placeholder tokens for 6 image embedding rows")],
+)
 def test_incomplete_or_extra_placeholders_are_rejected(n_placeholders, fragment):
     ids = _ids(("txt", 2), ("img", n_placeholders), ("txt", 2))
     with pytest.raises(ValueError, match=fragment):

@@ -53,14 +53,28 @@ def test_same_tokens_different_image_is_not_a_hit(checkpoint, reference, model, 
 def test_prefix_caching_off_computes_everything(checkpoint, reference, model, vision):
     engine = make_engine(model, reference, block_size=4, num_blocks=256, enable_prefix_caching=False)
     a, ref = request_for(checkpoint, reference, vision, [(64, 48)], seed=4, prefix=list(range(3, 12)))
-    assert asyncio.run(collect(engine, a))[0] == asyncio.run(collect(engine, a))[0] == reference_generate(reference, ref, 12)
+    assert (
+        asyncio.run(collect(engine, a))[0]
+        == asyncio.run(collect(engine, a))[0]
+        == reference_generate(reference, ref, 12)
+    )
     assert engine.stats()["prefix_hits"] == 0
 
 
 def test_preemption_under_a_small_cache_keeps_outputs_exact(checkpoint, reference, model, vision):
     """Eight requests that cannot all fit: some get preempted and recomputed, every answer is still exact."""
-    requests = [request_for(checkpoint, reference, vision, [(40 + 20 * (i % 3), 40)] if i % 2 else [], seed=10 + i,
-                            prefix=list(range(3, 9 + i)), max_tokens=20) for i in range(8)]
+    requests = [
+        request_for(
+            checkpoint,
+            reference,
+            vision,
+            [(40 + 20 * (i % 3), 40)] if i % 2 else [],
+            seed=10 + i,
+            prefix=list(range(3, 9 + i)),
+            max_tokens=20,
+        )
+        for i in range(8)
+    ]
     engine = make_engine(model, reference, block_size=4, num_blocks=40, max_model_len=120, enable_prefix_caching=False)
 
     async def together():

@@ -13,8 +13,12 @@ from tests.llm.reference import collect, make_engine, reference_generate, reques
 
 
 def test_per_step_logprobs_match_transformers_in_a_mixed_batch(checkpoint, reference, model, vision):
-    requests = [request_for(checkpoint, reference, vision, sizes, seed=i, prefix=list(range(3, 6 + i)),
-                            logprobs=True, top_logprobs=5) for i, sizes in enumerate([[], [(64, 48)], [(28, 90)]])]
+    requests = [
+        request_for(
+            checkpoint, reference, vision, sizes, seed=i, prefix=list(range(3, 6 + i)), logprobs=True, top_logprobs=5
+        )
+        for i, sizes in enumerate([[], [(64, 48)], [(28, 90)]])
+    ]
     engine = make_engine(model, reference, max_num_batched_tokens=9, block_size=4, num_blocks=256)
 
     async def together():
@@ -23,11 +27,12 @@ def test_per_step_logprobs_match_transformers_in_a_mixed_batch(checkpoint, refer
             async for chunk in engine.generate(inp):
                 lps += chunk.logprobs
             return lps
+
         return await asyncio.gather(*(one(inp) for inp, _ in requests))
 
     for (_, ref), lps in zip(requests, asyncio.run(together()), strict=True):
         out = reference_generate(reference, ref, 12, output_logits=True, return_dict_in_generate=True)
-        tokens = out.sequences[0, ref["input_ids"].shape[1]:].tolist()
+        tokens = out.sequences[0, ref["input_ids"].shape[1] :].tolist()
         assert len(lps) == len(tokens) == len(out.logits)
         for token, lp, logits in zip(tokens, lps, out.logits, strict=True):
             ref_lp = torch.log_softmax(logits[0].float(), -1)
@@ -52,9 +57,15 @@ def _penalized_greedy(reference, ids: list[int], steps: int, presence: float, fr
 @pytest.mark.parametrize(("presence", "frequency"), [(1.5, 0.0), (0.0, 0.7), (-0.5, 0.3)])
 def test_penalties_match_a_plain_reimplementation(reference, model, presence, frequency):
     engine = make_engine(model, reference)
-    inp = GenerateRequest("p", [5, 6, 7], [], [], SamplingParams(max_tokens=16, temperature=0.0,
-                                                               presence_penalty=presence, frequency_penalty=frequency,
-                                                               ignore_eos=True))
+    inp = GenerateRequest(
+        "p",
+        [5, 6, 7],
+        [],
+        [],
+        SamplingParams(
+            max_tokens=16, temperature=0.0, presence_penalty=presence, frequency_penalty=frequency, ignore_eos=True
+        ),
+    )
     ours, _ = asyncio.run(collect(engine, inp))
     assert ours == _penalized_greedy(reference, [5, 6, 7], 16, presence, frequency)
 
@@ -62,11 +73,17 @@ def test_penalties_match_a_plain_reimplementation(reference, model, presence, fr
 def test_sampling_rows_use_their_own_settings():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
-    params = [SamplingParams(max_tokens=1, temperature=0.0), SamplingParams(max_tokens=1, temperature=1.0, top_k=1),
-              SamplingParams(max_tokens=1, temperature=2.0, top_p=1e-9), SamplingParams(max_tokens=1, temperature=0.7)]
+    params = [
+        SamplingParams(max_tokens=1, temperature=0.0),
+        SamplingParams(max_tokens=1, temperature=1.0, top_k=1),
+        SamplingParams(max_tokens=1, temperature=2.0, top_p=1e-9),
+        SamplingParams(max_tokens=1, temperature=0.7),
+    ]
     gens = [None] + [torch.Generator().manual_seed(i) for i in range(3)]
     tokens, lps = sample(logits.clone(), params, gens, [None] * 4)
     best = logits.argmax(-1).tolist()
     assert tokens[:3] == best[:3] and lps == [None] * 4
-    draws = {sample(logits[3:].clone(), params[3:], [torch.Generator().manual_seed(s)], [None])[0][0] for s in range(40)}
+    draws = {
+        sample(logits[3:].clone(), params[3:], [torch.Generator().manual_seed(s)], [None])[0][0] for s in range(40)
+    }
     assert len(draws) > 3  # the free row really samples

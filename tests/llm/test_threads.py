@@ -88,7 +88,9 @@ class _Node:
 
 
 def _follower(node: _Node, **kw) -> CoresFollowLoad:
-    return CoresFollowLoad(1, 8, interval_s=1.0, cpus={0, 1}, read_stat=node.stat, read_self=node.self_stat, now=0.0, **kw)
+    return CoresFollowLoad(
+        1, 8, interval_s=1.0, cpus={0, 1}, read_stat=node.stat, read_self=node.self_stat, now=0.0, **kw
+    )
 
 
 def test_the_engine_takes_the_cores_the_others_leave_and_gives_them_back():
@@ -96,11 +98,13 @@ def test_the_engine_takes_the_cores_the_others_leave_and_gives_them_back():
     cores = _follower(node)
     assert (cores.threads, cores.ceiling) == (1, 2)  # at most the CPUs it may run on
     t = 0.0
-    for others, own, expected in [(0.1, 1.0, 2),  # the node was idle but for us: take the second core
-                                  (0.3, 1.7, 2),  # a little work elsewhere: keep it (hysteresis)
-                                  (0.8, 1.2, 1),  # the encoders got busy: give it back at once
-                                  (0.3, 1.0, 1),  # not idle enough to take it again
-                                  (0.0, 1.0, 2)]:
+    for others, own, expected in [
+        (0.1, 1.0, 2),  # the node was idle but for us: take the second core
+        (0.3, 1.7, 2),  # a little work elsewhere: keep it (hysteresis)
+        (0.8, 1.2, 1),  # the encoders got busy: give it back at once
+        (0.3, 1.0, 1),  # not idle enough to take it again
+        (0.0, 1.0, 2),
+    ]:
         node.tick(others, own)
         t += 1.0
         assert cores.update(now=t) == expected, (others, own)

@@ -20,19 +20,25 @@ import torch
 import torch.nn.functional as F
 
 from llm.model import triton_attention
-from llm.model.triton_attention import (combine_config, default_num_splits, paged_decode_attention_reference,
-                                        split_config)
+from llm.model.triton_attention import (
+    combine_config,
+    default_num_splits,
+    paged_decode_attention_reference,
+    split_config,
+)
 
 LENS = [1, 15, 16, 17, 100, 257]  # around block edges (block_size 16), and 17 blocks for the longest
 needs_triton = pytest.mark.skipif(triton_attention.triton is None, reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 INTERPRETED = triton_attention._INTERPRETED  # this process is the child that runs the kernels on CPU
-in_child = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of "
-                              "test_kernel_cases_pass_in_the_triton_interpreter")
+in_child = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_kernel_cases_pass_in_the_triton_interpreter"
+)
 
 
-def make_batch(lens, nh, nkv, hd, dtype, *, block_size=16, pad_rows=0, device="cpu", seed=0, width=None,
-               num_blocks=None):
+def make_batch(
+    lens, nh, nkv, hd, dtype, *, block_size=16, pad_rows=0, device="cpu", seed=0, width=None, num_blocks=None
+):
     """A paged batch whose block tables are shuffled through the pool, with every slot that no context covers
     (free blocks, the null block 0, the tails of last blocks) set to NaN. pad_rows appends rows as a static batch
     pads: context 1, table all null block."""
@@ -83,8 +89,18 @@ def test_kernel_cases_pass_in_the_triton_interpreter():
         pytest.skip("this is the child")
     env = dict(os.environ, TRITON_INTERPRET="1")
     # --noconftest: the child needs none of the suite's fixtures (checkpoints, Ray), only this file
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "--noconftest",
-           "-k", "in_interpreter"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        __file__,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--noconftest",
+        "-k",
+        "in_interpreter",
+    ]
     child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     report = child.stdout[-6000:] + child.stderr[-2000:]
     assert child.returncode == 0, report
@@ -92,14 +108,18 @@ def test_kernel_cases_pass_in_the_triton_interpreter():
 
 
 @in_child
-@pytest.mark.parametrize("dtype,nh,nkv,hd,splits", [
-    (torch.float32, 8, 2, 64, 1),
-    (torch.float32, 8, 2, 64, 4),
-    (torch.float32, 8, 2, 64, 32),  # more splits than the longest context has blocks (17)
-    (torch.bfloat16, 8, 2, 64, 4),
-    (torch.bfloat16, 2, 2, 32, 4),
-    (torch.float16, 4, 2, 80, 2),  # head_dim not a power of two: padded to 128 and masked
-], ids=["f32-gqa-s1", "f32-gqa-s4", "f32-gqa-s32", "bf16-gqa-s4", "bf16-mha-hd32-s4", "f16-gqa-hd80-s2"])
+@pytest.mark.parametrize(
+    "dtype,nh,nkv,hd,splits",
+    [
+        (torch.float32, 8, 2, 64, 1),
+        (torch.float32, 8, 2, 64, 4),
+        (torch.float32, 8, 2, 64, 32),  # more splits than the longest context has blocks (17)
+        (torch.bfloat16, 8, 2, 64, 4),
+        (torch.bfloat16, 2, 2, 32, 4),
+        (torch.float16, 4, 2, 80, 2),  # head_dim not a power of two: padded to 128 and masked
+    ],
+    ids=["f32-gqa-s1", "f32-gqa-s4", "f32-gqa-s32", "bf16-gqa-s4", "bf16-mha-hd32-s4", "f16-gqa-hd80-s2"],
+)
 def test_kernel_equals_reference_in_interpreter(dtype, nh, nkv, hd, splits):
     q, k_cache, v_cache, tables, context_lens = make_batch(LENS, nh, nkv, hd, dtype, pad_rows=1)
     args = (q, k_cache, v_cache, tables, context_lens, hd**-0.5)
@@ -149,32 +169,48 @@ def compile_for_h100(kernel, pointers: dict, constexprs: dict):
     from triton.compiler import ASTSource
 
     options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
-    signature = {name: ("*" + TYPES[pointers[name]] if name in pointers else "fp32" if name == "scale" else "i32")
-                 for name in kernel.arg_names if name not in constexprs}
+    signature = {
+        name: ("*" + TYPES[pointers[name]] if name in pointers else "fp32" if name == "scale" else "i32")
+        for name in kernel.arg_names
+        if name not in constexprs
+    }
     signature |= {name: "constexpr" for name in constexprs}
     source = ASTSource(kernel, signature, constexprs)
     return triton_attention.triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype,group,hd,block_size,splits", [
-    (torch.bfloat16, 4, 128, 16, 8), (torch.float32, 8, 128, 16, 8), (torch.float16, 7, 80, 32, 5)])
+@pytest.mark.parametrize(
+    "dtype,group,hd,block_size,splits",
+    [(torch.bfloat16, 4, 128, 16, 8), (torch.float32, 8, 128, 16, 8), (torch.float16, 7, 80, 32, 5)],
+)
 def test_kernels_compile_for_h100_without_spills(dtype, group, hd, block_size, splits):
     """Where no GPU is lent, this still catches a kernel that would not compile for one, and heavy register spills."""
     if INTERPRETED:
         pytest.skip("interpreted kernels do not compile")
     f32, i32 = torch.float32, torch.int32
-    pointers = dict(q_ptr=dtype, k_ptr=dtype, v_ptr=dtype, block_tables_ptr=i32, context_lens_ptr=i32, m_ptr=f32,
-                    l_ptr=f32, acc_ptr=f32, out_ptr=dtype)
-    split = compile_for_h100(triton_attention._split_kernel, pointers,
-                             split_config(dtype, group, hd, block_size, splits))
+    pointers = dict(
+        q_ptr=dtype,
+        k_ptr=dtype,
+        v_ptr=dtype,
+        block_tables_ptr=i32,
+        context_lens_ptr=i32,
+        m_ptr=f32,
+        l_ptr=f32,
+        acc_ptr=f32,
+        out_ptr=dtype,
+    )
+    split = compile_for_h100(
+        triton_attention._split_kernel, pointers, split_config(dtype, group, hd, block_size, splits)
+    )
     compile_for_h100(triton_attention._combine_kernel, pointers, combine_config(hd, block_size, splits))
     cuobjdump = Path(triton_attention.triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(split.asm["cubin"])
         cubin.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
-                               check=True).stdout
+        usage = subprocess.run(
+            [cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True
+        ).stdout
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))  # spilled registers live on the stack
     assert stack <= 16, usage  # a word or two at most; 4 warps spilled hundreds of bytes in float32
 

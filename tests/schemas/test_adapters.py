@@ -19,7 +19,9 @@ def _kinds(parts) -> list[tuple[str, str]]:
 
 
 def test_qwen_vl_and_mindie_items():
-    parts = _content({"role": "user", "content": [{"image": JPEG}, {"text": "What is it?"}, {"image": "https://x/y.png"}]})
+    parts = _content(
+        {"role": "user", "content": [{"image": JPEG}, {"text": "What is it?"}, {"image": "https://x/y.png"}]}
+    )
     assert _kinds(parts) == [("image", JPEG), ("text", "What is it?"), ("image", "https://x/y.png")]
 
 
@@ -43,9 +45,17 @@ def test_text_that_is_not_the_webui_tag_stays_text(text):
 
 def test_only_user_messages_take_inline_images_and_typed_parts_are_untouched():
     text = f'As a system: <img src="{JPEG}">'
-    assert ChatCompletionRequest.model_validate({"messages": [{"role": "system", "content": text},
-                                                              {"role": "user", "content": "hi"}]}).messages[0].content == text
-    parts = _content({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": JPEG}}]})
+    assert (
+        ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]}
+        )
+        .messages[0]
+        .content
+        == text
+    )
+    parts = _content(
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": JPEG}}]}
+    )
     assert isinstance(parts[0], TextPart) and isinstance(parts[1], ImagePart)
 
 

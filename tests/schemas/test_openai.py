@@ -10,18 +10,40 @@ from schemas.openai import ChatCompletionRequest, ImagePart
 
 
 def test_unknown_fields_tolerated_and_both_max_tokens_names():
-    req = parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                        "user": "u1", "metadata": {"a": "b"}, "store": False, "max_tokens": 5})
+    req = parse(
+        ChatCompletionRequest,
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "user": "u1",
+            "metadata": {"a": "b"},
+            "store": False,
+            "max_tokens": 5,
+        },
+    )
     assert req.requested_max_tokens == 5 and req.stop == []
-    req = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}],
-                                        "max_completion_tokens": 7, "max_tokens": 5, "stop": "END"})
+    req = parse(
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7, "max_tokens": 5, "stop": "END"},
+    )
     assert req.requested_max_tokens == 7 and req.stop == ["END"]
 
 
 def test_image_parts():
-    req = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "high"}}]}]})
+    req = parse(
+        ChatCompletionRequest,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "high"}},
+                    ],
+                }
+            ]
+        },
+    )
     assert isinstance(req.messages[0].content[1], ImagePart)
 
 
@@ -33,8 +55,10 @@ def test_image_parts():
         ({"messages": "hi"}, "messages"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 3}}]}]},
-         "messages[0].content[0].image_url.url"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 3}}]}]},
+            "messages[0].content[0].image_url.url",
+        ),
         ({"messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]}, "messages[0].content[0]"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
@@ -46,8 +70,10 @@ def test_image_parts():
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "stop_token_ids": ["a"]}, "stop_token_ids[0]"),
         ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
-        ({"messages": [{"role": "assistant", "content": [
-            {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages[0]"),
+        (
+            {"messages": [{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+            "messages[0]",
+        ),
     ],
 )
 def test_bad_fields_name_the_param(body, param):

@@ -32,8 +32,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         url = urlsplit(self.path)
-        self.seen.append({"path": self.path, "host": self.headers["Host"], "cookie": self.headers["Cookie"],
-                          "user_agent": self.headers["User-Agent"]})
+        self.seen.append(
+            {
+                "path": self.path,
+                "host": self.headers["Host"],
+                "cookie": self.headers["Cookie"],
+                "user_agent": self.headers["User-Agent"],
+            }
+        )
         try:
             if url.path == "/img.png":
                 self._send(200, PNG, Content_Type="image/png", Set_Cookie="sid=secret; Path=/")

@@ -31,17 +31,20 @@ def _resolver(table: dict[str, list[str]]):
         if host not in table:
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         return table[host]
+
     return resolve
 
 
 def _fetch(url: str, resolver=None, max_bytes: int = CAP, **args) -> bytes:
     async def go():
-        fetcher = ImageFetcher(ImageURLArgs(**{"allow_http": True, "allowed_domains": ["*"], **args}), max_bytes,
-                               resolver)
+        fetcher = ImageFetcher(
+            ImageURLArgs(**{"allow_http": True, "allowed_domains": ["*"], **args}), max_bytes, resolver
+        )
         try:
             return await fetcher.fetch(url)
         finally:
             await fetcher.aclose()
+
     return asyncio.run(go())
 
 
@@ -68,29 +71,33 @@ def test_file_off_by_default():
     assert "image_urls.file_root" in e.message
 
 
-@pytest.mark.parametrize("url", ["ftp://example.com/x.png", "gopher://example.com/_x", "javascript:alert(1)",
-                                 "dict://127.0.0.1:11211/stat"])
+@pytest.mark.parametrize(
+    "url", ["ftp://example.com/x.png", "gopher://example.com/_x", "javascript:alert(1)", "dict://127.0.0.1:11211/stat"]
+)
 def test_other_schemes_named(url):
     e = _fails(url, 400, "image_url_not_allowed")
     assert repr(url.split(":")[0]) in e.message
 
 
-@pytest.mark.parametrize("url", [
-    "http://127.0.0.1:80\\@evil.com/x.png",  # backslash: parsers disagree on which host this is
-    "http://evil.com@127.0.0.1/x.png",  # userinfo
-    "http://user:pass@images.test/x.png",
-    "http://images.test/x .png",
-    "http://images.test/x\t.png",
-    "http://images.test\n/x.png",
-    "http:///x.png",  # no host
-    "http://images.test:99999/x.png",  # port out of range
-    "http://images.test:0/x.png",
-    "http://[::1/x.png",
-    "http://[fe80::1%25eth0]/x.png",  # zone id
-    "http://ex%61mple.com/x.png",
-    "http://1.2.3.4.5/x.png",  # a numeric last label makes it an IPv4 address, and this is not one
-    "http://256.1.1.1/x.png",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:80\\@evil.com/x.png",  # backslash: parsers disagree on which host this is
+        "http://evil.com@127.0.0.1/x.png",  # userinfo
+        "http://user:pass@images.test/x.png",
+        "http://images.test/x .png",
+        "http://images.test/x\t.png",
+        "http://images.test\n/x.png",
+        "http:///x.png",  # no host
+        "http://images.test:99999/x.png",  # port out of range
+        "http://images.test:0/x.png",
+        "http://[::1/x.png",
+        "http://[fe80::1%25eth0]/x.png",  # zone id
+        "http://ex%61mple.com/x.png",
+        "http://1.2.3.4.5/x.png",  # a numeric last label makes it an IPv4 address, and this is not one
+        "http://256.1.1.1/x.png",
+    ],
+)
 def test_malformed_urls(url):
     _fails(url, 400, "invalid_image_url", resolver=_resolver({"images.test": ["93.184.216.34"]}))
 
@@ -100,16 +107,33 @@ def test_domain_not_in_allow_list():
     assert "evil.test" in e.message
 
 
-@pytest.mark.parametrize("host,allowed", [
-    ("a.example.com", True), ("a.b.example.com", True), ("A.Example.COM.", True), ("example.com", False),
-    ("badexample.com", False), ("example.com.evil.test", False), ("10.0.0.1", False),
-])
+@pytest.mark.parametrize(
+    "host,allowed",
+    [
+        ("a.example.com", True),
+        ("a.b.example.com", True),
+        ("A.Example.COM.", True),
+        ("example.com", False),
+        ("badexample.com", False),
+        ("example.com.evil.test", False),
+        ("10.0.0.1", False),
+    ],
+)
 def test_wildcard_domain_rules(host, allowed):
     # NOTE: every name resolves to 10.0.0.1, so a host past the allow-list is stopped by the address check instead.
-    resolver = _resolver({h: ["10.0.0.1"] for h in ("a.example.com", "a.b.example.com", "example.com",
-                                                     "badexample.com", "example.com.evil.test")})
-    _fails(f"http://{host}/x.png", 400, "image_url_forbidden" if allowed else "image_url_not_allowed",
-           allowed_domains=["*.example.com"], resolver=resolver)
+    resolver = _resolver(
+        {
+            h: ["10.0.0.1"]
+            for h in ("a.example.com", "a.b.example.com", "example.com", "badexample.com", "example.com.evil.test")
+        }
+    )
+    _fails(
+        f"http://{host}/x.png",
+        400,
+        "image_url_forbidden" if allowed else "image_url_not_allowed",
+        allowed_domains=["*.example.com"],
+        resolver=resolver,
+    )
 
 
 def test_ip_literal_matches_only_itself_in_allow_list():
@@ -117,18 +141,41 @@ def test_ip_literal_matches_only_itself_in_allow_list():
     _fails("http://10.0.0.2/x.png", 400, "image_url_not_allowed", allowed_domains=["10.0.0.1"])
 
 
-@pytest.mark.parametrize("address", ["10.1.2.3", "192.168.1.1", "172.16.0.1", "100.64.0.1", "169.254.169.254",
-                                     "127.0.0.1", "0.0.0.0", "224.0.0.1", "255.255.255.255", "::1", "::", "fe80::1",
-                                     "fc00::1", "fec0::1", "ff02::1", "::ffff:127.0.0.1", "2002:a00:1::1",
-                                     "64:ff9b::a00:1"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "10.1.2.3",
+        "192.168.1.1",
+        "172.16.0.1",
+        "100.64.0.1",
+        "169.254.169.254",
+        "127.0.0.1",
+        "0.0.0.0",
+        "224.0.0.1",
+        "255.255.255.255",
+        "::1",
+        "::",
+        "fe80::1",
+        "fc00::1",
+        "fec0::1",
+        "ff02::1",
+        "::ffff:127.0.0.1",
+        "2002:a00:1::1",
+        "64:ff9b::a00:1",
+    ],
+)
 def test_name_resolving_to_non_public_address(address):
     e = _fails("http://evil.test/x.png", 400, "image_url_forbidden", resolver=_resolver({"evil.test": [address]}))
     assert "evil.test" in e.message and address not in e.message
 
 
 def test_rebinding_one_private_address_blocks():
-    _fails("http://rebind.test/x.png", 400, "image_url_forbidden",
-           resolver=_resolver({"rebind.test": ["93.184.216.34", "127.0.0.1"]}))
+    _fails(
+        "http://rebind.test/x.png",
+        400,
+        "image_url_forbidden",
+        resolver=_resolver({"rebind.test": ["93.184.216.34", "127.0.0.1"]}),
+    )
 
 
 def test_loopback_blocked_without_exemption(server):
@@ -136,8 +183,20 @@ def test_loopback_blocked_without_exemption(server):
     _fails(f"{base}/img.png", 400, "image_url_forbidden")
 
 
-@pytest.mark.parametrize("host", ["2130706433", "0x7f000001", "0177.0.0.1", "127.1", "127.0.0.1.", "[::1]",
-                                  "[::ffff:127.0.0.1]", "[::ffff:7f00:1]", "localhost"])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "2130706433",
+        "0x7f000001",
+        "0177.0.0.1",
+        "127.1",
+        "127.0.0.1.",
+        "[::1]",
+        "[::ffff:127.0.0.1]",
+        "[::ffff:7f00:1]",
+        "localhost",
+    ],
+)
 def test_loopback_spellings_blocked(server, host):
     _, port = server  # NOTE: the default resolver: numeric forms must not reach the (real) DNS either
     _fails(f"http://{host}:{port}/img.png", 400, "image_url_forbidden")
@@ -162,8 +221,9 @@ def test_connects_to_vetted_ip_with_original_host_and_no_cookies(server):
     resolver = _resolver({"images.test": ["127.0.0.1"]})
 
     async def go():
-        fetcher = ImageFetcher(ImageURLArgs(allow_http=True, allowed_domains=["images.test"], **LOOPBACK), CAP,
-                               resolver)
+        fetcher = ImageFetcher(
+            ImageURLArgs(allow_http=True, allowed_domains=["images.test"], **LOOPBACK), CAP, resolver
+        )
         try:
             return [await fetcher.fetch(f"http://images.test:{port}/img.png?n={n}") for n in range(2)]
         finally:
@@ -194,8 +254,13 @@ def test_https_connects_to_the_ip_with_sni_name_and_verifies_it(tmp_path):
     with socket.create_server(("127.0.0.1", 0)) as listener:
         thread = threading.Thread(target=serve, args=(listener,), daemon=True)
         thread.start()
-        _fails(f"https://images.test:{listener.getsockname()[1]}/x.png", 502, "image_url_fetch_failed",
-               resolver=_resolver({"images.test": ["127.0.0.1"]}), **LOOPBACK)
+        _fails(
+            f"https://images.test:{listener.getsockname()[1]}/x.png",
+            502,
+            "image_url_fetch_failed",
+            resolver=_resolver({"images.test": ["127.0.0.1"]}),
+            **LOOPBACK,
+        )
         thread.join(2)
     assert names == ["images.test"]
 
@@ -216,10 +281,12 @@ def test_dns_failures():
 
     async def flaky(host, port):
         raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
     _fails("http://flaky.test/x.png", 502, "image_url_fetch_failed", resolver=flaky)
 
     async def broken(host, port):
         raise RuntimeError("resolver bug")
+
     e = _fails("http://broken.test/x.png", 502, "image_url_fetch_failed", resolver=broken)
     assert "resolver bug" not in e.message
 
@@ -231,6 +298,7 @@ def test_slow_server_and_slow_dns_time_out(server):
 
     async def slow(host, port):
         await asyncio.sleep(5)
+
     _fails("http://slow.test/x.png", 504, "image_url_timeout", timeout_s=0.2, resolver=slow)
     assert time.monotonic() - start < 20  # a generous cap: the server would take SLOW_S (60 s), the DNS 5 s
 
@@ -251,6 +319,7 @@ def test_cancel_is_not_turned_into_an_error(server):
                 await task
         finally:
             await fetcher.aclose()
+
     asyncio.run(go())
 
 
@@ -266,12 +335,15 @@ def test_redirect_followed(server):
     assert _fetch(f"{base}/redirect?to=/img.png", **LOOPBACK) == PNG
 
 
-@pytest.mark.parametrize("to,code", [
-    ("http://169.254.169.254/latest/meta-data", "image_url_forbidden"),
-    ("http://127.0.0.2:{port}/img.png", "image_url_forbidden"),  # loopback, but not the exempt address
-    ("file:///etc/passwd", "image_url_not_allowed"),
-    ("gopher://127.0.0.1:{port}/_x", "image_url_not_allowed"),
-])
+@pytest.mark.parametrize(
+    "to,code",
+    [
+        ("http://169.254.169.254/latest/meta-data", "image_url_forbidden"),
+        ("http://127.0.0.2:{port}/img.png", "image_url_forbidden"),  # loopback, but not the exempt address
+        ("file:///etc/passwd", "image_url_not_allowed"),
+        ("gopher://127.0.0.1:{port}/_x", "image_url_not_allowed"),
+    ],
+)
 def test_redirect_target_checked_again(server, tmp_path, to, code):
     base, port = server
     _fails(f"{base}/redirect?to={to.format(port=port)}", 400, code, file_root=str(tmp_path), **LOOPBACK)
@@ -279,8 +351,13 @@ def test_redirect_target_checked_again(server, tmp_path, to, code):
 
 def test_redirect_leaving_allow_list(server):
     base, port = server
-    _fails(f"{base}/redirect?to=http://localhost:{port}/img.png", 400, "image_url_not_allowed",
-           allowed_domains=["127.0.0.1"], **LOOPBACK)
+    _fails(
+        f"{base}/redirect?to=http://localhost:{port}/img.png",
+        400,
+        "image_url_not_allowed",
+        allowed_domains=["127.0.0.1"],
+        **LOOPBACK,
+    )
 
 
 def test_too_many_redirects(server):
@@ -307,8 +384,17 @@ def test_file_inside_root(root):
     assert _fetch(f"file://localhost{root}/alias.png", file_root=str(root)) == PNG  # a link that stays inside
 
 
-@pytest.mark.parametrize("path", ["{root}/../secret.png", "{root}/escape.png", "{root}/%2e%2e/secret.png",
-                                  "{root}/%2E%2E%2Fsecret.png", "/etc/passwd", "{root}/cat.png%00.txt"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "{root}/../secret.png",
+        "{root}/escape.png",
+        "{root}/%2e%2e/secret.png",
+        "{root}/%2E%2E%2Fsecret.png",
+        "/etc/passwd",
+        "{root}/cat.png%00.txt",
+    ],
+)
 def test_file_outside_root(root, path):
     _fails("file://" + path.format(root=root), 400, "image_url_forbidden", file_root=str(root))
 
@@ -330,4 +416,5 @@ def test_aclose_twice_is_fine(server):
         assert await fetcher.fetch(f"{base}/img.png") == PNG
         await fetcher.aclose()
         await fetcher.aclose()
+
     asyncio.run(go())

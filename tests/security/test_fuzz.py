@@ -28,14 +28,24 @@ def urls(server: str):
         st.binary(max_size=64).map(_data_url),  # random bytes as an image
         st.sampled_from([p[: len(p) // 3] for p in PNGS]).map(_data_url),  # truncated images
         st.text(max_size=40),  # anything at all
-        st.sampled_from([f"{server}/img.png", f"{server}/404", f"{server}/redirect?to=/img.png",
-                         "http://10.1.2.3/x.png", "file:///etc/passwd", "data:image/png;base64,=="]),
+        st.sampled_from(
+            [
+                f"{server}/img.png",
+                f"{server}/404",
+                f"{server}/redirect?to=/img.png",
+                "http://10.1.2.3/x.png",
+                "file:///etc/passwd",
+                "data:image/png;base64,==",
+            ]
+        ),
     )
 
 
 def parts(server: str):
     text = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=80)})
-    image = st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries({"url": urls(server)})})
+    image = st.fixed_dictionaries(
+        {"type": st.just("image_url"), "image_url": st.fixed_dictionaries({"url": urls(server)})}
+    )
     odd = st.dictionaries(st.sampled_from(["type", "text", "image_url", "x"]), st.text(max_size=10), max_size=3)
     return st.one_of(text, image, odd)
 
@@ -50,28 +60,49 @@ def messages(server: str):
 def bodies(server: str):
     fields = {
         "max_tokens": st.one_of(st.integers(-2, 8), st.just(5000), st.text(max_size=3)),
-        "temperature": st.floats(-1, 3, allow_nan=False), "top_p": st.floats(-0.5, 1.5, allow_nan=False),
-        "n": st.integers(-1, 10), "stream": st.booleans(), "seed": st.integers(-1, 2**64),
+        "temperature": st.floats(-1, 3, allow_nan=False),
+        "top_p": st.floats(-0.5, 1.5, allow_nan=False),
+        "n": st.integers(-1, 10),
+        "stream": st.booleans(),
+        "seed": st.integers(-1, 2**64),
         "stop": st.one_of(st.text(max_size=70), st.lists(st.text(max_size=8), max_size=6)),
-        "logprobs": st.booleans(), "top_logprobs": st.integers(-1, 25), "top_k": st.integers(-2, 50),
-        "presence_penalty": st.floats(-3, 3, allow_nan=False), "stop_token_ids": st.lists(st.integers(-5, 10**6)),
-        "model": st.sampled_from(["qwen2-vl-tiny", "other"]), "context_overflow": st.sampled_from(["error", "x"]),
+        "logprobs": st.booleans(),
+        "top_logprobs": st.integers(-1, 25),
+        "top_k": st.integers(-2, 50),
+        "presence_penalty": st.floats(-3, 3, allow_nan=False),
+        "stop_token_ids": st.lists(st.integers(-5, 10**6)),
+        "model": st.sampled_from(["qwen2-vl-tiny", "other"]),
+        "context_overflow": st.sampled_from(["error", "x"]),
     }
     optional = st.fixed_dictionaries({}, optional=fields)
     image = st.sampled_from(PNGS).map(lambda p: {"type": "image_url", "image_url": {"url": _data_url(p)}})
-    valid = st.fixed_dictionaries({
-        "messages": st.tuples(st.lists(image, max_size=2), st.text(max_size=40)).map(
-            lambda it: [{"role": "user", "content": [*it[0], {"type": "text", "text": it[1]}]}]),
-        "max_tokens": st.integers(1, 6)}, optional={
-        "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "n": st.integers(1, 3), "stream": st.booleans(),
-        "seed": st.integers(0, 2**63 - 1), "stop": st.lists(st.text(min_size=1, max_size=4), max_size=2),
-        "logprobs": st.just(True), "top_k": st.integers(0, 50), "frequency_penalty": st.floats(-2, 2)})
+    valid = st.fixed_dictionaries(
+        {
+            "messages": st.tuples(st.lists(image, max_size=2), st.text(max_size=40)).map(
+                lambda it: [{"role": "user", "content": [*it[0], {"type": "text", "text": it[1]}]}]
+            ),
+            "max_tokens": st.integers(1, 6),
+        },
+        optional={
+            "temperature": st.floats(0, 2),
+            "top_p": st.floats(0.01, 1),
+            "n": st.integers(1, 3),
+            "stream": st.booleans(),
+            "seed": st.integers(0, 2**63 - 1),
+            "stop": st.lists(st.text(min_size=1, max_size=4), max_size=2),
+            "logprobs": st.just(True),
+            "top_k": st.integers(0, 50),
+            "frequency_penalty": st.floats(-2, 2),
+        },
+    )
     return st.one_of(
         valid,
         st.tuples(messages(server), optional).map(lambda mo: {"messages": mo[0], **mo[1]}),
-        st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=10),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-                     max_leaves=8),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+            max_leaves=8,
+        ),
     )
 
 
@@ -85,12 +116,14 @@ def test_no_body_gets_a_5xx(base_url, server):
     seen: dict[int, int] = {}
     with httpx.Client(base_url=base_url, timeout=60) as client:
 
-        @settings(max_examples=300, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=300, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+        )
         @given(body=bodies(server))
         def check(body):
-            r = client.post("/v1/chat/completions", content=json.dumps(body).encode(),
-                            headers={"content-type": "application/json"})
+            r = client.post(
+                "/v1/chat/completions", content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+            )
             seen[r.status_code] = seen.get(r.status_code, 0) + 1
             assert r.status_code < 500, (body, r.text)
             if r.status_code >= 400:
@@ -102,6 +135,10 @@ def test_no_body_gets_a_5xx(base_url, server):
                 assert len(r.json()["choices"]) == body.get("n", 1)
 
         check()
-        assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                          "max_tokens": 1}).status_code == 200
+        assert (
+            client.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            ).status_code
+            == 200
+        )
     assert seen.get(200, 0) >= 5 and sum(v for k, v in seen.items() if k >= 400) >= 50, seen  # both kinds explored

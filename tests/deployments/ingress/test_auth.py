@@ -28,12 +28,18 @@ def _client(checkpoint, auth: dict, env: dict[str, str] | None = None, monkeypat
 
 @pytest.fixture
 def guarded(checkpoint, monkeypatch):
-    return _client(checkpoint, {"api_keys": ["key-one"], "cors_allow_origins": [ORIGIN]},
-                   {"VLM_API_KEYS": " key-two, ,key-three "}, monkeypatch)
+    return _client(
+        checkpoint,
+        {"api_keys": ["key-one"], "cors_allow_origins": [ORIGIN]},
+        {"VLM_API_KEYS": " key-two, ,key-three "},
+        monkeypatch,
+    )
 
 
-@pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer ", "Basic key-one", "Bearer key-on", "Bearer key-one2",
-                                    "Bearer KEY-ONE", "key-one"])
+@pytest.mark.parametrize(
+    "header",
+    [None, "", "Bearer", "Bearer ", "Basic key-one", "Bearer key-on", "Bearer key-one2", "Bearer KEY-ONE", "key-one"],
+)
 def test_requests_without_a_valid_key_are_401(guarded, header):
     r = guarded.get("/v1/models", headers={"Authorization": header} if header is not None else {})
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
@@ -83,7 +89,9 @@ def test_cors_preflight_and_headers(guarded):
     assert ok.headers["access-control-allow-origin"] == ORIGIN and ok.headers["vary"] == "Origin"
     denied = guarded.get("/v1/models", headers={"Origin": ORIGIN})  # a browser must be able to read the 401
     assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == ORIGIN
-    assert "access-control-allow-origin" not in guarded.get("/health", headers={"Origin": "https://evil.example"}).headers
+    assert (
+        "access-control-allow-origin" not in guarded.get("/health", headers={"Origin": "https://evil.example"}).headers
+    )
 
 
 def test_no_keys_means_open_and_no_cors(checkpoint, monkeypatch):

@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from deployments.ingress.detokenize import IncrementalDetokenizer, StopMatcher
-from deployments.ingress.detokenize import decoder
+from deployments.ingress.detokenize import IncrementalDetokenizer, StopMatcher, decoder
 from deployments.ingress.prompt import load_tokenizer
 
 TEXTS = ["Hello, world!", "你好，世界", "emoji 🙂👍🏽 and (12,34)", "mixed ünïcödé ✓ text\nwith lines"]
@@ -92,8 +91,9 @@ def test_decoder_is_the_tokenizers_decode(checkpoint, skip_special_tokens):
     decode = decoder(tokenizer, skip_special_tokens)
     for n in (0, 1, 2, 7, 40):
         ids = [rng.randrange(len(tokenizer)) for _ in range(n)]
-        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                                               clean_up_tokenization_spaces=False)
+        assert decode(ids) == tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
 
 def test_without_stop_strings_the_text_passes_straight_through():

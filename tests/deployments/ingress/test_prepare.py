@@ -54,7 +54,7 @@ def test_drop_oldest_turns_keeps_system_and_whole_newest_turns(prep):
     messages = _conversation(6)
     p = _prepare(prep, messages, context_overflow="drop_oldest_turns", max_tokens=8)
     assert p.dropped_messages > 0 and p.dropped_messages % 2 == 0  # whole user + assistant turns
-    kept = messages[:1] + messages[1 + p.dropped_messages:]
+    kept = messages[:1] + messages[1 + p.dropped_messages :]
     # The same prompt as a request that never had the dropped turns: nothing cut inside a turn or an image run.
     alone = _prepare(prep, kept, max_tokens=8)
     assert p.prompt == alone.prompt and p.image_keys == alone.image_keys and p.grids == alone.grids
@@ -62,7 +62,7 @@ def test_drop_oldest_turns_keeps_system_and_whole_newest_turns(prep):
     text = prep.tokenizer.decode(p.prompt)
     assert "You look at pictures." in text and "and this one?" in text
     # Minimal: keeping one more turn would not have fitted.
-    one_more = messages[:1] + messages[1 + p.dropped_messages - 2:]
+    one_more = messages[:1] + messages[1 + p.dropped_messages - 2 :]
     with pytest.raises(InvalidRequest):
         _prepare(prep, one_more, max_tokens=8)
 
@@ -78,16 +78,20 @@ def test_dropped_images_go_with_their_turns(prep):
 
 
 def test_a_last_turn_over_the_context_is_still_an_error(prep):
-    messages = [{"role": "user", "content": "old"}, {"role": "assistant", "content": "ok"},
-                {"role": "user", "content": "word " * 300}]
+    messages = [
+        {"role": "user", "content": "old"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "word " * 300},
+    ]
     with pytest.raises(InvalidRequest) as e:
         _prepare(prep, messages, context_overflow="drop_oldest_turns")
     assert "(after dropping the 2 oldest messages)" in e.value.message and "context length of 160" in e.value.message
 
 
 def test_server_default_policy_applies_when_the_request_names_none(checkpoint):
-    prep = Preparer(AppArgs(model=str(checkpoint), llm={"max_model_len": CONTEXT},
-                            limits={"context_overflow": "drop_oldest_turns"}))
+    prep = Preparer(
+        AppArgs(model=str(checkpoint), llm={"max_model_len": CONTEXT}, limits={"context_overflow": "drop_oldest_turns"})
+    )
     assert _prepare(prep, _conversation(6), max_tokens=8).dropped_messages > 0
     with pytest.raises(InvalidRequest):  # the request's own choice wins
         _prepare(prep, _conversation(6), max_tokens=8, context_overflow="error")

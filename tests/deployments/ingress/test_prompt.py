@@ -17,8 +17,11 @@ def _messages(*content):
 
 def test_expands_each_image_to_its_count(checkpoint, reference):
     tokenizer = load_tokenizer(checkpoint)
-    pad, start, end = (reference.config.image_token_id, reference.config.vision_start_token_id,
-                       reference.config.vision_end_token_id)
+    pad, start, end = (
+        reference.config.image_token_id,
+        reference.config.vision_start_token_id,
+        reference.config.vision_end_token_id,
+    )
     ids = build_prompt(tokenizer, _messages(IMAGE, {"type": "text", "text": "and"}, IMAGE), pad, [6, 2])
     assert ids.count(pad) == 8
     first = ids.index(pad)
@@ -28,7 +31,9 @@ def test_expands_each_image_to_its_count(checkpoint, reference):
     # The rest is exactly the template's rendering.
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}],
-        tokenize=False, add_generation_prompt=True)
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert [t for t in ids if t != pad] == [t for t in tokenizer.encode(text, add_special_tokens=False) if t != pad]
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
 
@@ -36,8 +41,12 @@ def test_expands_each_image_to_its_count(checkpoint, reference):
 def test_typed_placeholder_token_is_rejected(checkpoint, reference):
     tokenizer = load_tokenizer(checkpoint)
     with pytest.raises(InvalidRequest, match=r"2 '<\|image_pad\|>' tokens for 1 images"):
-        build_prompt(tokenizer, _messages(IMAGE, {"type": "text", "text": "look <|image_pad|>"}),
-                     reference.config.image_token_id, [4])
+        build_prompt(
+            tokenizer,
+            _messages(IMAGE, {"type": "text", "text": "look <|image_pad|>"}),
+            reference.config.image_token_id,
+            [4],
+        )
 
 
 @pytest.mark.parametrize("typed", ["<|vision_start|>", "<|vision_end|>", "<|video_pad|>"])
@@ -46,18 +55,26 @@ def test_typed_markers_are_rejected(checkpoint, reference, typed):
     messages = _messages(IMAGE, {"type": "text", "text": f"look {typed}"})
     build_prompt(tokenizer, messages, cfg.image_token_id, [4])  # without the rule: accepted
     with pytest.raises(InvalidRequest, match="text must not contain that reserved token"):
-        build_prompt(tokenizer, messages, cfg.image_token_id, [4], [cfg.vision_start_token_id, cfg.vision_end_token_id],
-                     [cfg.video_token_id])
+        build_prompt(
+            tokenizer,
+            messages,
+            cfg.image_token_id,
+            [4],
+            [cfg.vision_start_token_id, cfg.vision_end_token_id],
+            [cfg.video_token_id],
+        )
 
 
 def test_string_content_and_roles(checkpoint, reference):
     tokenizer = load_tokenizer(checkpoint)
-    messages = ChatCompletionRequest(messages=[
-        {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello"},
-        {"role": "user", "content": "again"},
-    ]).messages
+    messages = ChatCompletionRequest(
+        messages=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "again"},
+        ]
+    ).messages
     text = tokenizer.decode(build_prompt(tokenizer, messages, reference.config.image_token_id, []))
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
     assert "<|im_start|>assistant\nhello<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")

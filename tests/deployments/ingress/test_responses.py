@@ -41,8 +41,18 @@ def _deltas(tokenizer, logprobs: bool) -> list[tuple[int, TextDelta]]:
         ids = tokenizer.encode(text, add_special_tokens=False)
         for k, t in enumerate(ids):
             lp = [TokenLogprob(-0.5, [(t, -0.5), (t + 1, -1.5)])] if logprobs else None
-            out.append((i, TextDelta(tokenizer.decode([t]), [t], finish if k == len(ids) - 1 else None, lp,
-                                     num_cached_tokens=2 if k == 0 else None)))
+            out.append(
+                (
+                    i,
+                    TextDelta(
+                        tokenizer.decode([t]),
+                        [t],
+                        finish if k == len(ids) - 1 else None,
+                        lp,
+                        num_cached_tokens=2 if k == 0 else None,
+                    ),
+                )
+            )
     return out
 
 
@@ -52,22 +62,34 @@ async def _events(deltas):
 
 
 def _boxes(tokenizer):
-    return functools.partial(pixel_boxes, marks=GroundingTokens.of(tokenizer), tokenizer=tokenizer,
-                             image_sizes=[(640, 480)], image_numbers=[0])
+    return functools.partial(
+        pixel_boxes,
+        marks=GroundingTokens.of(tokenizer),
+        tokenizer=tokenizer,
+        image_sizes=[(640, 480)],
+        image_numbers=[0],
+    )
 
 
 def _sse(req, events, tokenizer) -> list[dict]:
     async def collect():
-        return [e async for e in sse_stream(req, HEAD, [1, 2, 3], events, tokenizer, "chatcmpl-0",
-                                            lambda choices: None, _boxes(tokenizer))]
+        return [
+            e
+            async for e in sse_stream(
+                req, HEAD, [1, 2, 3], events, tokenizer, "chatcmpl-0", lambda choices: None, _boxes(tokenizer)
+            )
+        ]
 
     lines = asyncio.run(collect())
     assert lines[-1] == "data: [DONE]\n\n"
     return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
 
 
-@pytest.mark.parametrize("fields", [{}, {"logprobs": True, "top_logprobs": 2, "return_token_ids": True}],
-                         ids=["plain", "logprobs_and_token_ids"])
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"logprobs": True, "top_logprobs": 2, "return_token_ids": True}],
+    ids=["plain", "logprobs_and_token_ids"],
+)
 def test_a_completion_of_n_choices_validates(tokenizer, fields):
     req = _request(n=2, **fields)
     events = _events(_deltas(tokenizer, logprobs=req.logprobs))
@@ -86,8 +108,9 @@ def test_a_completion_of_n_choices_validates(tokenizer, fields):
 
 @pytest.mark.parametrize("usage", [False, True], ids=["without_usage", "with_usage"])
 def test_every_stream_chunk_validates(tokenizer, usage):
-    req = _request(n=2, stream=True, logprobs=True, top_logprobs=2, return_token_ids=True,
-                   stream_options={"include_usage": usage})
+    req = _request(
+        n=2, stream=True, logprobs=True, top_logprobs=2, return_token_ids=True, stream_options={"include_usage": usage}
+    )
     chunks = _sse(req, _events(_deltas(tokenizer, logprobs=True)), tokenizer)
     for chunk in chunks:
         assert_valid("CreateChatCompletionStreamResponse", chunk)
@@ -99,6 +122,7 @@ def test_every_stream_chunk_validates(tokenizer, usage):
 
 def test_an_error_after_the_first_token_is_an_error_event_that_validates(tokenizer):
     """The deadline passes mid-stream: the 200 is already out, so the 408 goes as an event."""
+
     async def hangs():
         yield 0, TextDelta("It", [40], None, None)
         await asyncio.Event().wait()  # nothing more comes
@@ -106,8 +130,12 @@ def test_an_error_after_the_first_token_is_an_error_event_that_validates(tokeniz
     async def collect():
         loop = asyncio.get_running_loop()
         events = with_deadline(hangs(), loop.time() + 0.2, 0.2)
-        return [e async for e in sse_stream(_request(stream=True), HEAD, [1], events, tokenizer, "chatcmpl-0",
-                                            lambda choices: None)]
+        return [
+            e
+            async for e in sse_stream(
+                _request(stream=True), HEAD, [1], events, tokenizer, "chatcmpl-0", lambda choices: None
+            )
+        ]
 
     *chunks, error, done = asyncio.run(collect())
     assert done == "data: [DONE]\n\n"
@@ -118,21 +146,24 @@ def test_an_error_after_the_first_token_is_an_error_event_that_validates(tokeniz
     assert error["error"]["code"] == "request_timeout"
 
 
-@pytest.mark.parametrize(("error", "status"), [
-    (InvalidRequest("messages: field required", param="messages", code="missing"), 400),
-    (InvalidRequest("invalid API key", status=401, code="invalid_api_key"), 401),
-    (InvalidRequest("no route /v2", status=404, code="not_found"), 404),
-    (InvalidRequest("/v1/models takes GET, not POST", status=405), 405),
-    (InvalidRequest("request did not finish within its deadline", status=408, code="request_timeout"), 408),
-    (InvalidRequest("request body is over the limit", status=413), 413),
-    (InvalidRequest("image host example.com does not resolve", code="image_url_fetch_failed", status=422), 422),
-    (InvalidRequest("could not fetch the image from example.com", code="image_url_fetch_failed", status=502), 502),
-    (InvalidRequest("fetching the image took over 1 s", code="image_url_timeout", status=504), 504),
-    (InvalidRequest("client closed the request", status=499, code="client_closed"), 499),
-    (Overloaded("the engine queue is full", retry_after_s=2), 503),
-    (BackPressureError(num_queued_requests=9, max_queued_requests=8), 503),
-    (RuntimeError("a bug of ours"), 500),
-])
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (InvalidRequest("messages: field required", param="messages", code="missing"), 400),
+        (InvalidRequest("invalid API key", status=401, code="invalid_api_key"), 401),
+        (InvalidRequest("no route /v2", status=404, code="not_found"), 404),
+        (InvalidRequest("/v1/models takes GET, not POST", status=405), 405),
+        (InvalidRequest("request did not finish within its deadline", status=408, code="request_timeout"), 408),
+        (InvalidRequest("request body is over the limit", status=413), 413),
+        (InvalidRequest("image host example.com does not resolve", code="image_url_fetch_failed", status=422), 422),
+        (InvalidRequest("could not fetch the image from example.com", code="image_url_fetch_failed", status=502), 502),
+        (InvalidRequest("fetching the image took over 1 s", code="image_url_timeout", status=504), 504),
+        (InvalidRequest("client closed the request", status=499, code="client_closed"), 499),
+        (Overloaded("the engine queue is full", retry_after_s=2), 503),
+        (BackPressureError(num_queued_requests=9, max_queued_requests=8), 503),
+        (RuntimeError("a bug of ours"), 500),
+    ],
+)
 def test_every_error_status_has_a_body_that_validates(error, status):
     response = error_response(error, "chatcmpl-0")
     assert response.status_code == status

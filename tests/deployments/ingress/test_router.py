@@ -21,6 +21,7 @@ LLM_ID = DeploymentID(name="LLM", app_name="vlm")
 @dataclass
 class FakeReplica:
     """What the router reads of a RunningReplica."""
+
     replica_id: ReplicaID
     max_ongoing_requests: int = 256
 
@@ -80,8 +81,11 @@ def test_no_key_or_one_replica_goes_to_the_least_loaded():
 
 
 def _pending(req) -> PendingRequest:
-    return PendingRequest(args=[req] if req is not None else [], kwargs={},
-                          metadata=RequestMetadata(request_id="r", internal_request_id="r", call_method="generate"))
+    return PendingRequest(
+        args=[req] if req is not None else [],
+        kwargs={},
+        metadata=RequestMetadata(request_id="r", internal_request_id="r", call_method="generate"),
+    )
 
 
 def _generate(key: str | None) -> GenerateRequest:
@@ -90,8 +94,9 @@ def _generate(key: str | None) -> GenerateRequest:
 
 def test_the_router_reads_the_key_and_the_queue_lengths():
     async def main():
-        router = PrefixAffinityRouter(deployment_id=LLM_ID, handle_source=DeploymentHandleSource.UNKNOWN,
-                                      use_replica_queue_len_cache=True)
+        router = PrefixAffinityRouter(
+            deployment_id=LLM_ID, handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True
+        )
         router.initialize_state(max_imbalance=2)
         replicas = _replicas(2)
         home = home_replica("k", replicas)
@@ -117,6 +122,7 @@ def test_max_imbalance_must_be_positive():
 def test_calls_that_share_an_internal_request_id_each_get_their_replica():
     """The n generate calls of one chat request inherit its internal_request_id; each must get the replica chosen
     for it (Serve's own matching by that id leaves all but one waiting forever)."""
+
     async def main():
         router = PrefixAffinityRouter(deployment_id=LLM_ID, handle_source=DeploymentHandleSource.UNKNOWN)
         router.initialize_state()
