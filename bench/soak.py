@@ -34,68 +34,15 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from bench.soak_mix import MIX, Mix, Outcome, drive
+from bench.soak_probe import sample
 
 __all__ = ["Bounds", "Mix", "SoakResult", "check", "report", "soak"]
 
 MIB = 1 << 20
-
-
-def replica_pids(app: str) -> dict[str, int]:
-    """{"LLM#<replica id>": pid} for the app's live replicas, and the HTTP proxy."""
-    # NOTE: ray.util.state.list_actors asks the dashboard, which the test cluster runs without; the GCS actor
-    # table, which that API reads in the end, has the pid too.
-    from ray._private.state import actors
-
-    out = {}
-    for actor in actors(actor_state_name="ALIVE").values():
-        name = actor.get("Name") or ""
-        if name.startswith(f"SERVE_REPLICA::{app}#"):
-            _, deployment, replica = name.split("#")
-            out[f"{deployment}#{replica}"] = actor["Pid"]
-        elif actor["ActorClassName"] == "ProxyActor":
-            out["proxy"] = actor["Pid"]
-    return out
-
-
-def rss_bytes(pid: int) -> int | None:
-    """VmRSS from /proc (no psutil); None when the process is gone or on another machine."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def object_store() -> dict[str, int]:
-    """Bytes and objects in the object store (plasma), all nodes."""
-    # NOTE: ray.available_resources()["object_store_memory"] is a capacity that objects do not consume (it stays
-    # put while plasma fills) and ray.util.state needs the dashboard; the raylets' store stats, which
-    # `ray memory --stats-only` prints, are the bytes actually in use. The GCS address is explicit: another Ray
-    # cluster on this machine must not answer instead.
-    import ray
-    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
-
-    stats = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address)).store_stats
-    return {"bytes": stats.object_store_bytes_used, "objects": stats.num_local_objects}
-
-
-def sample(app: str) -> dict[str, Any]:
-    from ray import serve
-
-    rss = {name: rss_bytes(pid) for name, pid in replica_pids(app).items()}
-    return {
-        "rss": {k: v for k, v in rss.items() if v is not None},
-        "store": object_store(),
-        "engine": serve.get_deployment_handle("LLM", app).stats.remote().result(),
-        "cache": serve.get_deployment_handle("EmbeddingCache", app).stats.remote().result(),
-    }
 
 
 def _drained(s: dict, before: dict, max_store: int) -> bool:

@@ -19,17 +19,18 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from llm.engine.block_pool import BlockPool
+from llm.engine.delivery import Delivery, Sink
 from llm.engine.model_runner import ModelRunner, Sampled
 from llm.engine.scheduler import Chunk, Scheduler
 from llm.engine.sequence import Sequence, make_sequence
-from llm.engine.threads import CoresFollowLoad, set_thread_intra_op_threads
+from llm.engine.threads import CoresFollowLoad, set_thread_intra_op_threads, worker_threads
 from llm.model.parallel import RankFailure
 from schemas import GenerateRequest, Overloaded, TokenChunk
 
@@ -37,9 +38,6 @@ if TYPE_CHECKING:
     from llm.model import Qwen2LM
 
 logger = logging.getLogger(__name__)
-
-
-Sink = Callable[[TokenChunk | BaseException], None]
 
 
 @dataclass(slots=True)
@@ -98,10 +96,7 @@ class Engine:
         self.queue_times: deque[float] = deque(maxlen=65536)
         self.inter_token_times: deque[float] = deque(maxlen=65536)
         self._inbox: queue.SimpleQueue[Sequence | None] = queue.SimpleQueue()
-        # Each live stream's event loop and sink, by seq_id: `submit` adds, `cancel` removes (on the event loop);
-        # the worker collects a step's items per loop in `_outgoing` and hands each loop its batch (`_flush`).
-        self._sinks: dict[int, tuple[asyncio.AbstractEventLoop, Sink]] = {}
-        self._outgoing: dict[asyncio.AbstractEventLoop, list[tuple[Sequence, Sink, TokenChunk | BaseException]]] = {}
+        self.delivery = Delivery()  # the streams' sinks; a step's chunks go to each event loop in one callback
         self._queued = 0  # in the inbox or waiting; read on the event loop, approximate is fine
         self._ids = itertools.count()
         self.dead: BaseException | None = None  # set when a tensor-parallel rank is lost: the replica must restart
@@ -153,13 +148,13 @@ class Engine:
         if self._queued >= self.config.max_queued:
             raise Overloaded(f"the engine queue is full ({self._queued} requests waiting)")
         self._queued += 1
-        self._sinks[seq.seq_id] = (loop, sink)
+        self.delivery.attach(seq, loop, sink)
         self._inbox.put(seq)
         return seq
 
     def cancel(self, seq: Sequence) -> None:
         """Nothing more reaches its sink; its blocks are free at the next step (a no-op once it has finished)."""
-        self._sinks.pop(seq.seq_id, None)
+        self.delivery.detach(seq)
         seq.cancelled.set()
         self._inbox.put(None)  # wake the worker if it sleeps
 
@@ -193,19 +188,7 @@ class Engine:
             self.cancel(seq)  # a consumer that went away frees the sequence at the next step
 
     def _loop(self) -> None:
-        cores = None
-        if (floor := self.config.cpu_threads) is not None:
-            threads = set_thread_intra_op_threads(floor)
-            if (ceiling := self.config.cpu_threads_max or floor) > floor:
-                try:
-                    cores = CoresFollowLoad(floor, ceiling)
-                except OSError as e:  # no /proc (not Linux): stay at the floor
-                    logger.warning("engine worker: cannot read the node's load (%s), %d threads throughout", e, floor)
-            logger.info(
-                "engine worker: %d torch threads%s",
-                threads,
-                f", up to {cores.ceiling} while the node's other processes leave cores idle" if cores else "",
-            )
+        cores = worker_threads(self.config.cpu_threads, self.config.cpu_threads_max)
         keepalive = getattr(self.model, "keepalive", None)  # tensor-parallel: the other ranks wait on us
         while not self._closing:
             idle = not self.scheduler.running and not self.scheduler.waiting
@@ -221,17 +204,17 @@ class Engine:
                     continue
                 with torch.inference_mode():
                     self._step(chunks)
-                self._flush()
+                self.delivery.flush()
             except RankFailure as e:  # the ranks are out of step for good: fail everything, serve nothing more
                 return self._die(e)
             except Exception as e:  # a fault in a step fails the sequences in it; the engine keeps serving
                 logger.exception("engine step failed for %d sequences", len(chunks))
-                self._outgoing.clear()  # the failed step's tokens: the error goes out instead (after earlier ones)
+                self.delivery.drop()  # the failed step's tokens: the error goes out instead (after earlier ones)
                 for c in chunks:
-                    self._emit(c.seq, e)
+                    self.delivery.emit(c.seq, e)
                     self.scheduler.finish(c.seq)
                     self.counts["failed"] += 1
-                self._flush()
+                self.delivery.flush()
         if (close := getattr(self.model, "close", None)) is not None:
             try:
                 close()
@@ -254,16 +237,16 @@ class Engine:
         logger.error("engine stopped: %s", e)
         self.dead = e
         error = self._dead_error()
-        self._outgoing.clear()
+        self.delivery.drop()
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            self._emit(seq, error)
+            self.delivery.emit(seq, error)
             self.counts["failed"] += 1
-        self._flush()
+        self.delivery.flush()
         while True:  # whatever still arrives fails at once, so that no request waits for a step that never comes
             item = self._inbox.get()
             if item is not None:
-                self._emit(item, error)
-                self._flush()
+                self.delivery.emit(item, error)
+                self.delivery.flush()
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -274,25 +257,6 @@ class Engine:
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
-
-    def _emit(self, seq: Sequence, item: TokenChunk | BaseException) -> None:
-        if (entry := self._sinks.get(seq.seq_id)) is not None:  # None: its stream has ended, nobody listens
-            self._outgoing.setdefault(entry[0], []).append((seq, entry[1], item))
-
-    def _flush(self) -> None:
-        """One callback per event loop for everything the last step emitted (not one per sequence and token)."""
-        outgoing, self._outgoing = self._outgoing, {}
-        for loop, items in outgoing.items():
-            try:
-                loop.call_soon_threadsafe(self._deliver, items)
-            except RuntimeError:  # the event loop is gone: nobody is listening
-                for seq, _, _ in items:
-                    seq.cancelled.set()
-
-    def _deliver(self, items: list[tuple[Sequence, Sink, TokenChunk | BaseException]]) -> None:
-        for seq, sink, item in items:  # on the event loop: a stream cancelled since the step gets nothing more
-            if (entry := self._sinks.get(seq.seq_id)) is not None and entry[1] is sink:
-                sink(item)
 
     def _step(self, chunks: list[Chunk]) -> None:
         chunks = sorted(chunks, key=lambda c: (c.n != 1, c.start))  # one-token chunks first, shortest context first
@@ -314,7 +278,7 @@ class Engine:
         if seq.last_token_at is not None:
             self.inter_token_times.append(now - seq.last_token_at)
         seq.last_token_at = now
-        self._emit(
+        self.delivery.emit(
             seq,
             TokenChunk(
                 [token],

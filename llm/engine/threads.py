@@ -134,4 +134,20 @@ class CoresFollowLoad:
         return n
 
 
-__all__ = ["CoresFollowLoad", "set_thread_intra_op_threads"]
+def worker_threads(floor: int | None, ceiling: int | None) -> CoresFollowLoad | None:
+    """The calling worker's threads at start: `floor` (None: as they are), and what follows the load between `floor`
+    and `ceiling` (None where they are the same, or the node's load cannot be read)."""
+    if floor is None:
+        return None
+    threads, cores = set_thread_intra_op_threads(floor), None
+    if (ceiling or floor) > floor:
+        try:
+            cores = CoresFollowLoad(floor, ceiling)
+        except OSError as e:  # no /proc (not Linux): stay at the floor
+            logger.warning("engine worker: cannot read the node's load (%s), %d threads throughout", e, floor)
+    more = f", up to {cores.ceiling} while the node's other processes leave cores idle" if cores else ""
+    logger.info("engine worker: %d torch threads%s", threads, more)
+    return cores
+
+
+__all__ = ["CoresFollowLoad", "set_thread_intra_op_threads", "worker_threads"]

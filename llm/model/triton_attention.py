@@ -1,8 +1,7 @@
 """Paged decode attention that reads the KV blocks in place: a Triton kernel for cuda, and its pure-torch reference.
 
-Design (flash-decoding over a paged cache; the GQA grouping as in SGLang's grouped decode kernel,
-sglang/srt/layers/attention/triton_ops/decode_attention.py; the online softmax as in Triton's fused-attention
-tutorial):
+Design (flash-decoding over a paged cache; GQA grouping as in SGLang's triton_ops/decode_attention.py; the online
+softmax as in Triton's fused-attention tutorial):
 
 - One program per (sequence, KV head, split). It loads its KV head's keys once for the whole GQA group of query
   heads (nh / nkv of them, padded to at least 16 rows, the smallest `tl.dot` tile), so GQA costs no repeated

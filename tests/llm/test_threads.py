@@ -137,7 +137,7 @@ def test_the_engine_steps_on_the_threads_the_load_leaves(one_thread_process_wide
             self.threads = next(plan, 2)
             return self.threads
 
-    monkeypatch.setattr("llm.engine.engine.CoresFollowLoad", Scripted)
+    monkeypatch.setattr("llm.engine.threads.CoresFollowLoad", Scripted)
     engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2)
     seen = []
     step = engine._step
