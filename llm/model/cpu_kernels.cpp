@@ -153,7 +153,6 @@ void rope_(torch::Tensor qkv, torch::Tensor cis) {
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -217,14 +216,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   const torch::Tensor xf = x.to(at::kFloat).contiguous();  // (T, K): each input row widened once
   auto out = torch::empty({T, N}, x.options());
   const float* xp = xf.data_ptr<float>();
-  if (x.scalar_type() == at::kBFloat16) {
-    linear_rows(xp, w.data_ptr<at::BFloat16>(), bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
-                out.data_ptr<at::BFloat16>(), T, K, N);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat);
-    linear_rows(xp, w.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                out.data_ptr<float>(), T, K, N);
-  }
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "bfloat16 only: float32 linears are MKL's (cpu_kernels.py)");
+  linear_rows(xp, w.data_ptr<at::BFloat16>(), bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
+              out.data_ptr<at::BFloat16>(), T, K, N);
   return out;
 }
 #define HAVE_LINEAR 1

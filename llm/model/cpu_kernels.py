@@ -129,21 +129,22 @@ def paged_decode_cpu(
     return _module.paged_decode(q, kv_cache, block_tables, context_lens, scale)
 
 
-# Rows up to which a bfloat16 linear goes to the kernel: decode batches (BENCHMARKS.md, the decode step); a prefill
-# chunk's GEMM keeps ATen's.
-MAX_LINEAR_ROWS = 64
+# Rows up to which a linear goes to the kernel, per dtype: a bfloat16 decode batch (ATen's bfloat16 GEMM is a scalar
+# fallback without AVX-512-BF16); a prefill chunk keeps ATen's GEMM. NOTE: float32 stays MKL's: the kernel beat
+# sgemm on up to 8 rows of a cache-resident weight, but not in a whole decode step, which streams the weights from
+# memory (BENCHMARKS.md).
+MAX_LINEAR_ROWS = {torch.bfloat16: 64}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x (T, K), weight (N, K), bias), by the bfloat16 kernel where it applies (AVX2 builds, T <=
-    MAX_LINEAR_ROWS, K a multiple of 8), else by torch."""
+    """F.linear(x (T, K), weight (N, K), bias), by the kernel where it applies (AVX2 builds, T <=
+    MAX_LINEAR_ROWS[dtype], K a multiple of 8), else by torch."""
     global calls
     if (
-        x.dtype == torch.bfloat16
-        and x.dim() == 2
-        and x.shape[0] <= MAX_LINEAR_ROWS
+        x.dim() == 2
+        and x.shape[0] <= MAX_LINEAR_ROWS.get(x.dtype, 0)
         and x.shape[1] % 8 == 0
-        and weight.dtype == torch.bfloat16
+        and weight.dtype == x.dtype
         and weight.is_contiguous()
         and on(x)
         and hasattr(_module, "linear")

@@ -38,7 +38,7 @@ def test_what_the_kernel_does_not_take_goes_to_torch(kernel):
     calls = kernel.calls
     w = torch.randn(16, 24).bfloat16()
     for x in (
-        torch.randn(kernel.MAX_LINEAR_ROWS + 1, 24).bfloat16(),  # a prefill chunk
+        torch.randn(kernel.MAX_LINEAR_ROWS[torch.bfloat16] + 1, 24).bfloat16(),  # a prefill chunk
         torch.randn(4, 24),  # float32
         torch.randn(2, 3, 24).bfloat16(),
     ):  # not (T, K)
