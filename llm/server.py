@@ -90,8 +90,7 @@ class LLM:
         cpu_threads = cpu_threads_max = None
         if device == "cpu":  # NOTE: one thread process-wide; the cores go to the engine's worker (engine/threads.py)
             cpu_threads = llm_args.cpu_threads or reserved_cpus()
-            if llm_args.cpu_threads is None:  # from the reserved CPUs up to all of the node's while they are idle
-                cpu_threads_max = len(os.sched_getaffinity(0))
+            cpu_threads_max = llm_args.cpu_threads_max  # above cpu_threads: follow the node's load up to it
             torch.set_num_threads(1)
         if device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device is cuda but this LLM replica has no GPU: set its ray_actor_options num_gpus: 1")

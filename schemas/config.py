@@ -109,8 +109,14 @@ class LLMArgs(_Strict):
         None,
         ge=1,
         description="torch threads of the engine's worker on cpu (the replica's other threads use one); "
-        "default: the CPUs Ray reserved for the replica (its num_cpus), and more, up to the CPUs the replica may run "
-        "on, while the node's other processes (encoders, ingress) leave them idle.",
+        "default: the CPUs Ray reserved for the replica (its num_cpus).",
+    )
+    cpu_threads_max: int | None = Field(
+        None,
+        ge=1,
+        description="On cpu, above cpu_threads: the worker takes more threads, up to this many, while the node's "
+        "other processes (encoders, ingress) leave cores idle, and gives them back when they want them; default: "
+        "a fixed cpu_threads (on 2 cores, following the load measured slower: docs/engine.md).",
     )
     cuda_graphs: bool | None = Field(
         None,
