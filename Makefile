@@ -63,9 +63,10 @@ test: $(STAMP) browser lint
 docs: $(STAMP)
 	$(PY) -m schemas.config_docs
 
-# The unit tier: every test that starts no Ray cluster (tests/conftest.py marks the others `cluster`).
+# The unit tier: every test that starts no Ray cluster (tests/conftest.py marks the others `cluster`) and is not
+# marked `slow` (process groups, the Triton interpreter, a training run). `make test` runs them all.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not cluster"
+	$(PY) -m pytest -m "not cluster and not slow"
 
 # The serving benchmark (bench/README.md): `make bench BENCH_ARGS=--quick` for a one-minute smoke run.
 bench: $(STAMP)

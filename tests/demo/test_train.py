@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from deployments.ingress.prompt import load_tokenizer
 from encoders import EncoderRunner, family_of
 from llm import Qwen2LM
@@ -12,6 +14,7 @@ from schemas import EncoderArgs, ModelSpec
 from tests.helpers import make_image
 
 
+@pytest.mark.slow
 def test_two_steps_write_a_checkpoint_the_server_loads(tmp_path):
     out = tmp_path / "shapes"
     subprocess.run(

@@ -23,6 +23,8 @@ from llm.model.attention import BatchMeta, ChunkSpec
 from llm.model.parallel import ParallelLM, RankFailure, TPGroup, init_process_group, serve_rank
 from schemas import Overloaded
 from tests.helpers import free_port
+
+pytestmark = pytest.mark.slow  # every test here starts gloo rank processes
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
 CPU = torch.device("cpu")

@@ -84,6 +84,7 @@ def test_reference_equals_sdpa_on_unpaged_kv(nh, nkv):
 
 
 @needs_triton
+@pytest.mark.slow
 def test_kernel_cases_pass_in_the_triton_interpreter():
     if INTERPRETED:
         pytest.skip("this is the child")
