@@ -24,8 +24,9 @@ from llm.model.parallel import ParallelLM, RankFailure, TPGroup, init_process_gr
 from schemas import Overloaded
 from tests.helpers import free_port
 
-pytestmark = pytest.mark.slow  # every test here starts gloo rank processes
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
+
+pytestmark = pytest.mark.slow  # every test here starts gloo rank processes
 
 CPU = torch.device("cpu")
 
