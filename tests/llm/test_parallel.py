@@ -23,7 +23,6 @@ from llm.model.attention import BatchMeta, ChunkSpec
 from llm.model.parallel import ParallelLM, RankFailure, TPGroup, init_process_group, serve_rank
 from schemas import Overloaded
 from tests.helpers import free_port
-
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
 pytestmark = pytest.mark.slow  # every test here starts gloo rank processes
