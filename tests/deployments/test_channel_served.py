@@ -125,9 +125,10 @@ def test_a_killed_llm_replica_ends_its_streams_and_its_successor_gets_a_channel(
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             tasks = [asyncio.create_task(_stream(client, _body(100 + i, 400))) for i in range(16)]
             handle = serve.get_deployment_handle("LLM", app_name=APP)
-            while (await handle.stats.remote())["running"] < 16:
+            while (stats := await handle.stats.remote())["running"] < 16:
                 await asyncio.sleep(0.1)
-            await asyncio.sleep(0.5)
+            while (await handle.stats.remote())["channel_messages"] < stats["channel_messages"] + 3:
+                await asyncio.sleep(0.1)  # tokens are streaming through the channel: kill mid-stream
             ray.kill(ray.get_actor(killed, namespace="serve"), no_restart=True)
             return await asyncio.wait_for(asyncio.gather(*tasks), 60)  # none stuck
 
