@@ -43,10 +43,9 @@ def test_only_the_calling_thread_gets_the_threads(one_thread_process_wide):
         assert mkl.mkl_get_max_threads() == 1
 
 
-def test_the_engine_steps_on_its_configured_threads(one_thread_process_wide, model, reference):
-    engine = make_engine(model, reference, cpu_threads=2)
-    seen = []
-    step = engine._step
+def _generate_seeing_threads(engine, max_tokens: int) -> tuple[list, list[int]]:
+    """One generation's chunks, and the torch threads the engine's worker had at each of its steps."""
+    seen, step = [], engine._step
 
     def spy(chunks):
         seen.append(torch.get_num_threads())
@@ -55,9 +54,14 @@ def test_the_engine_steps_on_its_configured_threads(one_thread_process_wide, mod
     engine._step = spy
 
     async def run():
-        return [c async for c in engine.generate(_seq([5, 6, 7], max_tokens=3))]
+        return [c async for c in engine.generate(_seq([5, 6, 7], max_tokens=max_tokens))]
 
-    chunks = asyncio.run(run())
+    return asyncio.run(run()), seen
+
+
+def test_the_engine_steps_on_its_configured_threads(one_thread_process_wide, model, reference):
+    engine = make_engine(model, reference, cpu_threads=2)
+    chunks, seen = _generate_seeing_threads(engine, max_tokens=3)
     assert sum(len(c.token_ids) for c in chunks) == 3
     assert seen and set(seen) == {2}
     assert torch.get_num_threads() == 1
@@ -139,19 +143,7 @@ def test_the_engine_steps_on_the_threads_the_load_leaves(one_thread_process_wide
 
     monkeypatch.setattr("llm.engine.threads.CoresFollowLoad", Scripted)
     engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2)
-    seen = []
-    step = engine._step
-
-    def spy(chunks):
-        seen.append(torch.get_num_threads())
-        return step(chunks)
-
-    engine._step = spy
-
-    async def run():
-        return [c async for c in engine.generate(_seq([5, 6, 7], max_tokens=4))]
-
-    asyncio.run(run())
+    _, seen = _generate_seeing_threads(engine, max_tokens=4)
     assert seen[:4] == [2, 2, 1, 2]
     assert engine.stats()["cpu_thread_changes"] == 3
     assert torch.get_num_threads() == 1  # the test's thread is untouched
