@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -144,6 +145,9 @@ def _commit() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # NOTE: a SIGTERM (`timeout`, a CI runner) would end Python without its finally blocks, leaving the servers'
+    # process groups (and a Ray cluster) running: as SystemExit it unwinds through them, and they stop the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     from transformers import AutoTokenizer
 
     from bench import peer_servers
