@@ -128,21 +128,21 @@ def deployed(ray_serve: str, app_args: dict, checkpoint, name: str) -> Iterator[
         serve.delete(name)
 
 
+def greedy_completion(client: httpx.Client, conversation) -> dict:
+    """The app's greedy completion of `conversation` (MAX_TOKENS, token ids returned), as its JSON body."""
+    body = {"messages": openai_messages(conversation), "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = client.post("/v1/chat/completions", json={**body, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def assert_greedy_equals_reference(
     client: httpx.Client, checkpoint, reference, conversation, generate=reference_generate
 ) -> None:
     """Prompt ids, completion ids, text and usage from the app equal transformers' on the same checkpoint
     (`generate(checkpoint, reference, conversation)`: the family's own transformers pipeline)."""
     ref_prompt, ref_tokens = generate(checkpoint, reference, conversation)
-    body = {
-        "messages": openai_messages(conversation),
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "return_token_ids": True,
-    }
-    r = client.post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    out = r.json()
+    out = greedy_completion(client, conversation)
     assert out["prompt_token_ids"] == ref_prompt
     assert out["choices"][0]["token_ids"] == ref_tokens
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -157,6 +157,7 @@ def assert_greedy_equals_reference(
 
 
 __all__ = [
+    "greedy_completion",
     "CASES",
     "MAX_TOKENS",
     "assert_greedy_equals_reference",

@@ -27,6 +27,7 @@ from tests.deployments.parity import (
     MAX_TOKENS,
     assert_greedy_equals_reference,
     deployed,
+    greedy_completion,
     openai_messages,
     processor_generate,
     reference_generate,
@@ -81,18 +82,6 @@ def served(request, tmp_path_factory):
         yield Served(client, checkpoint, reference, family.generate)
 
 
-def _greedy_tokens(client: httpx.Client, conversation) -> list[int]:
-    body = {
-        "messages": openai_messages(conversation),
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "return_token_ids": True,
-    }
-    r = client.post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
-
-
 def test_the_app_serves_the_checkpoint(served):
     assert [m["id"] for m in served.client.get("/v1/models").json()["data"]] == [served.checkpoint.name]
 
@@ -111,7 +100,10 @@ def test_changing_one_image_changes_the_tokens_and_they_still_equal_transformers
     ((role, parts),) = conversation
     changed = [(role, [p.transpose(Image.Transpose.ROTATE_180) if i == 2 else p for i, p in enumerate(parts)])]
     assert not isinstance(parts[2], str)
-    assert _greedy_tokens(served.client, changed) != _greedy_tokens(served.client, conversation)
+    assert (
+        greedy_completion(served.client, changed)["choices"][0]["token_ids"]
+        != greedy_completion(served.client, conversation)["choices"][0]["token_ids"]
+    )
     assert_greedy_equals_reference(
         served.client, served.checkpoint, served.reference, changed, generate=served.generate
     )
