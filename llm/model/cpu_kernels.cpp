@@ -3,8 +3,42 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The 4 dot products q . k0..k3 (n floats each, n a multiple of 8): 4 independent FMA chains, then one hadd tree.
+template <typename T>
+static inline __m128 dot4(const float* q, const T* k0, const T* k1, const T* k2, const T* k3, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t d = 0; d < n; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(qv, load8(k0 + d), a0);
+    a1 = _mm256_fmadd_ps(qv, load8(k1 + d), a1);
+    a2 = _mm256_fmadd_ps(qv, load8(k2 + d), a2);
+    a3 = _mm256_fmadd_ps(qv, load8(k3 + d), a3);
+  }
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));  // (q.k0, q.k1, q.k2, q.k3)
+}
+#endif
 
 // A row of n values as float32: float rows are read where they lie, 16-bit ones converted into `buf`.
 static inline const float* load(const float* x, float*, int64_t) { return x; }
@@ -12,6 +46,16 @@ template <typename T>
 static inline const float* load(const T* x, float* buf, int64_t n) {
   for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(x[i]);
   return buf;
+}
+
+// Asks for one key's or value's row ahead of its use (AHEAD rows: about one block of 16 ahead). NOTE: each block is
+// its own page-sized run, wherever the pool put it; the hardware prefetcher stops at page boundaries, so without this
+// every block starts with misses at full memory latency (a decode step read its KV at ~5 GB/s, the weights at ~11).
+constexpr int64_t AHEAD = 16;
+template <typename T>
+static inline void prefetch_row(const T* row, int64_t hd) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < hd * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
 template <typename T>
@@ -28,8 +72,28 @@ static void decode(const T* q, int64_t q_stride, const T* kv, const int32_t* tab
       const int32_t* table = tables + b * W;
       for (int64_t i = 0; i < g * hd; ++i) qf[i] = static_cast<float>(q[b * q_stride + h * g * hd + i]) * scale;
       scores.assign(g * L, 0.f);
-      for (int64_t t = 0; t < L; ++t) {  // scores: each key read once for the g query heads
-        const T* k = k_head + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * hd;
+      auto key = [&](int64_t t) { return k_head + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * hd; };
+      auto value = [&](int64_t t) { return v_head + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * hd; };
+      for (int64_t i = 0; i < std::min(AHEAD, L); ++i) prefetch_row(key(i), hd);
+      int64_t t = 0;
+#ifdef HAVE_AVX2
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+        if (hd % 8 == 0) {  // scores 4 keys at a time: each key read once from memory, then from L1 for the g heads
+          for (; t + 4 <= L; t += 4) {
+            for (int64_t i = t + AHEAD; i < t + AHEAD + 4; ++i) prefetch_row(i < L ? key(i) : value(i - L), hd);
+            const T *k0 = key(t), *k1 = key(t + 1), *k2 = key(t + 2), *k3 = key(t + 3);
+            for (int64_t j = 0; j < g; ++j) {
+              alignas(16) float s4[4];
+              _mm_store_ps(s4, dot4(qf.data() + j * hd, k0, k1, k2, k3, hd));
+              for (int i = 0; i < 4; ++i) scores[j * L + t + i] = s4[i];
+            }
+          }
+        }
+      }
+#endif
+      for (; t < L; ++t) {  // scores: each key read once for the g query heads
+        prefetch_row(t + AHEAD < L ? key(t + AHEAD) : value(t + AHEAD - L), hd);
+        const T* k = key(t);
         const float* kf = load(k, vf.data(), hd);
         for (int64_t j = 0; j < g; ++j) {
           const float* qj = qf.data() + j * hd;
@@ -52,6 +116,7 @@ static void decode(const T* q, int64_t q_stride, const T* kv, const int32_t* tab
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {  // values: each read once, added into the g heads' sums
+        if (t + AHEAD < L) prefetch_row(value(t + AHEAD), hd);
         const T* v = v_head + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * hd;
         const float* vv = load(v, vf.data(), hd);
         for (int64_t j = 0; j < g; ++j) {
@@ -151,19 +216,6 @@ void rope_(torch::Tensor qkv, torch::Tensor cis) {
 // fallback; here each weight is widened to float32 in registers (a bfloat16 is a float32's high half) and fed to
 // FMAs, tiles of NB weight rows x MB input rows, the input rows widened once into a float32 copy. AVX2 + FMA only.
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-static inline __m256 load8(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // out[m, j] = x[m] . w[j] + bias[j] for NB rows j of w and MB rows m of x; K a multiple of 8.
 template <int NB, int MB, typename T>
 static inline void tile(const float* x, const T* w, const T* bias, T* out, int64_t K, int64_t N) {
@@ -225,10 +277,13 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode);
-  m.def("add_rms_norm", &add_rms_norm);
-  m.def("rope_", &rope_);
+  // NOTE: as torch's own ops do, the kernels run without the GIL: the replica's event loop (sending the last step's
+  // tokens) and Ray's threads run beside a step instead of waiting for it.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode", &paged_decode, nogil);
+  m.def("add_rms_norm", &add_rms_norm, nogil);
+  m.def("rope_", &rope_, nogil);
 #ifdef HAVE_LINEAR
-  m.def("linear", &linear);
+  m.def("linear", &linear, nogil);
 #endif
 }

@@ -46,7 +46,9 @@ _tried = False
 
 def _cpu_key() -> str:
     """A short hash of this CPU's instruction-set flags: a build with -march=native is cached per kind of CPU, so a
-    cache shared between machines (a home directory on NFS, an image) never hands one CPU another's build."""
+    cache shared between machines (a home directory on NFS, an image) never hands one CPU another's build. The
+    build's name also carries a hash of the source, so checkouts of different versions (a baseline in `make
+    bench-kernels`, a second work tree) keep one build each instead of rebuilding over each other."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
@@ -85,7 +87,7 @@ def load():
             t0 = time.monotonic()
             try:
                 flags = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
-                name = f"vlm_cpu_kernels_{_cpu_key()}"
+                name = f"vlm_cpu_kernels_{_cpu_key()}_{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:8]}"
                 with _builder_lock(name):
                     _module = build(name, sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
                 logger.info("CPU kernels ready in %.1f s", time.monotonic() - t0)

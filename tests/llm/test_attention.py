@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from llm.model import BatchMeta, ChunkSpec, cpu_kernels, paged_attention
 from llm.model.attention import decode_groups
 
-NKV, GROUP, HD, BS = 2, 3, 8, 4  # 6 query heads on 2 KV heads
+NKV, GROUP, BS = 2, 3, 4  # 6 query heads on 2 KV heads
 
 
 def _reference(q_seq, k_seq, v_seq, start):
@@ -32,8 +32,9 @@ def decode_path(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("HD", [8, 64, 12])  # one 8-wide chunk, eight (a real head), not a multiple of 8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_decode_and_prefill_equal_per_sequence_attention(dtype, decode_path):
+def test_mixed_decode_and_prefill_equal_per_sequence_attention(dtype, HD, decode_path):
     rng = random.Random(0)
     torch.manual_seed(0)
     # Decode contexts from 1 to 300 tokens (several length groups), sorted as the engine sorts them; then prefill
