@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llm.model import hugepages
+
 
 @dataclass(slots=True)
 class KVCache:
@@ -26,6 +28,8 @@ class KVCache:
         dtype: torch.dtype,
     ) -> KVCache:
         shape = (num_layers, 2 * num_kv_heads, num_blocks, block_size, head_dim)
+        if torch.device(device).type == "cpu":  # blocks are read in place, scattered: huge pages (hugepages.py)
+            return cls(hugepages.zeros(shape, dtype))
         return cls(torch.zeros(shape, device=device, dtype=dtype))
 
     @property

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 
+from llm.model import hugepages
 from llm.model.attention import BatchMeta
 from llm.model.kv_cache import KVCache
 from llm.model.layers import DecoderLayer, Linear, RMSNorm, Rotary, interleave_rope_rows
@@ -143,6 +144,8 @@ class Qwen2LM(nn.Module):
             model = cls(c, tp)
         model.load_state_dict(fuse_projections(state, c.num_layers, c.head_dim), strict=True, assign=True)
         model = model.to(device=device, dtype=dtype).eval()
+        if torch.device(device).type == "cpu":  # a decode step streams every weight: huge pages (hugepages.py)
+            hugepages.move_parameters(model)
         model.rotary = Rotary(c.head_dim, c.rope_theta, c.max_position_embeddings, c.mrope_section, device)
         return model
 
