@@ -24,6 +24,22 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// exp of 8 floats <= 0 (softmax's shifted scores), to about 2 ulp: Cephes' expf (x = n ln2 + r, a degree-6
+// polynomial in r, times 2^n), in AVX2. NOTE: glibc's expf does not vectorise here (no -ffast-math), and one per
+// score per head was a large share of a decode step's attention.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));  // below: 0 for a softmax's purposes, and no denormal 2^n
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504089f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: r = x - n ln2, exactly
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
 // The 4 dot products q . k0..k3 (n floats each, n a multiple of 8): 4 independent FMA chains, then one hadd tree.
 template <typename T>
 static inline __m128 dot4(const float* q, const T* k0, const T* k1, const T* k2, const T* k3, int64_t n) {
@@ -48,14 +64,15 @@ static inline const float* load(const T* x, float* buf, int64_t n) {
   return buf;
 }
 
-// Asks for one key's or value's row ahead of its use (AHEAD rows: about one block of 16 ahead). NOTE: each block is
-// its own page-sized run, wherever the pool put it; the hardware prefetcher stops at page boundaries, so without this
-// every block starts with misses at full memory latency (a decode step read its KV at ~5 GB/s, the weights at ~11).
-constexpr int64_t AHEAD = 16;
+// Asks for one key's or value's row ahead of its use (AHEAD rows: two blocks of 16), into L2 (prefetcht2: the L2
+// tracks more misses in flight than L1). NOTE: each block is its own page-sized run, wherever the pool put it; the
+// hardware prefetcher stops at page boundaries, so without this every block starts with misses at full memory
+// latency. Distance and level were chosen by measurement (BENCHMARKS.md).
+constexpr int64_t AHEAD = 32;
 template <typename T>
 static inline void prefetch_row(const T* row, int64_t hd) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < hd * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 3);
+  for (int64_t off = 0; off < hd * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
 template <typename T>
@@ -108,8 +125,12 @@ static void decode(const T* q, int64_t q_stride, const T* kv, const int32_t* tab
         float* sj = scores.data() + j * L;
         float m = -INFINITY, sum = 0.f;
         for (int64_t t = 0; t < L; ++t) m = std::max(m, sj[t]);
-#pragma omp simd
-        for (int64_t t = 0; t < L; ++t) sj[t] = std::exp(sj[t] - m);
+        int64_t t = 0;
+#ifdef HAVE_AVX2
+        for (const __m256 mv = _mm256_set1_ps(m); t + 8 <= L; t += 8)
+          _mm256_storeu_ps(sj + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mv)));
+#endif
+        for (; t < L; ++t) sj[t] = std::exp(sj[t] - m);
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < L; ++t) sum += sj[t];
         norm[j] = 1.f / sum;
