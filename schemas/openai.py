@@ -16,6 +16,13 @@ class _Tolerant(BaseModel):
     # than break a client, but never let them reach the engine.
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        # NOTE: an explicit null means "the default" to OpenAI and vLLM, and the openai client sends None as null.
+        # Every optional field here defaults to what its null means; a required one stays required.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
 
 class ImageURL(_Tolerant):
     url: str = Field(description="A data: URL (base64) of the image, or an http(s)/file URL where the server allows.")
