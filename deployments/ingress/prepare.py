@@ -172,8 +172,8 @@ class Preparer:
         out.prompt = build_prompt(
             self.tokenizer, kept, self.image_token_id, counts, self.tokens.per_image_ids, self.tokens.forbidden_ids
         )
-        room = self.max_model_len - len(out.prompt)
-        out.max_tokens = req.requested_max_tokens or min(self.limits.default_max_tokens, room)
+        room, cap = self.max_model_len - len(out.prompt), self.limits.default_max_tokens
+        out.max_tokens = req.requested_max_tokens or (room if cap is None else min(cap, room))
         return out
 
     def _fits(self, req: ChatCompletionRequest, p: Prepared) -> bool:
