@@ -179,6 +179,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = Field(None, exclude_if=lambda v: v is None)  # the backend's configuration
     choices: list[Choice]
     usage: Usage
     prompt_token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
@@ -203,6 +204,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = Field(None, exclude_if=lambda v: v is None)
     choices: list[ChunkChoice]
     usage: Usage | None = Field(None, exclude_if=lambda v: v is None)
     prompt_token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
