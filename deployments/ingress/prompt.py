@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from schemas import InvalidRequest
@@ -55,7 +56,10 @@ def build_prompt(
 
     The template writes the placeholder (and each of `per_image_ids`, such as vision start/end markers) once per
     image and never any of `forbidden_ids` (video placeholders): any other count means the user typed them."""
-    text = tokenizer.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
+    try:
+        text = tokenizer.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
+    except (TemplateError, TypeError) as e:  # NOTE: a template's raise_exception, or its operations on our input
+        raise InvalidRequest(f"the model's chat template refused the messages: {e}", param="messages") from e
     # NOTE: a BOS the template did not write is added, as transformers' processors do (LLaVA's templates leave
     # `<s>` to the tokenizer; Qwen's tokenizer has none).
     bos = tokenizer.bos_token

@@ -78,3 +78,27 @@ def test_string_content_and_roles(checkpoint, reference):
     text = tokenizer.decode(build_prompt(tokenizer, messages, reference.config.image_token_id, []))
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
     assert "<|im_start|>assistant\nhello<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+# Roles must alternate, as Llama-2's and Mistral's templates (and llava-hf's Mistral LLaVA-NeXT one) demand.
+ALTERNATING = (
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "fragment"), [(ALTERNATING, "roles must alternate"), ("{{ messages[0]['content'] + 1 }}", "")]
+)
+def test_a_template_that_refuses_the_messages_is_the_clients_400(checkpoint, reference, template, fragment):
+    tokenizer = load_tokenizer(checkpoint)
+    tokenizer.chat_template = template
+    two_users = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    ).messages
+    with pytest.raises(InvalidRequest) as e:
+        build_prompt(tokenizer, two_users, reference.config.image_token_id, [])
+    assert e.value.status == 400 and e.value.param == "messages" and fragment in e.value.message
+    assert "chat template refused the messages" in e.value.message

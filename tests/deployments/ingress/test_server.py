@@ -20,7 +20,10 @@ HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 def _client(checkpoint, **args) -> tuple[TestClient, list[str]]:
     """The ingress without Serve and without an LLM (a chat that gets as far as generating is a 500), and the
     methods and paths of the calls that reached it."""
-    ingress = Ingress.func_or_class(None, None, {"model": str(checkpoint), "served_model_name": NAME, **args})
+    return _client_of(Ingress.func_or_class(None, None, {"model": str(checkpoint), "served_model_name": NAME, **args}))
+
+
+def _client_of(ingress) -> tuple[TestClient, list[str]]:
     calls: list[str] = []
 
     async def app(scope, receive, send):
@@ -123,3 +126,21 @@ def test_auth_errors_say_do_not_retry(checkpoint):
     client, _ = _client(checkpoint, auth={"api_keys": ["right"]})
     r = client.get("/v1/models", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.headers["x-should-retry"] == "false" and r.headers["x-request-id"]
+
+
+def test_a_chat_template_error_is_a_400_with_the_openai_body(checkpoint):
+    """A template's raise_exception (here: roles must alternate) is the request's fault, not a 500."""
+    ingress = Ingress.func_or_class(None, None, {"model": str(checkpoint), "served_model_name": NAME})
+    ingress.prep.tokenizer.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    client, _ = _client_of(ingress)
+    body = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "max_tokens": 2}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert_valid("ErrorResponse", r.json())
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "messages"
+    assert "roles must alternate" in error["message"]
