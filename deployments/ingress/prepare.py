@@ -136,12 +136,13 @@ class Preparer:
         """Image headers and prompt ids, after `check`; `fetched` holds the bytes of remote images by JSON path."""
         images = [self._image(n, i, param, url, fetched) for n, (i, param, url) in enumerate(image_params(req))]
         overflow = req.context_overflow or self.limits.context_overflow
-        # Turns start at each user message after the leading system messages; dropping whole turns from the
-        # front drops their images with them and never cuts inside an image's placeholder run.
+        # Turns start after the leading system messages (whatever the first one's role: an assistant may open) and
+        # at each later user message; dropping whole turns from the front drops their images with them and never
+        # cuts inside an image's placeholder run.
         n_system = next(
             (i for i, m in enumerate(req.messages) if m.role not in ("system", "developer")), len(req.messages)
         )
-        starts = [i for i, m in enumerate(req.messages) if i >= n_system and m.role == "user"] or [n_system]
+        starts = [n_system] + [i for i, m in enumerate(req.messages) if i > n_system and m.role == "user"]
         first = self._build(req, images, n_system, starts[0])
         if self._fits(req, first) or overflow == "error" or len(starts) == 1:
             return self._checked(req, first)

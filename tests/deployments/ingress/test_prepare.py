@@ -125,3 +125,15 @@ def test_without_max_tokens_a_request_gets_the_room_left_in_the_context(checkpoi
         capped = prep(default_max_tokens=cap)
         assert _prepare(capped, messages).max_tokens == expected
         assert _prepare(capped, messages, max_tokens=20).max_tokens == 20  # the request's own wins over the cap
+
+
+def test_a_conversation_that_opens_with_the_assistant_keeps_that_message(prep):
+    """A greeting before the first user message is part of the first turn: nothing is dropped while it fits."""
+    messages = [
+        {"role": "system", "content": "You look at pictures."},
+        {"role": "assistant", "content": "Hello! Send me a picture."},
+        {"role": "user", "content": "hi"},
+    ]
+    for overflow in ("error", "drop_oldest_turns"):
+        p = _prepare(prep, messages, max_tokens=8, context_overflow=overflow)
+        assert p.dropped_messages == 0 and "Send me a picture." in prep.tokenizer.decode(p.prompt)
