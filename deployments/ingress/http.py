@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from typing import Any
 
 import msgspec
@@ -38,6 +39,8 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from e
+    except RecursionError as e:  # NOTE: json's decoder recurses per level: [[[[...]]]] a few thousand deep
+        raise InvalidRequest(f"request body is nested too deeply (over {sys.getrecursionlimit()} levels)") from e
 
 
 def _json_path(body: Any, loc: tuple) -> str:

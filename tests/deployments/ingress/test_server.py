@@ -144,3 +144,11 @@ def test_a_chat_template_error_is_a_400_with_the_openai_body(checkpoint):
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == "messages"
     assert "roles must alternate" in error["message"]
+
+
+def test_a_body_nested_100000_deep_is_a_400_with_the_openai_body(ingress):
+    client, _ = ingress
+    r = client.post("/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000)
+    assert r.status_code == 400, r.text
+    assert_valid("ErrorResponse", r.json())
+    assert "nested too deeply" in r.json()["error"]["message"] and r.headers["x-should-retry"] == "false"
