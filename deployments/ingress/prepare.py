@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deployments.ingress.prompt import build_prompt, load_tokenizer, template_messages
-from encoders import decode_data_url, embedding_key, probe_image
+from encoders import data_url_format, decode_data_url, embedding_key, probe_image
 from schemas import AppArgs, InvalidRequest, ModelSpec, SamplingParams
 from schemas.openai import ChatCompletionRequest, ImagePart, Message
 
@@ -114,8 +114,11 @@ class Preparer:
 
     def _image(self, number: int, message: int, param: str, url: str, fetched: dict[str, bytes]) -> _Image:
         try:
-            data = fetched[param] if param in fetched else decode_data_url(url, self.limits.max_image_bytes)
-            info = probe_image(data, self.limits)
+            if param in fetched:
+                data, declared = fetched[param], None
+            else:
+                data, declared = decode_data_url(url, self.limits.max_image_bytes), data_url_format(url)
+            info = probe_image(data, self.limits, declared)
         except InvalidRequest as e:
             raise InvalidRequest(f"{param}: {e.message}", param=param, code=e.code, status=e.status) from e
         # One key for the embedding cache and for the prefix cache of the image's tokens.

@@ -162,6 +162,22 @@ def _cases(server: str, port: int, root: Path) -> dict[str, tuple]:
             None,
             "not a decodable image",
         ),
+        "data_url_not_an_image_type": (
+            _user(_image(_b64(PNG, "text/html"))),
+            400,
+            INVALID,
+            IMG,
+            None,
+            "'text/html', not an image type",
+        ),
+        "data_url_type_disagrees": (
+            _user(_image(_b64(PNG, "image/jpeg"))),
+            400,
+            INVALID,
+            IMG,
+            None,
+            "declares a JPEG image, but its bytes are PNG",
+        ),
         "over_pixel_cap": (
             _user(_image(data_url(Image.new("RGB", (641, 640), "red")))),
             400,

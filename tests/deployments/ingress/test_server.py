@@ -12,8 +12,10 @@ from starlette.testclient import TestClient
 
 from deployments.ingress import Ingress
 from tests.api_schema import assert_valid
+from tests.helpers import data_url, image_bytes, make_image
 
 NAME = "org/tiny-vl"  # a served name with a slash, as hub ids have: the openai client sends it as org%2Ftiny-vl
+PNG = image_bytes(make_image(32, 32))
 HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
@@ -152,3 +154,18 @@ def test_a_body_nested_100000_deep_is_a_400_with_the_openai_body(ingress):
     assert r.status_code == 400, r.text
     assert_valid("ErrorResponse", r.json())
     assert "nested too deeply" in r.json()["error"]["message"] and r.headers["x-should-retry"] == "false"
+
+
+@pytest.mark.parametrize(
+    ("url", "fragment"),
+    [
+        (data_url(PNG).replace("image/png", "text/html"), "'text/html', not an image type"),
+        (data_url(PNG).replace("image/png", "image/gif"), "declares a GIF image, but its bytes are PNG"),
+    ],
+)
+def test_a_data_url_that_is_not_the_image_type_it_declares_is_a_400(ingress, url, fragment):
+    client, _ = ingress
+    image = {"type": "image_url", "image_url": {"url": url}}
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [image]}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages[0].content[0].image_url" and fragment in r.json()["error"]["message"]
