@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deployments.ingress.prompt import build_prompt, load_tokenizer, template_messages
+from deployments.ingress.prompt import build_prompt, load_tokenizer, needs_typed_content, template_messages
 from encoders import data_url_format, decode_data_url, embedding_key, probe_image
 from schemas import AppArgs, InvalidRequest, ModelSpec, SamplingParams
 from schemas.openai import ChatCompletionRequest, ImagePart, Message
@@ -90,6 +90,7 @@ class Preparer:
         config_bytes = (Path(args.model) / "config.json").read_bytes()
         self.model_id = hashlib.sha256(args.model.encode() + config_bytes).hexdigest()[:16]
         self.tokenizer = load_tokenizer(args.model, spec.hf_config)
+        self.typed_content = needs_typed_content(self.tokenizer)  # llava-hf's templates drop string contents
         self.max_model_len = spec.max_model_len
 
     def check(self, req: ChatCompletionRequest) -> None:
@@ -174,7 +175,13 @@ class Preparer:
             kept[: n_system + 1], [im.key for im in images if im.message < n_system or im.message == start]
         )
         out.prompt = build_prompt(
-            self.tokenizer, kept, self.image_token_id, counts, self.tokens.per_image_ids, self.tokens.forbidden_ids
+            self.tokenizer,
+            kept,
+            self.image_token_id,
+            counts,
+            self.tokens.per_image_ids,
+            self.tokens.forbidden_ids,
+            self.typed_content,
         )
         room, cap = self.max_model_len - len(out.prompt), self.limits.default_max_tokens
         out.max_tokens = req.requested_max_tokens or (room if cap is None else min(cap, room))
