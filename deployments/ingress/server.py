@@ -90,8 +90,11 @@ class Ingress:
             response = await self._route(request, request_id)
             response.headers.update(self.gate.cors_headers(request))
             self.metrics.responses.inc(tags={"status": str(response.status_code)})
-        # As vLLM: the client's own x-request-id back, else ours (the id in our logs and in the body).
-        response.headers["x-request-id"] = request.headers.get("x-request-id") or request_id
+        # NOTE: Serve's HTTP servers (its proxy and direct ingress) put the client's x-request-id, or Serve's own
+        # request id (the one on Serve's log lines), on the request and append it to the response: a second one here
+        # would double the header. Without them in front (in-process), ours, the id in the body.
+        if "x-request-id" not in request.headers:
+            response.headers["x-request-id"] = request_id
         return response
 
     async def _route(self, request: Request, request_id: str) -> Response:

@@ -86,12 +86,9 @@ def test_every_response_carries_a_request_id(ingress):
     # The id is the one our log and a 500's body name.
     failed = client.post("/v1/chat/completions", json=HI)  # no LLM here: our fault
     assert failed.status_code == 500 and failed.headers["x-request-id"] in failed.json()["error"]["message"]
-    # A client's own id comes back as it sent it.
-    for r in (
-        client.get("/health", headers={"x-request-id": "trace-42"}),
-        client.post("/nope", headers={"X-Request-Id": "a b"}),
-    ):
-        assert r.headers["x-request-id"] in ("trace-42", "a b")
+    # A request that carries one (the client's, or the one Serve's HTTP server put there) gets it back from Serve's
+    # middleware, which appends it to the response: the ingress adds no second one (tests/deployments checks Serve's).
+    assert "x-request-id" not in client.get("/health", headers={"x-request-id": "trace-42"}).headers
 
 
 @pytest.mark.parametrize(
