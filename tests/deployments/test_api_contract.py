@@ -129,6 +129,9 @@ def test_the_model_list_validates(app):
     one = app.get("/v1/models/qwen2-vl-shapes")
     assert one.status_code == 200 and one.json() == {**r.json()["data"][0], "created": one.json()["created"]}
     assert_valid("Model", one.json())
+    for path in ("/health", "/v1/models"):  # through Serve's proxy too, which leaves out a HEAD's body
+        head = app.head(path)
+        assert head.status_code == 200 and head.content == b"", path
 
 
 HI = [{"role": "user", "content": "hi"}]
