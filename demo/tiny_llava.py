@@ -27,6 +27,17 @@ CHAT_TEMPLATE: str = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
+# llava-hf/llava-1.5-7b-hf's own chat template, verbatim: it renders typed parts only, so a string content goes
+# missing unless the server sends it as a text part (deployments/ingress/prompt.py: needs_typed_content).
+LLAVA_HF_CHAT_TEMPLATE: str = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<image>"]
 
 _HUB_PREFIXES = ("vision_tower.", "multi_modal_projector.", "language_model.model.", "language_model.lm_head.")
@@ -78,12 +89,13 @@ def _rename(weights_path: Path, layout: str) -> None:
 def build_llava_checkpoint(
     out: str | Path, seed: int = 0, layout: str = "hub", image_size: int = 56, patch_size: int = 14,
     select_strategy: str = "default", feature_layer: int | list[int] = -2, *, do_pad: bool = False,
-    init_std: float = 1.0, vision_std: float = 0.2,
+    init_std: float = 1.0, vision_std: float = 0.2, chat_template: str = CHAT_TEMPLATE,
 ) -> Path:  # fmt: skip
     """Write config, random weights, tokenizer, chat template, processor and generation configs into `out`.
 
     CLIP vision: hidden 32, 2 layers, image_size/patch_size per side (56/14: 16 patches); Llama: hidden 64, 2 layers.
-    `layout`: "hub" (what transformers 5 writes), "legacy" (llava-hf 4.x names) or "prefixed" (4.52-4.57)."""
+    `layout`: "hub" (what transformers 5 writes), "legacy" (llava-hf 4.x names) or "prefixed" (4.52-4.57).
+    `chat_template`: LLAVA_HF_CHAT_TEMPLATE for llava-hf's own."""
     import torch
     from transformers import GenerationConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
     from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
@@ -93,6 +105,7 @@ def build_llava_checkpoint(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_llava_tokenizer()
+    tokenizer.chat_template = chat_template
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     num_patches = (image_size // patch_size) ** 2
     text_config = dict(
@@ -139,7 +152,7 @@ def build_llava_checkpoint(
         patch_size=patch_size,
         vision_feature_select_strategy=select_strategy,
         num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     ).save_pretrained(out)
     # NOTE: transformers 5 nests the image processor in processor_config.json; llava-hf checkpoints (and the
     # encoder replicas' readers) also have it alone in preprocessor_config.json.

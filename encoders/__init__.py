@@ -4,7 +4,7 @@
 from encoders.batching import ImageBatcher, Preprocessed
 from encoders.cache import EmbeddingLRU, embedding_key
 from encoders.family import Family, ImageProcessing, ImageTokens, VisionEncoder
-from encoders.images import FORMATS, ImageInfo, decode_data_url, image_size, load_rgb, probe_image
+from encoders.images import FORMATS, ImageInfo, data_url_format, decode_data_url, image_size, load_rgb, probe_image
 from encoders.llava import LlavaVisionEncoder
 from encoders.llava_next import LlavaNextImageProcessing, LlavaNextVisionEncoder
 from encoders.llava_processing import LlavaImageProcessing
@@ -32,6 +32,7 @@ __all__ = [
     "Qwen2VLImageProcessing",
     "Qwen2VLVisionEncoder",
     "VisionEncoder",
+    "data_url_format",
     "decode_data_url",
     "embedding_key",
     "family_for",

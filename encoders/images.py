@@ -13,6 +13,16 @@ from PIL import Image, UnidentifiedImageError
 from schemas import InvalidRequest, Limits
 
 FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
+# The media types a data: URL may declare, and the format (PIL's name) its bytes must then have.
+MEDIA_TYPES = {
+    "image/png": "PNG",
+    "image/jpeg": "JPEG",
+    "image/jpg": "JPEG",  # not registered, but common
+    "image/webp": "WEBP",
+    "image/gif": "GIF",
+    "image/bmp": "BMP",
+    "image/x-ms-bmp": "BMP",
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,6 +45,7 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
     header, sep, payload = url[5:].partition(",")
     if not sep or not header.endswith(";base64"):
         raise InvalidRequest("image data URL must look like data:image/<type>;base64,<data>")
+    data_url_format(url)  # a declared type that is not an image is refused before any decoding
     # NOTE: bound the work before decoding: base64 is 4 chars per 3 bytes.
     if len(payload) // 4 * 3 > max_bytes + 3:
         raise InvalidRequest(f"image is about {len(payload) // 4 * 3} bytes, over the limit of {max_bytes}", status=413)
@@ -57,6 +68,17 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
     return data
 
 
+def data_url_format(url: str) -> str:
+    """The image format a `data:` URL declares (`data:image/png;base64,...` -> "PNG"); another media type is the
+    client's error. probe_image checks that the bytes agree."""
+    media = url[5:].partition(",")[0].split(";", 1)[0].strip().lower()
+    if media not in MEDIA_TYPES:
+        raise InvalidRequest(
+            f"image data URL declares media type {media[:64]!r}, not an image type: use one of {sorted(MEDIA_TYPES)}"
+        )
+    return MEDIA_TYPES[media]
+
+
 def _open(data: bytes) -> Image.Image:
     try:
         with warnings.catch_warnings():
@@ -68,13 +90,16 @@ def _open(data: bytes) -> Image.Image:
         raise InvalidRequest("image bytes are not a decodable image (PNG, JPEG, WEBP, GIF or BMP)") from e
 
 
-def probe_image(data: bytes, limits: Limits) -> ImageInfo:
-    """Format and size from the header alone (no pixel decoding), checked against the limits."""
+def probe_image(data: bytes, limits: Limits, declared: str | None = None) -> ImageInfo:
+    """Format and size from the header alone (no pixel decoding), checked against the limits and against the
+    format the data: URL `declared` (data_url_format), when there is one."""
     image = _open(data)  # PIL reads only the header here; pixels are decoded lazily.
     info = ImageInfo(format=str(image.format), width=image.width, height=image.height, mode=image.mode)
     image.close()
     if info.format not in FORMATS:
         raise InvalidRequest(f"image format {info.format} is not accepted; use one of {sorted(FORMATS)}")
+    if declared is not None and info.format != declared:
+        raise InvalidRequest(f"image data URL declares a {declared} image, but its bytes are {info.format}")
     if info.width < 1 or info.height < 1:
         raise InvalidRequest(f"image is {info.width}x{info.height}")
     if info.width * info.height > limits.max_image_pixels:
@@ -113,4 +138,13 @@ def load_rgb(data: bytes, draft_size: tuple[int, int] | None = None) -> Image.Im
         raise InvalidRequest(f"image could not be decoded: {e}") from e
 
 
-__all__ = ["FORMATS", "ImageInfo", "decode_data_url", "image_size", "load_rgb", "probe_image"]
+__all__ = [
+    "FORMATS",
+    "MEDIA_TYPES",
+    "ImageInfo",
+    "data_url_format",
+    "decode_data_url",
+    "image_size",
+    "load_rgb",
+    "probe_image",
+]

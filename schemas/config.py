@@ -26,8 +26,11 @@ class Limits(_Strict):
         200.0, ge=1.0, le=200.0, description="Largest long/short side ratio (Qwen2-VL's smart_resize allows 200)."
     )
     max_images_per_request: int = Field(8, ge=0, description="Most images in one request, all turns together.")
-    default_max_tokens: int = Field(
-        512, ge=1, description="Completion length when the request sets none (capped by the context left)."
+    default_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Cap on the completion length of a request that sets no max_tokens; null: none, the room left in "
+        "the context after the prompt (as vLLM and OpenAI).",
     )
     max_n: int = Field(8, ge=1, description="Most choices (n) in one request.")
     max_stop: int = Field(4, ge=0, description="Most stop strings in one request.")

@@ -16,6 +16,13 @@ class _Tolerant(BaseModel):
     # than break a client, but never let them reach the engine.
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        # NOTE: an explicit null means "the default" to OpenAI and vLLM, and the openai client sends None as null.
+        # Every optional field here defaults to what its null means; a required one stays required.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
 
 class ImageURL(_Tolerant):
     url: str = Field(description="A data: URL (base64) of the image, or an http(s)/file URL where the server allows.")
@@ -172,6 +179,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = Field(None, exclude_if=lambda v: v is None)  # the backend's configuration
     choices: list[Choice]
     usage: Usage
     prompt_token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
@@ -196,6 +204,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = Field(None, exclude_if=lambda v: v is None)
     choices: list[ChunkChoice]
     usage: Usage | None = Field(None, exclude_if=lambda v: v is None)
     prompt_token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)

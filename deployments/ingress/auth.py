@@ -53,12 +53,24 @@ class Gate:
         origin = request.headers.get("origin")
         if origin is None or not (origin in self._origins or "*" in self._origins):
             return {}
-        return {"Access-Control-Allow-Origin": "*" if "*" in self._origins else origin, "Vary": "Origin"}
+        return {
+            "Access-Control-Allow-Origin": "*" if "*" in self._origins else origin,
+            "Access-Control-Expose-Headers": "x-request-id, Retry-After, X-Dropped-Messages",
+            "Vary": "Origin",
+        }
 
     def preflight(self, request: Request) -> Response:
         """A browser's OPTIONS before a cross-origin call: allowed origins get the methods and headers, others 403."""
         cors = self.cors_headers(request)
-        return Response(status_code=204 if cors else 403, headers={**cors, **_PREFLIGHT} if cors else None)
+        if not cors:
+            return Response(status_code=403)
+        headers = {**cors, **_PREFLIGHT}
+        # The headers the browser asks to send, echoed (as vLLM's allow_headers=["*"]): the openai-js client sends
+        # its own x-stainless-* headers, and a preflight that leaves one out fails its every call.
+        if asked := request.headers.get("access-control-request-headers", "").strip():
+            headers["Access-Control-Allow-Headers"] = asked
+            headers["Vary"] = "Origin, Access-Control-Request-Headers"
+        return Response(status_code=204, headers=headers)
 
 
 __all__ = ["Gate"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from typing import Any
 
 import msgspec
@@ -11,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from ray.exceptions import TaskCancelledError
 from ray.serve.exceptions import BackPressureError
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from schemas import InvalidRequest, Overloaded, root_cause
 from schemas.openai import ErrorBody, ErrorDetail
@@ -38,6 +39,8 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from e
+    except RecursionError as e:  # NOTE: json's decoder recurses per level: [[[[...]]]] a few thousand deep
+        raise InvalidRequest(f"request body is nested too deeply (over {sys.getrecursionlimit()} levels)") from e
 
 
 def _json_path(body: Any, loc: tuple) -> str:
@@ -71,7 +74,11 @@ def error_body(e: BaseException, request_id: str) -> tuple[int, dict[str, str], 
     e = root_cause(e)
     if isinstance(e, InvalidRequest):
         kind = "invalid_request_error" if e.status < 500 else "server_error"
-        return e.status, {}, ErrorBody(error=ErrorDetail(message=e.message, type=kind, param=e.param, code=e.code))
+        # NOTE: the OpenAI (Stainless) clients retry a 408 (ours is the request's own deadline, met again), a 409
+        # and a 429 unless told not to; the same request gets the same 4xx here.
+        headers = {"x-should-retry": "false"} if e.status < 500 and e.status not in (409, 429) else {}
+        detail = ErrorDetail(message=e.message, type=kind, param=e.param, code=e.code)
+        return e.status, headers, ErrorBody(error=detail)
     if isinstance(e, (Overloaded, BackPressureError)):
         retry = getattr(e, "retry_after_s", 1)
         detail = ErrorDetail(message=f"server is overloaded, retry later: {e}", type="server_error", code="overloaded")
@@ -84,6 +91,17 @@ def error_body(e: BaseException, request_id: str) -> tuple[int, dict[str, str], 
 def error_response(e: BaseException, request_id: str) -> JSONResponse:
     status, headers, body = error_body(e, request_id)
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def route_path(request: Request) -> str:
+    """The request's path below the app's route prefix, without a trailing slash ("" for the root)."""
+    return request.url.path.removeprefix(request.scope.get("root_path", "")).rstrip("/")
+
+
+def head_only(response: Response) -> Response:
+    """The answer to a HEAD: a GET's status and headers, without its body."""
+    headers = {k: v for k, v in response.headers.items() if k != "content-length"}
+    return Response(status_code=response.status_code, headers=headers)
 
 
 def _plain(obj: Any) -> Any:
@@ -112,4 +130,4 @@ def sse(payload: BaseModel | dict | str) -> str:
     return f"data: {payload}\n\n"
 
 
-__all__ = ["error_body", "error_response", "json_text", "parse", "read_json", "sse"]
+__all__ = ["error_body", "error_response", "head_only", "json_text", "parse", "read_json", "route_path", "sse"]

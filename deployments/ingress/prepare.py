@@ -7,8 +7,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deployments.ingress.prompt import build_prompt, load_tokenizer, template_messages
-from encoders import decode_data_url, embedding_key, probe_image
+from deployments.ingress.prompt import build_prompt, load_tokenizer, needs_typed_content, template_messages
+from encoders import data_url_format, decode_data_url, embedding_key, probe_image
 from schemas import AppArgs, InvalidRequest, ModelSpec, SamplingParams
 from schemas.openai import ChatCompletionRequest, ImagePart, Message
 
@@ -90,6 +90,7 @@ class Preparer:
         config_bytes = (Path(args.model) / "config.json").read_bytes()
         self.model_id = hashlib.sha256(args.model.encode() + config_bytes).hexdigest()[:16]
         self.tokenizer = load_tokenizer(args.model, spec.hf_config)
+        self.typed_content = needs_typed_content(self.tokenizer)  # llava-hf's templates drop string contents
         self.max_model_len = spec.max_model_len
 
     def check(self, req: ChatCompletionRequest) -> None:
@@ -114,8 +115,11 @@ class Preparer:
 
     def _image(self, number: int, message: int, param: str, url: str, fetched: dict[str, bytes]) -> _Image:
         try:
-            data = fetched[param] if param in fetched else decode_data_url(url, self.limits.max_image_bytes)
-            info = probe_image(data, self.limits)
+            if param in fetched:
+                data, declared = fetched[param], None
+            else:
+                data, declared = decode_data_url(url, self.limits.max_image_bytes), data_url_format(url)
+            info = probe_image(data, self.limits, declared)
         except InvalidRequest as e:
             raise InvalidRequest(f"{param}: {e.message}", param=param, code=e.code, status=e.status) from e
         # One key for the embedding cache and for the prefix cache of the image's tokens.
@@ -136,12 +140,13 @@ class Preparer:
         """Image headers and prompt ids, after `check`; `fetched` holds the bytes of remote images by JSON path."""
         images = [self._image(n, i, param, url, fetched) for n, (i, param, url) in enumerate(image_params(req))]
         overflow = req.context_overflow or self.limits.context_overflow
-        # Turns start at each user message after the leading system messages; dropping whole turns from the
-        # front drops their images with them and never cuts inside an image's placeholder run.
+        # Turns start after the leading system messages (whatever the first one's role: an assistant may open) and
+        # at each later user message; dropping whole turns from the front drops their images with them and never
+        # cuts inside an image's placeholder run.
         n_system = next(
             (i for i, m in enumerate(req.messages) if m.role not in ("system", "developer")), len(req.messages)
         )
-        starts = [i for i, m in enumerate(req.messages) if i >= n_system and m.role == "user"] or [n_system]
+        starts = [n_system] + [i for i, m in enumerate(req.messages) if i > n_system and m.role == "user"]
         first = self._build(req, images, n_system, starts[0])
         if self._fits(req, first) or overflow == "error" or len(starts) == 1:
             return self._checked(req, first)
@@ -170,10 +175,16 @@ class Preparer:
             kept[: n_system + 1], [im.key for im in images if im.message < n_system or im.message == start]
         )
         out.prompt = build_prompt(
-            self.tokenizer, kept, self.image_token_id, counts, self.tokens.per_image_ids, self.tokens.forbidden_ids
+            self.tokenizer,
+            kept,
+            self.image_token_id,
+            counts,
+            self.tokens.per_image_ids,
+            self.tokens.forbidden_ids,
+            self.typed_content,
         )
-        room = self.max_model_len - len(out.prompt)
-        out.max_tokens = req.requested_max_tokens or min(self.limits.default_max_tokens, room)
+        room, cap = self.max_model_len - len(out.prompt), self.limits.default_max_tokens
+        out.max_tokens = req.requested_max_tokens or (room if cap is None else min(cap, room))
         return out
 
     def _fits(self, req: ChatCompletionRequest, p: Prepared) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from schemas import InvalidRequest
@@ -28,12 +29,35 @@ def load_tokenizer(model_dir: str | Path, config: Any = None) -> PreTrainedToken
     return tokenizer
 
 
-def template_messages(messages: list[Message]) -> list[dict]:
-    """OpenAI messages -> the content format chat templates expect ({"type": "image"} stands for an image)."""
+_PROBE = "vlm-serve content probe 7f3a"
+
+
+def needs_typed_content(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template renders typed content parts only, so that a string content must go as one text
+    part: llava-hf's templates loop `message['content'] | selectattr('type', 'equalto', 'text')`, which drops a
+    string. vLLM detects the same from the template's syntax tree (its "openai" content format); here a probe
+    message is rendered both ways. A template that renders neither keeps strings as they are."""
+
+    def renders(content: str | list[dict]) -> bool:
+        messages = [{"role": "user", "content": content}]
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except (TemplateError, TypeError, ValueError):
+            return False
+        return _PROBE in text
+
+    return not renders(_PROBE) and renders([{"type": "text", "text": _PROBE}])
+
+
+def template_messages(messages: list[Message], typed_content: bool = False) -> list[dict]:
+    """OpenAI messages -> the content format chat templates expect ({"type": "image"} stands for an image); with
+    `typed_content` (needs_typed_content), a string content as one text part."""
     out = []
     for m in messages:
         role = "system" if m.role == "developer" else m.role
-        if m.content is None or isinstance(m.content, str):
+        if (m.content is None or isinstance(m.content, str)) and typed_content:
+            out.append({"role": role, "content": [{"type": "text", "text": m.content}] if m.content else []})
+        elif m.content is None or isinstance(m.content, str):
             out.append({"role": role, "content": m.content or ""})
         else:
             parts = [
@@ -50,12 +74,19 @@ def build_prompt(
     image_token_counts: list[int],
     per_image_ids: Iterable[int] = (),
     forbidden_ids: Iterable[int] = (),
+    typed_content: bool = False,
 ) -> list[int]:
     """Render, tokenize, and expand the template's one placeholder per image to that image's run of tokens.
 
     The template writes the placeholder (and each of `per_image_ids`, such as vision start/end markers) once per
-    image and never any of `forbidden_ids` (video placeholders): any other count means the user typed them."""
-    text = tokenizer.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
+    image and never any of `forbidden_ids` (video placeholders): any other count means the user typed them.
+    `typed_content`: the template's needs_typed_content."""
+    try:
+        text = tokenizer.apply_chat_template(
+            template_messages(messages, typed_content), tokenize=False, add_generation_prompt=True
+        )
+    except (TemplateError, TypeError) as e:  # NOTE: a template's raise_exception, or its operations on our input
+        raise InvalidRequest(f"the model's chat template refused the messages: {e}", param="messages") from e
     # NOTE: a BOS the template did not write is added, as transformers' processors do (LLaVA's templates leave
     # `<s>` to the tokenizer; Qwen's tokenizer has none).
     bos = tokenizer.bos_token
@@ -83,4 +114,4 @@ def build_prompt(
     return expanded
 
 
-__all__ = ["build_prompt", "load_tokenizer", "template_messages"]
+__all__ = ["build_prompt", "load_tokenizer", "needs_typed_content", "template_messages"]

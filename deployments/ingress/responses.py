@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from deployments.ingress.detokenize import TextDelta, decoder
 from deployments.ingress.grounding import GroundingTokens, parse_boxes
 from deployments.ingress.http import error_body, json_text, sse
-from schemas import FinishReason, InvalidRequest, TokenLogprob
+from schemas import AppArgs, FinishReason, InvalidRequest, TokenLogprob
 from schemas.openai import (
     Box,
     ChatCompletion,
@@ -61,10 +62,12 @@ class ContentChunks:
     __slots__ = ("_head",)
 
     def __init__(self, head: dict):
+        fingerprint = head.get("system_fingerprint")
         self._head = (
             f'data: {{"id":{json_text(head["id"])},"object":"chat.completion.chunk",'
             f'"created":{json_text(head["created"])},"model":{json_text(head["model"])},'
-            '"choices":[{"index":'
+            + ("" if fingerprint is None else f'"system_fingerprint":{json_text(fingerprint)},')
+            + '"choices":[{"index":'
         )
 
     def content(
@@ -77,6 +80,13 @@ class ContentChunks:
         if token_ids is not None:
             tail += f',"token_ids":{json_text(token_ids)}'
         return f'{self._head}{index},"delta":{{"content":{json_text(text)}}},"finish_reason":null{tail}}}]}}\n\n'
+
+
+def system_fingerprint(args: AppArgs, model_id: str) -> str:
+    """OpenAI's `system_fingerprint`: what of the backend can change the tokens of a seeded request (the checkpoint,
+    dtypes, devices, engine and encoder settings); limits, URLs and keys do not."""
+    config = args.model_dump_json(exclude={"auth", "image_urls", "limits", "served_model_name"})
+    return "fp_" + hashlib.blake2b(f"{model_id}\n{config}".encode(), digest_size=5).hexdigest()
 
 
 async def interleave(firsts: list[TextDelta], streams: list[AsyncIterator[TextDelta]]):
@@ -270,6 +280,7 @@ __all__ = [
     "logprob_items",
     "pixel_boxes",
     "sse_stream",
+    "system_fingerprint",
     "to_logprobs",
     "with_deadline",
 ]

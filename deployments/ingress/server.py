@@ -8,7 +8,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -21,7 +20,8 @@ from deployments.ingress.channel import ChannelHub, TokenStream
 from deployments.ingress.detokenize import OutputProcessor, TextDelta
 from deployments.ingress.fetch import ImageFetcher
 from deployments.ingress.grounding import GroundingTokens
-from deployments.ingress.http import error_response, parse, read_json
+from deployments.ingress.http import error_response, head_only, parse, read_json, route_path
+from deployments.ingress.info import InfoRoutes
 from deployments.ingress.prepare import Prepared, Preparer, image_params, sampling_params
 from deployments.ingress.responses import (
     ChoiceState,
@@ -30,6 +30,7 @@ from deployments.ingress.responses import (
     interleave,
     pixel_boxes,
     sse_stream,
+    system_fingerprint,
     with_deadline,
 )
 from schemas import (
@@ -44,10 +45,9 @@ from schemas import (
     this_replica,
 )
 from schemas.metrics import IngressMetrics
-from schemas.openai import ChatCompletionRequest, ModelCard, ModelList
+from schemas.openai import ChatCompletionRequest
 
 logger = logging.getLogger("ray.serve")
-PLAYGROUND = Path(__file__).with_name("static") / "playground.html"
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
@@ -72,58 +72,53 @@ class Ingress:
             urls.file_root or "off",
         )
         self.counts = {"encoder_retries": 0, "encoder_failures": 0, "encoder_timeouts": 0}
+        info = InfoRoutes(self.args.model_name, self.max_model_len)
         self.routes = {
             "/v1/chat/completions": ("POST", self.chat),
-            "/v1/models": ("GET", self.models),
-            "/health": ("GET", self.health),
-            "": ("GET", self.playground),
+            "/v1/models": ("GET", info.models),
+            "/v1/models/": ("GET", info.model),  # /v1/models/{id}: a prefix (an id may hold a slash)
+            "/health": ("GET", info.health),
+            "": ("GET", info.playground),
         }
-        self.page = PLAYGROUND.read_bytes()
+        self.fingerprint = system_fingerprint(self.args, self.prep.model_id)
 
     async def __call__(self, request: Request) -> Response:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if request.method == "OPTIONS":  # CORS preflight: browsers send no credentials with it
-            return self.gate.preflight(request)
+            response = self.gate.preflight(request)
+        else:
+            response = await self._route(request, request_id)
+            response.headers.update(self.gate.cors_headers(request))
+            self.metrics.responses.inc(tags={"status": str(response.status_code)})
+        # NOTE: Serve's HTTP servers (its proxy and direct ingress) put the client's x-request-id, or Serve's own
+        # request id (the one on Serve's log lines), on the request and append it to the response: a second one here
+        # would double the header. Without them in front (in-process), ours, the id in the body.
+        if "x-request-id" not in request.headers:
+            response.headers["x-request-id"] = request_id
+        return response
+
+    async def _route(self, request: Request, request_id: str) -> Response:
         try:
-            path = request.url.path.removeprefix(request.scope.get("root_path", "")).rstrip("/")
+            path = route_path(request)
             method, handler = self.routes.get(path, (None, None))
+            if handler is None and path.startswith("/v1/models/"):
+                method, handler = self.routes["/v1/models/"]
             if handler is None:
                 raise InvalidRequest(f"no route {request.url.path}", status=404, code="not_found")
             if path not in ("/health", ""):  # health checks carry no key; the page asks for one and sends it
                 self.gate.check(request)
-            if request.method != method:
+            if request.method != method and (request.method, method) != ("HEAD", "GET"):
                 raise InvalidRequest(f"{request.url.path} takes {method}, not {request.method}", status=405)
             response = await handler(request, request_id)
         except Exception as e:
             response = error_response(e, request_id)
             if response.status_code == 401:
                 response.headers["WWW-Authenticate"] = "Bearer"
-        response.headers.update(self.gate.cors_headers(request))
-        self.metrics.responses.inc(tags={"status": str(response.status_code)})
-        return response
+        return head_only(response) if request.method == "HEAD" else response
 
     async def stats(self) -> dict[str, int]:
         """Images re-encoded after their encoder replica went away, and requests that gave up (503)."""
         return dict(self.counts)
-
-    async def health(self, request: Request, request_id: str) -> Response:
-        return JSONResponse({"status": "ok"})
-
-    async def playground(self, request: Request, request_id: str) -> Response:
-        """GET /: the one-file web playground (static/playground.html here); it loads nothing from elsewhere."""
-        return Response(
-            self.page,
-            media_type="text/html; charset=utf-8",
-            headers={
-                "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; "
-                "script-src 'unsafe-inline'; style-src 'unsafe-inline'",
-                "Cache-Control": "no-cache",
-            },
-        )
-
-    async def models(self, request: Request, request_id: str) -> Response:
-        card = ModelCard(id=self.args.model_name, max_model_len=self.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
 
     async def chat(self, request: Request, request_id: str) -> Response:
         started = time.monotonic()
@@ -151,7 +146,12 @@ class Ingress:
         self.metrics.ttft.observe(log["ttft"])
         if p.images:  # NOTE: Ray counters refuse inc(0)
             self.metrics.images.inc(len(p.images))
-        head = {"id": request_id, "created": int(time.time()), "model": self.args.model_name}
+        head = {
+            "id": request_id,
+            "created": int(time.time()),
+            "model": self.args.model_name,
+            "system_fingerprint": self.fingerprint,
+        }
         events = with_deadline(interleave(firsts, streams), deadline, timeout_s)
         headers = {"X-Dropped-Messages": str(p.dropped_messages)} if p.dropped_messages else None
         boxes = functools.partial(

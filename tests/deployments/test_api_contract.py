@@ -81,6 +81,7 @@ def test_completions_validate(app, case):
     out = r.json()
     assert_valid("CreateChatCompletionResponse", out)
     assert produced(out), out
+    assert out["system_fingerprint"].startswith("fp_") and len(r.headers.get_list("x-request-id")) == 1
 
 
 def _finish(chunks: list[dict]) -> list[dict]:
@@ -117,6 +118,7 @@ def test_every_stream_chunk_validates(app, case):
     for chunk in chunks:
         assert_valid("CreateChatCompletionStreamResponse", chunk)
     assert produced(chunks), chunks
+    assert len({c["system_fingerprint"] for c in chunks}) == 1 and chunks[0]["system_fingerprint"].startswith("fp_")
 
 
 def test_the_model_list_validates(app):
@@ -124,6 +126,12 @@ def test_the_model_list_validates(app):
     assert r.status_code == 200, r.text
     assert_valid("ListModelsResponse", r.json())
     assert r.json()["data"][0]["id"] == "qwen2-vl-shapes"
+    one = app.get("/v1/models/qwen2-vl-shapes")
+    assert one.status_code == 200 and one.json() == {**r.json()["data"][0], "created": one.json()["created"]}
+    assert_valid("Model", one.json())
+    for path in ("/health", "/v1/models"):  # through Serve's proxy too, which leaves out a HEAD's body
+        head = app.head(path)
+        assert head.status_code == 200 and head.content == b"", path
 
 
 HI = [{"role": "user", "content": "hi"}]
@@ -155,6 +163,13 @@ ERRORS = {  # (method, path, keyword arguments of httpx, status)
     "wrong_key": ("GET", "/v1/models", {"headers": {"Authorization": "Bearer sk-wrong"}}, 401),
     "no_route": ("POST", "/v2/chat", {"json": {}}, 404),
     "unknown_model": ("POST", "/v1/chat/completions", {"json": {"messages": HI, "model": "gpt-4o"}}, 404),
+    "unknown_model_card": ("GET", "/v1/models/gpt-4o", {}, 404),
+    "null_where_a_value_is_required": (
+        "POST",
+        "/v1/chat/completions",
+        {"json": {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}},
+        400,
+    ),
     "wrong_method": ("GET", "/v1/chat/completions", {}, 405),
     "body_too_large": (
         "POST",
@@ -170,5 +185,6 @@ def test_every_error_status_validates(app, case):
     method, path, kwargs, status = ERRORS[case]
     r = app.request(method, path, **kwargs)
     assert r.status_code == status, r.text
-    assert r.headers["content-type"] == "application/json"
+    assert r.headers["content-type"] == "application/json" and r.headers["x-request-id"]
     assert_valid("ErrorResponse", r.json())
+    assert (r.headers.get("x-should-retry") == "false") is (status < 500)  # the same request gets the same 4xx

@@ -28,7 +28,7 @@ from schemas.openai import (
 
 DEMO = Path(__file__).parents[2] / "demo" / "qwen2-vl-shapes"
 HEADS = [
-    {"id": "chatcmpl-0", "created": 1_700_000_000, "model": "qwen2-vl-shapes"},
+    {"id": "chatcmpl-0", "created": 1_700_000_000, "model": "qwen2-vl-shapes", "system_fingerprint": "fp_0123456789"},
     {"id": 'chatcmpl-"quoted"\\', "created": 0, "model": "modèle/视觉 \n"},
 ]
 TEXTS = [

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import openai
 import pytest
 
@@ -113,3 +116,51 @@ def test_n_choices_and_logprobs(oai):
             if c.finish_reason:
                 finished.add(c.index)
     assert texts == [c.message.content for c in out.choices] and finished == {0, 1, 2}
+
+
+def test_explicit_nulls_are_the_defaults(base_url):
+    """The client sends None as JSON null; OpenAI and vLLM take it as the default, and so does the app."""
+    sent: list[dict] = []
+    hooks = {"request": [lambda request: sent.append(json.loads(request.content))]}
+    with httpx.Client(event_hooks=hooks, timeout=60) as http:
+        oai = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, http_client=http)
+        nulls = dict.fromkeys(
+            ["top_p", "n", "seed", "stop", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty"]
+            + ["max_completion_tokens", "stream_options", "user", "stream"]
+        )
+        with_nulls = oai.chat.completions.create(
+            model="qwen2-vl-tiny", messages=_image_message(), max_tokens=6, temperature=0, **nulls
+        )
+        plain = oai.chat.completions.create(
+            model="qwen2-vl-tiny", messages=_image_message(), max_tokens=6, temperature=0
+        )
+        sampled = oai.chat.completions.create(
+            model="qwen2-vl-tiny", messages=_image_message(), max_tokens=2, temperature=None
+        )
+    assert all(sent[0][k] is None for k in nulls) and sent[2]["temperature"] is None  # nulls on the wire
+    assert with_nulls.choices[0].message.content == plain.choices[0].message.content
+    assert len(with_nulls.choices) == 1 and with_nulls.choices[0].logprobs is None
+    assert sampled.usage.completion_tokens <= 2
+
+
+def test_models_retrieve_request_id_and_fingerprint(oai):
+    assert oai.models.retrieve("qwen2-vl-tiny").id == "qwen2-vl-tiny"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4o")
+    raw = oai.chat.completions.with_raw_response.create(
+        model="qwen2-vl-tiny", messages=_image_message(), max_tokens=4, temperature=0
+    )
+    out = raw.parse()
+    # Serve's own request id (the one on its log lines) when the client sent none; one header, not two.
+    assert raw.headers.get_list("x-request-id") == [raw.headers["x-request-id"]] != [out.id]
+    assert out.system_fingerprint.startswith("fp_")
+    chunks = list(
+        oai.chat.completions.create(
+            model="qwen2-vl-tiny", messages=_image_message(), max_tokens=4, temperature=0, stream=True
+        )
+    )
+    assert {c.system_fingerprint for c in chunks} == {out.system_fingerprint}
+    echoed = oai.chat.completions.with_raw_response.create(
+        model="qwen2-vl-tiny", messages=_image_message(), max_tokens=1, extra_headers={"x-request-id": "trace-7"}
+    )
+    assert echoed.headers.get_list("x-request-id") == ["trace-7"]

@@ -6,7 +6,7 @@ import base64
 
 import pytest
 
-from encoders import decode_data_url, load_rgb, probe_image
+from encoders import data_url_format, decode_data_url, load_rgb, probe_image
 from schemas import InvalidRequest, Limits
 from tests.helpers import data_url, image_bytes, make_image
 
@@ -69,3 +69,34 @@ def test_modes_become_rgb():
         image = make_image(12, 9, mode=mode)
         fmt = "JPEG" if mode == "CMYK" else "PNG"
         assert load_rgb(image_bytes(image, fmt)).mode == "RGB"
+
+
+PNG = image_bytes(make_image(20, 10))
+
+
+@pytest.mark.parametrize(
+    "media", ["text/html", "application/octet-stream", "image/svg+xml", "image/tiff", "", "image", "text/plain;a=b"]
+)
+def test_a_data_url_must_declare_an_image_type(media):
+    """data:text/html;base64,<png bytes> is refused: the declared type is an allowed image type, or nothing."""
+    url = f"data:{media};base64," + base64.b64encode(PNG).decode()
+    with pytest.raises(InvalidRequest, match="not an image type") as e:
+        decode_data_url(url, max_bytes=1 << 20)
+    assert e.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("media", "fmt"), [("IMAGE/PNG", "PNG"), ("image/jpg", "JPEG"), ("image/x-ms-bmp", "BMP"), ("image/webp ", "WEBP")]
+)
+def test_declared_types_are_read_case_blind_with_aliases(media, fmt):
+    url = f"data:{media};name=x;base64," + base64.b64encode(image_bytes(make_image(20, 10), fmt)).decode()
+    assert data_url_format(url) == fmt
+    assert probe_image(decode_data_url(url, max_bytes=1 << 20), Limits(), data_url_format(url)).format == fmt
+
+
+@pytest.mark.parametrize(("declared", "actual"), [("JPEG", "PNG"), ("PNG", "GIF"), ("GIF", "WEBP")])
+def test_the_bytes_must_be_the_declared_format(declared, actual):
+    data = image_bytes(make_image(20, 10), actual)
+    assert probe_image(data, Limits()).format == actual  # no declaration (a fetched image): any accepted format
+    with pytest.raises(InvalidRequest, match=f"declares a {declared} image, but its bytes are {actual}"):
+        probe_image(data, Limits(), declared)

@@ -91,3 +91,49 @@ def test_top_logprobs_needs_logprobs():
 def test_body_must_be_an_object():
     with pytest.raises(InvalidRequest, match="JSON object"):
         parse(ChatCompletionRequest, [1, 2])
+
+
+# Every optional field the openai client can send as None (it sends None through as JSON null).
+NULLABLE = [
+    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+    "stop", "n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "top_k", "stop_token_ids",
+    "return_token_ids", "ignore_eos", "context_overflow", "user", "metadata", "store", "response_format",
+]  # fmt: skip
+
+
+def test_an_explicit_null_is_the_default():
+    """OpenAI and vLLM take null as "the default": the same request as one that leaves the field out."""
+    hi = [{"role": "user", "content": "hi"}]
+    default = parse(ChatCompletionRequest, {"messages": hi})
+    nulls = parse(ChatCompletionRequest, {"messages": hi, **dict.fromkeys(NULLABLE)})
+    assert nulls == default
+    assert (nulls.temperature, nulls.top_p, nulls.n, nulls.stop, nulls.logprobs, nulls.stream) == (
+        1.0, 1.0, 1, [], False, False,
+    )  # fmt: skip
+    inner = parse(
+        ChatCompletionRequest,
+        {
+            "messages": [
+                {"role": "system", "content": "be brief", "name": None},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,", "detail": None}}]},
+                {"role": "assistant", "content": None},
+            ],
+            "stream_options": {"include_usage": None},
+        },
+    )
+    assert inner.messages[1].content[0].image_url.detail == "auto" and inner.stream_options.include_usage is False
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": None}, "messages"),
+        ({"messages": [{"role": None, "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, "messages[0].content[0].text"),
+    ],
+)
+def test_a_null_where_a_value_is_required_is_still_a_400(body, param):
+    with pytest.raises(InvalidRequest) as e:
+        parse(ChatCompletionRequest, body)
+    assert e.value.param == param and e.value.status == 400

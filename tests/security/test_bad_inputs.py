@@ -56,6 +56,7 @@ def _cases(server: str, port: int, root: Path) -> dict[str, tuple]:
         # The body and the schema
         "not_json": (b"{not json", 400, INVALID, None, None, "not valid JSON"),
         "not_an_object": ([1, 2, 3], 400, INVALID, None, None, "JSON object"),
+        "nested_100000_deep": (b"[" * 100_000 + b"]" * 100_000, 400, INVALID, None, None, "nested too deeply"),
         "missing_messages": ({"model": "qwen2-vl-tiny"}, 400, INVALID, "messages", "missing", "Field required"),
         "empty_messages": ({"messages": []}, 400, INVALID, "messages", "too_short", "at least 1"),
         "unknown_role": (
@@ -160,6 +161,22 @@ def _cases(server: str, port: int, root: Path) -> dict[str, tuple]:
             IMG,
             None,
             "not a decodable image",
+        ),
+        "data_url_not_an_image_type": (
+            _user(_image(_b64(PNG, "text/html"))),
+            400,
+            INVALID,
+            IMG,
+            None,
+            "'text/html', not an image type",
+        ),
+        "data_url_type_disagrees": (
+            _user(_image(_b64(PNG, "image/jpeg"))),
+            400,
+            INVALID,
+            IMG,
+            None,
+            "declares a JPEG image, but its bytes are PNG",
         ),
         "over_pixel_cap": (
             _user(_image(data_url(Image.new("RGB", (641, 640), "red")))),

@@ -114,3 +114,21 @@ def test_preflight_reaches_the_ingress_through_serve(client):
     r = client.options("/v1/models", headers={"Origin": ORIGIN, "Access-Control-Request-Method": "GET"})
     assert r.status_code == 403  # the session's app allows no origins
     assert client.get("/v1/models").status_code == 200  # and has no keys
+
+
+def test_preflight_echoes_the_headers_the_browser_asks_for(guarded):
+    """openai-js in a browser sends x-stainless-* headers: its preflight must allow them, or every call fails."""
+    asked = "authorization, content-type, x-stainless-arch, x-stainless-lang, x-stainless-retry-count"
+    pre = guarded.options(
+        "/v1/chat/completions",
+        headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": asked},
+    )
+    assert pre.status_code == 204 and pre.headers["access-control-allow-headers"] == asked
+    assert "Access-Control-Request-Headers" in pre.headers["vary"]
+    other = guarded.options(
+        "/v1/chat/completions", headers={"Origin": "https://evil.example", "Access-Control-Request-Headers": asked}
+    )
+    assert other.status_code == 403 and "access-control-allow-headers" not in other.headers
+    # A browser script may read the request id of an answer (and Retry-After of a 503).
+    ok = guarded.get("/v1/models", headers={"Origin": ORIGIN, "Authorization": "Bearer key-one"})
+    assert "x-request-id" in ok.headers["access-control-expose-headers"] and ok.headers["x-request-id"]

@@ -47,3 +47,13 @@ def test_a_client_that_leaves_mid_body_is_499_and_not_logged_as_ours(caplog, lea
     with caplog.at_level(logging.ERROR, logger="ray.serve"):
         status, _, body = error_body(e.value, "chatcmpl-x")
     assert status == 499 and body.error.code == "client_closed" and not caplog.records
+
+
+@pytest.mark.parametrize(
+    "deep", [b"[" * 100_000 + b"]" * 100_000, b'{"messages": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001]
+)
+def test_json_nested_beyond_the_decoders_depth_is_a_400(deep):
+    with pytest.raises(InvalidRequest) as e:
+        asyncio.run(read_json(_request([deep]), 1 << 20))
+    assert e.value.status == 400 and "nested too deeply" in e.value.message
+    assert asyncio.run(read_json(_request([b"[" * 100 + b"]" * 100]), 1 << 20))  # nesting a client may well send

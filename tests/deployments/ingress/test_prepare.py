@@ -108,3 +108,32 @@ def test_every_turn_of_a_conversation_has_its_first_turns_routing_key(prep):
     other_system = [{"role": "system", "content": "You read."}, first[1]]
     keys = {_prepare(prep, m, max_tokens=8).routing_key for m in (other_text, other_image, other_system)}
     assert len(keys) == 3 and turns[0].routing_key not in keys
+
+
+def test_without_max_tokens_a_request_gets_the_room_left_in_the_context(checkpoint):
+    """As vLLM: no max_tokens (or null) is max_model_len - prompt tokens; limits.default_max_tokens caps it when set."""
+    context, messages = 2048, [{"role": "user", "content": "describe " * 10}]
+
+    def prep(**limits) -> Preparer:
+        return Preparer(AppArgs(model=str(checkpoint), llm={"max_model_len": context}, limits=limits))
+
+    default = prep()
+    for fields in ({}, {"max_tokens": None, "max_completion_tokens": None}):
+        p = _prepare(default, messages, **fields)
+        assert p.max_tokens == context - len(p.prompt) and p.max_tokens > 1024
+    for cap, expected in ((8, 8), (context, context - len(p.prompt))):
+        capped = prep(default_max_tokens=cap)
+        assert _prepare(capped, messages).max_tokens == expected
+        assert _prepare(capped, messages, max_tokens=20).max_tokens == 20  # the request's own wins over the cap
+
+
+def test_a_conversation_that_opens_with_the_assistant_keeps_that_message(prep):
+    """A greeting before the first user message is part of the first turn: nothing is dropped while it fits."""
+    messages = [
+        {"role": "system", "content": "You look at pictures."},
+        {"role": "assistant", "content": "Hello! Send me a picture."},
+        {"role": "user", "content": "hi"},
+    ]
+    for overflow in ("error", "drop_oldest_turns"):
+        p = _prepare(prep, messages, max_tokens=8, context_overflow=overflow)
+        assert p.dropped_messages == 0 and "Send me a picture." in prep.tokenizer.decode(p.prompt)

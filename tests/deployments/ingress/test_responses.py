@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from schemas.openai import ChatCompletionRequest
 from tests.api_schema import assert_valid
 
 DEMO = Path(__file__).parents[3] / "demo" / "qwen2-vl-shapes"
-HEAD = {"id": "chatcmpl-0", "created": 1_700_000_000, "model": "qwen2-vl-shapes"}
+HEAD = {"id": "chatcmpl-0", "created": 1_700_000_000, "model": "qwen2-vl-shapes", "system_fingerprint": "fp_0123456789"}
 ANSWER = "It is <|object_ref_start|>the red circle<|object_ref_end|><|box_start|>(100,250),(300,500)<|box_end|>"
 
 
@@ -96,6 +97,7 @@ def test_a_completion_of_n_choices_validates(tokenizer, fields):
     body, _ = asyncio.run(completion(req, HEAD, [1, 2, 3], events, tokenizer, _boxes(tokenizer)))
     out = json.loads(body.model_dump_json())
     assert_valid("CreateChatCompletionResponse", out)
+    assert out["system_fingerprint"] == HEAD["system_fingerprint"]
     first, second = out["choices"]
     assert first["message"]["boxes"][0]["label"] == "the red circle" and "boxes" not in second["message"]
     assert second["finish_reason"] == "length"
@@ -114,6 +116,7 @@ def test_every_stream_chunk_validates(tokenizer, usage):
     chunks = _sse(req, _events(_deltas(tokenizer, logprobs=True)), tokenizer)
     for chunk in chunks:
         assert_valid("CreateChatCompletionStreamResponse", chunk)
+        assert chunk["system_fingerprint"] == HEAD["system_fingerprint"]  # every chunk, the fast content ones too
     finishes = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert [f["index"] for f in finishes] == [0, 1] and finishes[0]["delta"]["boxes"]
     assert any(c["choices"][0].get("logprobs") for c in chunks if c["choices"])
@@ -168,3 +171,17 @@ def test_every_error_status_has_a_body_that_validates(error, status):
     response = error_response(error, "chatcmpl-0")
     assert response.status_code == status
     assert_valid("ErrorResponse", json.loads(response.body))
+
+
+def test_the_system_fingerprint_follows_what_can_change_the_tokens(checkpoint):
+    from deployments.ingress.responses import system_fingerprint
+    from schemas import AppArgs
+
+    def fp(**args) -> str:
+        return system_fingerprint(AppArgs(model=str(checkpoint), **args), "model-id")
+
+    base = fp()
+    assert re.fullmatch(r"fp_[0-9a-f]{10}", base) and fp() == base
+    assert fp(limits={"max_n": 2}, auth={"api_keys": ["k"]}, served_model_name="x") == base  # no effect on tokens
+    assert len({base, fp(dtype="bfloat16"), fp(llm={"enable_prefix_caching": False})}) == 3
+    assert system_fingerprint(AppArgs(model=str(checkpoint)), "another-checkpoint") != base
