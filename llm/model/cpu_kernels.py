@@ -138,26 +138,10 @@ def paged_decode_cpu(
 MAX_LINEAR_ROWS = {torch.bfloat16: 64}
 
 
-def can_pack() -> bool:
-    """Whether this torch can hold float32 linear weights in oneDNN's packed layout (`pack`)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 weight (N, K) in oneDNN's blocked layout for `linear(..., packed=)`: an opaque tensor, a second
-    copy. NOTE: ATen's float32 linear is MKL's sgemm, which repacks the weight on every call; a decode step's GEMMs
-    have few rows, so that repacking is a large share of them (vLLM's CPU backend prepacks for oneDNN too)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)  # laid out for ~32 rows; any count works
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None
-) -> torch.Tensor:
-    """F.linear(x (T, K), weight (N, K), bias): by oneDNN on `packed` (pack(weight)) where given, by the bfloat16
-    kernel where it applies (AVX2 builds, T <= MAX_LINEAR_ROWS[dtype], K a multiple of 8), else by torch."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x (T, K), weight (N, K), bias), by the kernel where it applies (AVX2 builds, T <=
+    MAX_LINEAR_ROWS[dtype], K a multiple of 8), else by torch."""
     global calls
-    if packed is not None and x.dtype == torch.float32 and not torch.compiler.is_compiling():
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if (
         x.dim() == 2
         and x.shape[0] <= MAX_LINEAR_ROWS.get(x.dtype, 0)
@@ -172,15 +156,4 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-__all__ = [
-    "MAX_LINEAR_ROWS",
-    "add_rms_norm",
-    "available",
-    "can_pack",
-    "linear",
-    "load",
-    "on",
-    "pack",
-    "paged_decode_cpu",
-    "rope_",
-]
+__all__ = ["MAX_LINEAR_ROWS", "add_rms_norm", "available", "linear", "load", "on", "paged_decode_cpu", "rope_"]
