@@ -7,11 +7,12 @@ vectorised exp beat a plain C++ loop (BENCHMARKS.md has what each kernel bought)
 fallback; ours widens each weight to float32 in registers and feeds FMAs (AVX2 builds only).
 
 Attention: the eager path (llm/model/attention.py) gathers every decode row's blocks into a contiguous copy, then runs
-two batched matmuls. This kernel reads each key and value once, where it lies: one task per (sequence, KV head)
-on the calling thread's OpenMP team (at::parallel_for), the KV head's keys loaded once for its whole GQA group of
-query heads; scores, a float32 softmax and the weighted sum of values per task, nothing materialised but the
-scores. Keys past a row's context are never read. The idea is vLLM's and SGLang's CPU decode kernels (paged
-attention per sequence and head); the code is ours.
+two batched matmuls. This kernel reads each key and value once, where it lies: one task per (sequence, KV head),
+the KV head's keys loaded once for its whole GQA group of query heads; scores, a float32 softmax and the weighted
+sum of values per task, nothing materialised but the scores. Keys past a row's context are never read. NOTE: the
+kernels run on the calling thread alone (built without -fopenmp, so at::parallel_for is serial: a second OpenMP
+runtime next to torch's libgomp is not worth it while the engine runs one thread), and without the GIL. The idea
+is vLLM's and SGLang's CPU decode kernels (paged attention per sequence and head); the code is ours.
 
 The kernels are compiled with torch's cpp_extension (ninja, the machine's C++ compiler, -O3 -march=native) the
 first time a process asks for them; the build is cached under TORCH_EXTENSIONS_DIR, so later processes load it in
@@ -134,7 +135,7 @@ def paged_decode_cpu(
 # Rows up to which a linear goes to the kernel, per dtype: a bfloat16 decode batch (ATen's bfloat16 GEMM is a scalar
 # fallback without AVX-512-BF16); a prefill chunk keeps ATen's GEMM. NOTE: float32 stays MKL's: the kernel beat
 # sgemm on up to 8 rows of a cache-resident weight, but not in a whole decode step, which streams the weights from
-# memory (BENCHMARKS.md).
+# memory; oneDNN on prepacked weights was faster but its primitive cache grew without bound (BENCHMARKS.md).
 MAX_LINEAR_ROWS = {torch.bfloat16: 64}
 
 
