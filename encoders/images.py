@@ -94,7 +94,10 @@ def probe_image(data: bytes, limits: Limits, declared: str | None = None) -> Ima
     """Format and size from the header alone (no pixel decoding), checked against the limits and against the
     format the data: URL `declared` (data_url_format), when there is one."""
     image = _open(data)  # PIL reads only the header here; pixels are decoded lazily.
-    info = ImageInfo(format=str(image.format), width=image.width, height=image.height, mode=image.mode)
+    # NOTE: many phone cameras write MPO (a JPEG with more frames after it, CIPA DC-007); PIL names it MPO, and its
+    # first frame, the one decoded, is a plain JPEG: it is a JPEG for every check here.
+    fmt = "JPEG" if image.format == "MPO" else str(image.format)
+    info = ImageInfo(format=fmt, width=image.width, height=image.height, mode=image.mode)
     image.close()
     if info.format not in FORMATS:
         raise InvalidRequest(f"image format {info.format} is not accepted; use one of {sorted(FORMATS)}")
@@ -126,7 +129,7 @@ def load_rgb(data: bytes, draft_size: tuple[int, int] | None = None) -> Image.Im
     the pixels differ slightly from a full decode followed by the same resize)."""
     image = _open(data)
     try:
-        if draft_size is not None and image.format == "JPEG":
+        if draft_size is not None and image.format in ("JPEG", "MPO"):
             image.draft("RGB", draft_size)
         image.load()
         if "A" in image.getbands() or image.info.get("transparency") is not None:

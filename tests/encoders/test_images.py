@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import base64
+import io
 
 import pytest
+from PIL import Image
 
 from encoders import data_url_format, decode_data_url, load_rgb, probe_image
 from schemas import InvalidRequest, Limits
@@ -100,3 +102,17 @@ def test_the_bytes_must_be_the_declared_format(declared, actual):
     assert probe_image(data, Limits()).format == actual  # no declaration (a fetched image): any accepted format
     with pytest.raises(InvalidRequest, match=f"declares a {declared} image, but its bytes are {actual}"):
         probe_image(data, Limits(), declared)
+
+
+def test_a_phone_camera_mpo_jpeg_is_a_jpeg():
+    """Many phone photos are MPO files (a JPEG followed by more frames); they are JPEGs to a client, and to us."""
+    first, second = Image.new("RGB", (40, 30), (200, 30, 30)), Image.new("RGB", (40, 30), (30, 30, 200))
+    buf = io.BytesIO()
+    first.save(buf, format="MPO", save_all=True, append_images=[second])
+    data = buf.getvalue()
+    assert Image.open(io.BytesIO(data)).format == "MPO"
+    info = probe_image(data, Limits(), declared=data_url_format("data:image/jpeg;base64,"))
+    assert (info.format, info.width, info.height) == ("JPEG", 40, 30)
+    image = load_rgb(data, draft_size=(20, 15))
+    pixels = image.getpixel((image.width // 2, image.height // 2))
+    assert pixels[0] > 150 and pixels[2] < 100  # the first frame's red, decoded
