@@ -164,11 +164,16 @@ class LocatingLLM(LLM.func_or_class):
 
     def _locate(self, refs: list) -> None:
         ray.wait(refs, num_returns=len(refs), timeout=60, fetch_local=False)
+        # NOTE: the owner learns where an object was stored from the raylet, asynchronously: a ref that is ready may
+        # not have a location yet. Wait on that state (an object sent inline never gets one: the cap ends the wait).
+        deadline = time.monotonic() + 10
+        while True:
+            where = ray.experimental.get_object_locations(refs, timeout_ms=60_000).values()
+            if all(w["node_ids"] for w in where) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         with open(Path(self.record_dir) / f"{os.getpid()}.located", "a") as f:
-            f.writelines(
-                json.dumps({"size": where["object_size"], "nodes": len(where["node_ids"])}) + "\n"
-                for where in ray.experimental.get_object_locations(refs, timeout_ms=60_000).values()
-            )
+            f.writelines(json.dumps({"size": w["object_size"], "nodes": len(w["node_ids"])}) + "\n" for w in where)
 
     async def generate(self, request):
         if request.image_embeds:
