@@ -91,13 +91,17 @@ static void decode(const T* q, int64_t q_stride, const T* kv, const int32_t* tab
       scores.assign(g * L, 0.f);
       auto key = [&](int64_t t) { return k_head + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * hd; };
       auto value = [&](int64_t t) { return v_head + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * hd; };
+      auto ahead = [&](int64_t i) {  // the i-th row this task reads (keys, then values), if there is one
+        if (i < L) prefetch_row(key(i), hd);
+        else if (i < 2 * L) prefetch_row(value(i - L), hd);
+      };
       for (int64_t i = 0; i < std::min(AHEAD, L); ++i) prefetch_row(key(i), hd);
       int64_t t = 0;
 #ifdef HAVE_AVX2
       if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
         if (hd % 8 == 0) {  // scores 4 keys at a time: each key read once from memory, then from L1 for the g heads
           for (; t + 4 <= L; t += 4) {
-            for (int64_t i = t + AHEAD; i < t + AHEAD + 4; ++i) prefetch_row(i < L ? key(i) : value(i - L), hd);
+            for (int64_t i = t + AHEAD; i < t + AHEAD + 4; ++i) ahead(i);
             const T *k0 = key(t), *k1 = key(t + 1), *k2 = key(t + 2), *k3 = key(t + 3);
             for (int64_t j = 0; j < g; ++j) {
               alignas(16) float s4[4];
@@ -109,7 +113,7 @@ static void decode(const T* q, int64_t q_stride, const T* kv, const int32_t* tab
       }
 #endif
       for (; t < L; ++t) {  // scores: each key read once for the g query heads
-        prefetch_row(t + AHEAD < L ? key(t + AHEAD) : value(t + AHEAD - L), hd);
+        ahead(t + AHEAD);
         const T* k = key(t);
         const float* kf = load(k, vf.data(), hd);
         for (int64_t j = 0; j < g; ++j) {
