@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 
 import torch
 from torch import nn
@@ -43,18 +44,14 @@ def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     raw = torch.empty(numel + pad, dtype=dtype)  # (numel + pad,): large, so malloc maps it fresh, untouched
     start = -raw.data_ptr() % HUGE // size  # elements up to the first 2 MiB boundary
     buf = raw[start : start + numel]
-    length = (numel * size + HUGE - 1) // HUGE * HUGE
-    if not _madvise(buf.data_ptr(), min(length, (numel + pad - start) * size)):
+    if not _madvise(buf.data_ptr(), numel * size):  # a last partial 2 MiB stays on small pages
         logger.info("huge pages not available here (madvise failed); CPU tensors use ordinary pages")
     return buf
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype) on huge pages (first touched by the zeroing)."""
-    n = 1
-    for d in shape:
-        n *= d
-    return empty(n, dtype).zero_().view(shape)
+    return empty(math.prod(shape), dtype).zero_().view(shape)
 
 
 def move_parameters(module: nn.Module) -> int:
