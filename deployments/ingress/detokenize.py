@@ -110,12 +110,24 @@ class OutputProcessor:
         self.detok, self.stop = IncrementalDetokenizer(tokenizer), StopMatcher(stops)
 
     def feed(self, chunk: TokenChunk) -> TextDelta:
-        text = self.stop.feed(self.detok.add(chunk.token_ids))
+        ids, logprobs = chunk.token_ids, chunk.logprobs
+        if self.stop.stops and len(ids) > 1:
+            # A token at a time: a stop string ends the choice at the token that completed it, so the tokens the
+            # engine made after it in the same chunk (token_ids, logprobs, usage, grounding boxes) are not the
+            # answer's. As vLLM: the completion's tokens run up to and including that token.
+            text = ""
+            for i, token in enumerate(ids):
+                text += self.stop.feed(self.detok.add([token]))
+                if self.stop.stopped:
+                    ids, logprobs = ids[: i + 1], logprobs[: i + 1] if logprobs is not None else None
+                    break
+        else:
+            text = self.stop.feed(self.detok.add(ids))
         if chunk.finish_reason is not None and not self.stop.stopped:
             text += self.stop.feed(self.detok.flush())
             text += self.stop.flush()
         finish = "stop" if self.stop.stopped else chunk.finish_reason
-        return TextDelta(text, chunk.token_ids, finish, chunk.logprobs, chunk.num_cached_tokens)
+        return TextDelta(text, ids, finish, logprobs, chunk.num_cached_tokens)
 
 
 __all__ = ["IncrementalDetokenizer", "OutputProcessor", "StopMatcher", "TextDelta", "decoder"]

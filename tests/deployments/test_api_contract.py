@@ -80,7 +80,7 @@ def test_completions_validate(app, case):
     assert r.status_code == 200, r.text
     out = r.json()
     assert_valid("CreateChatCompletionResponse", out)
-    assert produced(out), out
+    assert produced(out), out["choices"]
     assert out["system_fingerprint"].startswith("fp_") and len(r.headers.get_list("x-request-id")) == 1
 
 

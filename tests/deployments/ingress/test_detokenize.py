@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from deployments.ingress.detokenize import IncrementalDetokenizer, StopMatcher, decoder
+from deployments.ingress.detokenize import IncrementalDetokenizer, OutputProcessor, StopMatcher, decoder
 from deployments.ingress.prompt import load_tokenizer
+from schemas import TokenChunk, TokenLogprob
 
 TEXTS = ["Hello, world!", "你好，世界", "emoji 🙂👍🏽 and (12,34)", "mixed ünïcödé ✓ text\nwith lines"]
 
@@ -130,3 +131,24 @@ def test_stop_matcher_sends_what_it_sent_before(seed):
     chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     m = StopMatcher(stops)
     assert [m.feed(c) for c in chunks] + [m.flush()] == _old_stop_matcher(stops, chunks)
+
+
+@pytest.mark.parametrize("step", [1, 3, 100])
+def test_a_stop_string_ends_the_tokens_at_the_one_that_completed_it(checkpoint, step):
+    """Chunks carry several tokens (fast chunks, coalescing): the ones after the stop string's are not the answer's,
+    in token_ids and logprobs alike (they became grounding boxes past a stop once)."""
+    tokenizer = load_tokenizer(checkpoint)
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in ("the star", "(", "12,34),(56,78)")]
+    head, stop_token, tail = ids[0], ids[1], ids[2]
+    assert len(stop_token) == 1
+    answer = head + stop_token + tail
+    out, deltas = OutputProcessor(tokenizer, ["("]), []
+    for i in range(0, len(answer), step):
+        part = answer[i : i + step]
+        logprobs = [TokenLogprob(-float(t), []) for t in part]  # each names its token
+        deltas.append(out.feed(TokenChunk(part, "length" if i + step >= len(answer) else None, logprobs)))
+        if deltas[-1].finish_reason is not None:
+            break
+    assert "".join(d.text for d in deltas) == "the star" and deltas[-1].finish_reason == "stop"
+    assert [t for d in deltas for t in d.token_ids] == head + stop_token
+    assert [-lp.logprob for d in deltas for lp in d.logprobs] == head + stop_token
