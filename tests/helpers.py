@@ -7,6 +7,7 @@ import base64
 import datetime
 import io
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -44,10 +45,25 @@ def data_url(image: Image.Image | bytes, fmt: str = "PNG") -> str:
     return f"data:image/{fmt.lower()};base64,{base64.b64encode(data).decode()}"
 
 
+# Ports handed to servers come from below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768 up):
+# a port-0 bind or an outgoing connection (a Ray cluster starting makes hundreds) takes ports from that range, so a
+# port found free there can be taken before the server binds it. That was seen in CI as an Ingress replica that
+# could not bind the one port a test pinned for it. 20000-29999 also misses Ray's worker ports (10002-19999) and Serve's
+# direct-ingress ranges (HTTP 30000-30999, gRPC 40000-40999).
+SERVER_PORTS = range(20000, 30000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, from SERVER_PORTS; random, so that test sessions running at once rarely pick the
+    same one."""
+    for port in random.sample(SERVER_PORTS, 500):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))  # also taken when something listens on 127.0.0.1 only
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {SERVER_PORTS}")
 
 
 def leave_mid_stream(client, chunks: int = 4) -> None:
