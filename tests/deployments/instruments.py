@@ -89,7 +89,7 @@ class SlowEncoder:
         return out
 
     def forward(self, batch):
-        self._record("started", f"{self.actor} {len(batch)}")
+        self._record("started", f"{self.actor} {len(batch)} {time.time():.3f}")
         time.sleep(self.delay_s)
         self._record("log", f"{os.getpid()} {time.time():.3f} {len(batch)}")
         return self.inner.forward(batch)
@@ -122,6 +122,13 @@ def _lines(record_dir: str | Path, suffix: str) -> list[str]:
 def forwards_started(record_dir: str | Path) -> dict[str, int]:
     """Forwards a SlowEncoder began, by replica actor name (a forward in flight: started, not yet in `forwards`)."""
     return Counter(line.split()[0] for line in _lines(record_dir, "started"))
+
+
+def in_flight_for(record_dir: str | Path) -> dict[str, float]:
+    """Seconds each replica's forward in flight has run, by replica actor name (replicas with none left out)."""
+    started, finished = forwards_started(record_dir), forwards_finished(record_dir)
+    last = {line.split()[0]: float(line.split()[2]) for line in _lines(record_dir, "started")}  # files in time order
+    return {n: time.time() - last[n] for n, k in started.items() if k > finished.get(n, 0)}
 
 
 def forwards_finished(record_dir: str | Path) -> dict[str, int]:
