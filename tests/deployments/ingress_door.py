@@ -36,7 +36,12 @@ def main() -> None:
     # Worker logs stay in Ray's log files: this process's stdout is the test's channel.
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(args), name="vlm", route_prefix="/")
+    try:
+        serve.run(build_app(args), name="vlm", route_prefix="/")
+    except RuntimeError:  # Serve says only which deployment failed; the why is in its status (to the test's log)
+        for name, d in serve.status().applications["vlm"].deployments.items():
+            print(f"{name}: {d.status} {d.message}", file=sys.stderr, flush=True)
+        raise
     controller = serve.context._get_global_client()._controller
     # from_proxy_manager: what HAProxy is told (the replicas); without it HAProxy mode names HAProxy itself
     groups = ray.get(controller.get_target_groups.remote("vlm", True))
