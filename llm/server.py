@@ -12,14 +12,7 @@ from typing import Any
 import ray
 import torch
 from ray import serve
-from ray.exceptions import (
-    ActorUnavailableError,
-    NodeDiedError,
-    ObjectLostError,
-    RayActorError,
-    TaskCancelledError,
-    WorkerCrashedError,
-)
+from ray.exceptions import TaskCancelledError
 from ray.serve.config import RequestRouterConfig
 
 from deployments.ingress.router import PrefixAffinityRouter
@@ -36,24 +29,22 @@ from schemas import (
     GenerateRequest,
     InvalidRequest,
     ModelSpec,
+    Overloaded,
     Routed,
     TokenChunk,
     observe,
     root_cause,
     this_replica,
 )
+from schemas.errors import REPLICA_GONE
 from schemas.metrics import EncoderMetrics, LLMMetrics
 
 logger = logging.getLogger("ray.serve")
 # Errors that mean "the encoder replica (or its node) went away", not "this image is bad".
-_REPLICA_GONE = (
-    RayActorError,
-    ActorUnavailableError,
-    WorkerCrashedError,
-    ObjectLostError,
-    NodeDiedError,
-    TaskCancelledError,
-)
+_ENCODER_GONE = (*REPLICA_GONE, TaskCancelledError)
+# Errors the ingress answers (4xx, or a retry / 503) and that are no fault of this replica: sent down the stream as
+# an item, not raised, so that Serve does not log each as a failed request with a traceback.
+_ANSWERED = (InvalidRequest, EncoderUnavailable, Overloaded)
 
 
 def _bad_image(index: int, e: InvalidRequest) -> InvalidRequest:
@@ -67,10 +58,9 @@ def reserved_cpus() -> int:
     NOTE: the engine's threads spin between ops; more of them than the replica reserved take cores from the
     encoders and the ingress on the same node (on 2 cores, 2 engine threads made the served app 40% slower).
     """
-    try:
-        return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
-    except Exception:  # not in a Ray worker
+    if not ray.is_initialized():  # not in a Ray worker; and asking the runtime context would start (or join!) one
         return max(1, os.cpu_count() or 1)
+    return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
 
 
 # NOTE: the router is set here, not in serve_config.yaml: `serve deploy` imports a class path named in the YAML on
@@ -207,7 +197,7 @@ class LLM:
                 cause = root_cause(task.exception())
                 if isinstance(cause, InvalidRequest):
                     raise _bad_image(i, cause) from None
-                if not isinstance(cause, _REPLICA_GONE):
+                if not isinstance(cause, _ENCODER_GONE):
                     raise task.exception()
                 lost.append(i)
         if lost:  # the ingress retries these images once on another encoder replica
@@ -235,9 +225,19 @@ class LLM:
     async def stats(self) -> dict[str, float]:
         return {**self.engine.stats(), **self.sent, "channels_open": len(self.channels)}
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Routed]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Routed | Exception]:
         """The chunks of one generation; with `request.channel` a `Routed` first, and the chunks through that
-        ingress's channel when it has one open here (deployments/ingress/channel.py)."""
+        ingress's channel when it has one open here (deployments/ingress/channel.py). An error the ingress answers
+        (`_ANSWERED`) is the stream's last item, with one log line here."""
+        try:
+            async for item in self._generate(request):
+                yield item
+        except _ANSWERED as e:
+            level = logging.INFO if isinstance(e, InvalidRequest) else logging.WARNING
+            logger.log(level, "%s: %s: %s", request.request_id, type(e).__name__, e)
+            yield e
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Routed]:
         if self._metrics_task is None:  # started on the replica's event loop, which __init__ may not run on
             self._metrics_task = asyncio.create_task(self.metrics.run())
         if request.images:

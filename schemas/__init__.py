@@ -24,11 +24,20 @@ from schemas.engine import (
     TokenLogprob,
     this_replica,
 )
-from schemas.errors import ChannelLost, EncoderUnavailable, InvalidRequest, Overloaded, observe, root_cause
+from schemas.errors import (
+    REPLICA_GONE,
+    ChannelLost,
+    EncoderUnavailable,
+    InvalidRequest,
+    Overloaded,
+    observe,
+    root_cause,
+)
 from schemas.model_spec import ModelSpec
 from schemas.weights import Component, load_components, split_key
 
 __all__ = [
+    "REPLICA_GONE",
     "AppArgs",
     "AuthArgs",
     "Batch",

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from ray.exceptions import RayTaskError
+from ray.exceptions import (
+    ActorUnavailableError,
+    NodeDiedError,
+    ObjectLostError,
+    RayActorError,
+    RayTaskError,
+    WorkerCrashedError,
+)
+
+# Errors that mean "the replica (or its node) that had this work went away", not "this request is bad": the work
+# can be done again elsewhere (RayActorError covers ActorDiedError).
+REPLICA_GONE = (RayActorError, ActorUnavailableError, WorkerCrashedError, ObjectLostError, NodeDiedError)
 
 
 class InvalidRequest(ValueError):
@@ -56,4 +67,4 @@ def observe(future) -> None:
         future.exception()
 
 
-__all__ = ["ChannelLost", "EncoderUnavailable", "InvalidRequest", "Overloaded", "observe", "root_cause"]
+__all__ = ["REPLICA_GONE", "ChannelLost", "EncoderUnavailable", "InvalidRequest", "Overloaded", "observe", "root_cause"]

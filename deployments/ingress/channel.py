@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from schemas import ChannelLost, ChannelOpen, Item, Routed, TokenChunk
+from schemas import ChannelLost, ChannelOpen, Item, Overloaded, Routed, TokenChunk
 
 logger = logging.getLogger("ray.serve")
 
@@ -68,21 +68,32 @@ class ChannelHub:
 
 
 _END = object()  # a generation's own stream ended
+# How long a generation sent again after its LLM replica died waits for a replica to take it: a live one takes it at
+# once (max_ongoing_requests is far above what the engine runs); none live means the one replica is restarting,
+# which takes longer than a client should wait for an answer it can get by retrying (503, Retry-After).
+FAILOVER_ROUTE_S = 10.0
 
 
 class TokenStream:
     """Ingress side: one generation's `TokenChunk`s, from its own call's stream or through its replica's channel."""
 
-    def __init__(self, hub: ChannelHub, call: Any, request_id: str):
+    def __init__(self, hub: ChannelHub, call: Any, request_id: str, route_timeout_s: float | None = None):
         self.hub, self.call, self.request_id = hub, call, request_id
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.replica: str | None = None  # set when the chunks come through that replica's channel
         hub.routes[request_id] = self.queue.put_nowait
-        self._pump = asyncio.ensure_future(self._read_own())
+        self._pump = asyncio.ensure_future(self._read_own(route_timeout_s))
 
-    async def _read_own(self) -> None:
+    async def _read_own(self, route_timeout_s: float | None) -> None:
         put = self.queue.put_nowait
         try:
+            if route_timeout_s is not None:  # NOTE: Serve's call (a private API) returns once a replica took it
+                try:
+                    await asyncio.wait_for(self.call._fetch_future_result_async(), route_timeout_s)
+                except TimeoutError:
+                    self.call.cancel()
+                    put(Overloaded(f"no LLM replica took the request in {route_timeout_s:g} s", retry_after_s=5))
+                    return
             async for item in self.call:
                 if not isinstance(item, Routed):
                     put(item)
@@ -120,4 +131,4 @@ class TokenStream:
             self.call.cancel()
 
 
-__all__ = ["ChannelHub", "TokenStream"]
+__all__ = ["FAILOVER_ROUTE_S", "ChannelHub", "TokenStream"]

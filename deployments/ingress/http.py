@@ -14,7 +14,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from schemas import InvalidRequest, Overloaded, root_cause
+from schemas import REPLICA_GONE, InvalidRequest, Overloaded, root_cause
 from schemas.openai import ErrorBody, ErrorDetail
 
 logger = logging.getLogger("ray.serve")
@@ -70,7 +70,8 @@ def parse(model: type[BaseModel], body: Any) -> Any:
 
 
 def error_body(e: BaseException, request_id: str) -> tuple[int, dict[str, str], ErrorBody]:
-    """(status, headers, body) for an error: 4xx for the client's fault, 503 for overload, 500 (no details) else."""
+    """(status, headers, body) for an error: 4xx for the client's fault, 503 for overload or a lost replica, 500 (no
+    details) else."""
     e = root_cause(e)
     if isinstance(e, InvalidRequest):
         kind = "invalid_request_error" if e.status < 500 else "server_error"
@@ -79,6 +80,11 @@ def error_body(e: BaseException, request_id: str) -> tuple[int, dict[str, str], 
         headers = {"x-should-retry": "false"} if e.status < 500 and e.status not in (409, 429) else {}
         detail = ErrorDetail(message=e.message, type=kind, param=e.param, code=e.code)
         return e.status, headers, ErrorBody(error=detail)
+    if isinstance(e, REPLICA_GONE):  # after a retry, or with a stream under way: the client may try again
+        logger.warning("request %s: its replica went away (%s)", request_id, type(e).__name__)
+        message = "the replica serving this request went away; retry"
+        detail = ErrorDetail(message=message, type="server_error", code="replica_lost")
+        return 503, {"Retry-After": "5"}, ErrorBody(error=detail)
     if isinstance(e, (Overloaded, BackPressureError)):
         retry = getattr(e, "retry_after_s", 1)
         detail = ErrorDetail(message=f"server is overloaded, retry later: {e}", type="server_error", code="overloaded")

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.ingress.auth import Gate
-from deployments.ingress.channel import ChannelHub, TokenStream
+from deployments.ingress.channel import FAILOVER_ROUTE_S, ChannelHub, TokenStream
 from deployments.ingress.detokenize import OutputProcessor, TextDelta
 from deployments.ingress.fetch import ImageFetcher
 from deployments.ingress.grounding import GroundingTokens
@@ -34,6 +34,7 @@ from deployments.ingress.responses import (
     with_deadline,
 )
 from schemas import (
+    REPLICA_GONE,
     AppArgs,
     EncoderUnavailable,
     GenerateRequest,
@@ -71,7 +72,7 @@ class Ingress:
             urls.allowed_domains if urls.allow_http else "off",
             urls.file_root or "off",
         )
-        self.counts = {"encoder_retries": 0, "encoder_failures": 0, "encoder_timeouts": 0}
+        self.counts = {"encoder_retries": 0, "encoder_failures": 0, "encoder_timeouts": 0, "llm_retries": 0}
         info = InfoRoutes(self.args.model_name, self.max_model_len)
         self.routes = {
             "/v1/chat/completions": ("POST", self.chat),
@@ -117,7 +118,8 @@ class Ingress:
         return head_only(response) if request.method == "HEAD" else response
 
     async def stats(self) -> dict[str, int]:
-        """Images re-encoded after their encoder replica went away, and requests that gave up (503)."""
+        """Images re-encoded after their encoder replica went away, requests that gave up on them (503), and
+        requests sent again after their LLM replica went away."""
         return dict(self.counts)
 
     async def chat(self, request: Request, request_id: str) -> Response:
@@ -220,35 +222,38 @@ class Ingress:
                     refs[i] = ref
         raise AssertionError("unreachable")
 
-    def _call(self, request: GenerateRequest) -> TokenStream:
-        return TokenStream(self.hub, self.llm.options(stream=True).generate.remote(request), request.request_id)
-
     async def _generate(self, req: ChatCompletionRequest, p: Prepared, refs: list[Any], request_id: str):
+        """The n generations, up to their first chunks. An LLM replica lost before them: all once more (Serve's
+        router routes around a dead replica), waiting at most FAILOVER_ROUTE_S for a replica to take each, else 503."""
         channel = self.hub.id if self.args.llm.token_channel else None
-        streams = [
-            self._events(
-                self._call(
-                    GenerateRequest(
-                        f"{request_id}-{i}",
-                        p.prompt,
-                        p.grids,
-                        refs,
-                        sampling_params(req, p.max_tokens, i),
-                        p.image_keys,
-                        p.images if self.encoder is None else [],
-                        p.routing_key or None,
-                        channel,
-                    )
-                ),
-                req.stop,
+        requests = [
+            GenerateRequest(
+                f"{request_id}-{i}",
+                p.prompt,
+                p.grids,
+                refs,
+                sampling_params(req, p.max_tokens, i),
+                p.image_keys,
+                p.images if self.encoder is None else [],
+                p.routing_key or None,
+                channel,
             )
             for i in range(req.n)
         ]
-        try:
-            return streams, list(await asyncio.gather(*(anext(s) for s in streams)))
-        except BaseException:
-            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
-            raise
+        for route_timeout_s in (None, FAILOVER_ROUTE_S):
+            call = self.llm.options(stream=True).generate.remote
+            streams = [
+                self._events(TokenStream(self.hub, call(r), r.request_id, route_timeout_s), req.stop) for r in requests
+            ]
+            try:
+                return streams, list(await asyncio.gather(*(anext(s) for s in streams)))
+            except BaseException as e:
+                await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+                if route_timeout_s is not None or not isinstance(root_cause(e), REPLICA_GONE):
+                    raise
+                logger.warning("%s: its LLM replica went away before the first token (%r); once more", request_id, e)
+                self.counts["llm_retries"] += 1
+        raise AssertionError("unreachable")
 
     async def _events(self, gen: TokenStream, stops: list[str]) -> AsyncIterator[TextDelta]:
         """One choice's token chunks -> text deltas; a stop string ends it (and cancels its generation)."""

@@ -171,6 +171,9 @@ def test_killed_replica_under_load(faults):
     )
     _wait(lambda: _recovered("faults", killed), 90)
     assert [s for s, _, _ in asyncio.run(burst(8, kill=False))] == [200] * 8
+    # The LLM said "no embeddings for these images" to the ingress, not to its log as a failed request (a traceback)
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    assert not [f.name for f in logs.glob("replica_faults_LLM_*.log") if "Request failed" in f.read_text()]
 
 
 @pytest.fixture(scope="module")

@@ -45,9 +45,11 @@ def test_the_spec_holds_the_checkpoints_facts(checkpoint, reference):
 
 
 @pytest.fixture
-def no_ray_left():
+def no_ray_left(monkeypatch):
     """The replicas' classes built here, outside Serve, may start a local Ray (their metrics): stop it again, so
-    that the served tests of this session start theirs."""
+    that the served tests of this session start theirs. A new one of its own: by default Ray's auto-init joins the
+    cluster named in /tmp/ray/ray_current_cluster, another session's, or a dead one whose GCS it waits for."""
+    monkeypatch.setenv("RAY_ADDRESS", "local")
     was_up = ray.is_initialized()
     yield
     if not was_up and ray.is_initialized():

@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 import pytest
-from ray.exceptions import TaskCancelledError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, TaskCancelledError
 from starlette.requests import Request
 
 from deployments.ingress.http import error_body, read_json
@@ -57,3 +57,12 @@ def test_json_nested_beyond_the_decoders_depth_is_a_400(deep):
         asyncio.run(read_json(_request([deep]), 1 << 20))
     assert e.value.status == 400 and "nested too deeply" in e.value.message
     assert asyncio.run(read_json(_request([b"[" * 100 + b"]" * 100]), 1 << 20))  # nesting a client may well send
+
+
+@pytest.mark.parametrize("lost", [ActorDiedError(), ActorUnavailableError("unreachable", None), NodeDiedError("n")])
+def test_a_lost_replica_is_a_503_to_retry_and_not_a_500(caplog, lost):
+    """What a request sees when its replica (or node) went away after the ingress's one retry, or mid-stream."""
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        status, headers, body = error_body(lost, "chatcmpl-x")
+    assert (status, headers, body.error.code) == (503, {"Retry-After": "5"}, "replica_lost")
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] and not caplog.records[0].exc_info
