@@ -110,6 +110,7 @@ class OneMachine:
                 ["bash", "-c", f"{command}\nenv -0"], cwd=ROOT, env=self.env, capture_output=True, check=True
             ).stdout
             self.env = dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
+            assert "RAY_AUTH_TOKEN_PATH" in self.env, "the recipe names the token file (here: the test's own)"
             self.env["RAY_AUTH_TOKEN_PATH"] = str(self.workdir / "ray-token")
         elif argv[:2] == ["ray", "start"]:
             self.ray_start(self.local(command))
