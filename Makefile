@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install browser checkpoint serve serve-env lint test test-fast docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer soak clean
+.PHONY: install image browser checkpoint serve serve-env lint test test-fast docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer soak clean
 
 install: $(STAMP)
 
@@ -15,6 +15,13 @@ $(STAMP): requirements.txt requirements-test.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-test.txt
 	touch $(STAMP)
+
+# The serving image (Dockerfile, docs/cluster.md#the-image): `make image DEVICE=gpu IMAGE=registry/vlm-serve:tag`
+# for CUDA torch. No container runtime on this project's machines: tests/test_dockerfile.py checks the file instead.
+DEVICE ?= cpu
+IMAGE ?= vlm-serve:$(DEVICE)
+image:
+	docker build --build-arg DEVICE=$(DEVICE) -t $(IMAGE) .
 
 # The random-weight checkpoint of the plumbing tests and benchmarks; `make serve` serves the trained, committed
 # demo/qwen2-vl-shapes (demo/README.md says how it was trained).

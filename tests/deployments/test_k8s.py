@@ -1,9 +1,11 @@
 """The KubeRay manifest serves what serve_config.yaml serves: its serveConfigV2 is that file with the cluster's
-overrides and nothing else, it validates, and the worker groups offer what the replicas ask for."""
+overrides and nothing else, it validates, the worker groups offer what the replicas ask for, and every pod runs the
+one image (named once) of the pinned Ray with Ray's token auth on."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import yaml
@@ -61,3 +63,20 @@ def test_gpu_worker_groups_offer_what_the_replicas_ask_for():
     encoder = next(d for d in served["applications"][0]["deployments"] if d["name"] == "Encoder")
     group = next(g for g in groups if g["groupName"] == "encoders")
     assert group["maxReplicas"] >= encoder["autoscaling_config"]["max_replicas"]  # a pod per encoder at the top
+
+
+def test_every_pod_runs_the_one_image_of_the_pinned_ray_with_token_auth():
+    text = render.MANIFEST.read_text()
+    cluster = yaml.safe_load(text)["spec"]["rayClusterConfig"]
+    # KubeRay's own switch (a Secret, RAY_AUTH_MODE and RAY_AUTH_TOKEN in every Ray container); it needs Ray >= 2.52.
+    assert cluster["authOptions"] == {"mode": "token"}
+    ray = re.search(r"^ray\[serve\]==(\S+)", (ROOT / "requirements.txt").read_text(), re.M)[1]
+    assert cluster["rayVersion"] == ray  # the image's Ray (tests/test_dockerfile.py pins its base to it)
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    containers = [c for g in groups for c in g["template"]["spec"]["containers"]]
+    assert len({c["image"] for c in containers}) == 1, [c["image"] for c in containers]
+    # One value to edit: the anchor; every other `image:` is its alias.
+    assert len(re.findall(r"^\s*image: &image \S+", text, re.M)) == 1
+    assert len(re.findall(r"^\s*image: \*image\s*$", text, re.M)) == len(containers) - 1
+    for c in containers:  # nothing turns it off behind authOptions' back
+        assert not [e for e in c.get("env", []) if e["name"].startswith("RAY_AUTH")], c["name"]
