@@ -35,7 +35,7 @@ def place_projector(encoder: object, path: str, device: torch.device, dtype: tor
 
 
 def check_worst_case(forward: Callable[[], list[torch.Tensor]], device: torch.device, what: str) -> None:
-    """Run the largest image once; log its time and peak memory, or refuse to start with the reason."""
+    """Run the worst batch once; log its time and peak memory, or refuse to start with the reason."""
     on_gpu = device.type == "cuda"
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
@@ -45,9 +45,9 @@ def check_worst_case(forward: Callable[[], list[torch.Tensor]], device: torch.de
         forward()
     except (torch.OutOfMemoryError, MemoryError) as e:
         raise RuntimeError(
-            f"the encoder cannot encode its largest image ({what}) on {device}: out of memory "
-            f"({e}). Lower max_pixels in preprocessor_config.json, or give the encoder replica more "
-            f"memory (a GPU of its own, or a larger one)"
+            f"the encoder cannot encode its largest batch ({what}) on {device}: out of memory "
+            f"({e}). Lower encoder.max_batch_patches (or max_pixels in preprocessor_config.json), or give the "
+            f"encoder replica more memory (a GPU of its own, or a larger one)"
         ) from e
     peak = (
         f"peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB on {device}"
@@ -55,7 +55,7 @@ def check_worst_case(forward: Callable[[], list[torch.Tensor]], device: torch.de
         else f"process peak RSS +{(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024:.0f} MiB"
     )
     logger.info(
-        "encoder start-up check: largest image (%s) encoded in %.2f s, %s", what, time.monotonic() - start, peak
+        "encoder start-up check: largest batch (%s) encoded in %.2f s, %s", what, time.monotonic() - start, peak
     )
 
 

@@ -51,13 +51,16 @@ class EncoderRunner:
                 raise ValueError(f"{Path(model_dir).name}: this family's projector cannot be placed on its own")
             place_projector(self.encoder, family.projector, torch.device(projector[0]), projector[1])
         self.parts = {"vision": vision, "projector": projector}
-        if opts.startup_check:
+        if opts.startup_check:  # the batcher's worst forward: as many largest images as max_batch_patches holds
             w, h = self.processing.worst_case_size()
             image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8))
+            largest = self.encoder.preprocess(image)
+            count = max(1, opts.max_batch_patches // largest[0].shape[0])  # one alone when it is over the budget
             check_worst_case(
-                lambda: self.encoder.forward([self.encoder.preprocess(image)]),
+                lambda: self.encoder.forward([largest] * count),
                 torch.device(vision[0]),
-                f"{w}x{h}, {self.processing.max_image_tokens} tokens at most",
+                f"{count} x {w}x{h}: {count * largest[0].shape[0]} patches of encoder.max_batch_patches "
+                f"{opts.max_batch_patches}, {self.processing.max_image_tokens} tokens an image",
             )
         self.jpeg_draft = opts.jpeg_draft
         self.batcher = ImageBatcher(

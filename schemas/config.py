@@ -158,7 +158,9 @@ class EncoderArgs(_Strict):
     projector_device: Device | None = Field(None, description="Device of the projector; default: the tower's.")
     projector_dtype: DType | None = Field(None, description="dtype of the projector (e.g. float32 after a bf16 ViT).")
     startup_check: bool = Field(
-        True, description="Encode one largest-size image at start; refuse to start, saying why, if it does not fit."
+        True,
+        description="Encode the worst batch at start (max_batch_patches of largest images); refuse to start, saying "
+        "why, if it does not fit.",
     )
 
 

@@ -1,4 +1,4 @@
-"""Devices and dtypes per encoder part, and the start-up check that the largest image fits."""
+"""Devices and dtypes per encoder part, and the start-up check that the largest batch fits."""
 
 from __future__ import annotations
 
@@ -36,11 +36,27 @@ def test_parts_default_to_the_app_device_and_dtype(checkpoint):
     assert not any(type(m).__name__ == "Placed" for m in runner.encoder.vit.modules())
 
 
-def test_startup_check_encodes_the_largest_image_and_logs_it(checkpoint, caplog):
+class _Recording(Qwen2VLVisionEncoder):
+    batches: list[list[int]] = []  # the patches of each image of each forward
+
+    def forward(self, batch):
+        _Recording.batches.append([pixels.shape[0] for pixels, _ in batch])
+        return super().forward(batch)
+
+
+@pytest.mark.parametrize("budget", [1000, 256, 100])
+def test_startup_check_encodes_the_worst_batch_and_logs_it(checkpoint, caplog, budget):
+    """The batcher's worst forward: as many largest images as encoder.max_batch_patches holds (one alone above it)."""
+    _Recording.batches = []
     with caplog.at_level(logging.INFO, logger="ray.serve"):
-        runner = _runner(checkpoint)
-    side = int(runner.processing.max_pixels**0.5)
-    assert f"largest image ({side}x{side}, {runner.processing.max_image_tokens} tokens at most)" in caplog.text
+        spec = ModelSpec.load(checkpoint, device="cpu", dtype="float32")
+        runner = EncoderRunner(spec, EncoderArgs(max_batch_patches=budget), model_factory=_Recording)
+    side, largest = int(runner.processing.max_pixels**0.5), runner.processing.max_image_tokens * 4  # 2x2 merge
+    (batch,) = _Recording.batches
+    assert batch == [largest] * max(1, budget // largest)  # 256 patches an image: 3, 1 and 1 of them
+    assert f"largest batch ({len(batch)} x {side}x{side}: {sum(batch)} patches of encoder.max_batch_patches " in (
+        caplog.text
+    )
 
 
 class _TooBig(Qwen2VLVisionEncoder):
@@ -48,8 +64,8 @@ class _TooBig(Qwen2VLVisionEncoder):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
 
-def test_an_encoder_that_cannot_fit_its_largest_image_refuses_to_start(checkpoint):
-    with pytest.raises(RuntimeError, match=r"cannot encode its largest image .* out of memory .* max_pixels"):
+def test_an_encoder_that_cannot_fit_its_largest_batch_refuses_to_start(checkpoint):
+    with pytest.raises(RuntimeError, match=r"largest batch .* out of memory .* Lower encoder.max_batch_patches"):
         EncoderRunner(ModelSpec.load(checkpoint, device="cpu", dtype="float32"), EncoderArgs(), model_factory=_TooBig)
 
 
