@@ -14,6 +14,7 @@ import torch
 from ray import serve
 from ray.exceptions import TaskCancelledError
 from ray.serve.config import RequestRouterConfig
+from transformers import AutoTokenizer
 
 from deployments.ingress.router import PrefixAffinityRouter
 from encoders import EmbeddingLRU, EncoderRunner
@@ -122,6 +123,7 @@ class LLM:
             image_token_id=spec.image_tokens.placeholder_id,
             merge_size=spec.merge_size,
             eos_token_ids=spec.eos_token_ids,
+            load_tokenizer=lambda: AutoTokenizer.from_pretrained(self.args.model, config=spec.hf_config),
         )
         self.metrics = LLMMetrics(self.engine.stats, self.engine.drain_timings)
         self.replica_id = this_replica() if llm_args.token_channel else None  # None: own streams only, no channels
@@ -245,6 +247,8 @@ class LLM:
         else:
             embeds = await self._fetch_embeds(request.image_embeds)
         inp = dataclasses.replace(request, image_embeds=embeds, images=[])  # what the engine takes: the tensors
+        if (grammar := request.sampling.grammar) is not None:  # compiled off the event loop; `submit` finds it cached
+            await asyncio.to_thread(self.engine.grammars.compile, grammar)
         box = self.channels.get(request.channel) if request.channel and self.replica_id else None
         if box is None:
             if request.channel and self.replica_id:

@@ -22,6 +22,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Structured outputs: an xgrammar EBNF grammar the output must match (the ingress makes it from response_format
+    # or a tool choice; the LLM replica compiles it, once per grammar). None: free text.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 1, self.max_tokens

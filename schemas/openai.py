@@ -62,6 +62,34 @@ class Message(_Tolerant):
         return self
 
 
+class JsonSchemaSpec(_Tolerant):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")  # OpenAI's rule for the name
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(True, alias="schema", description="absent: any JSON value")
+    strict: bool = Field(False, description="Accepted; the schema is always enforced (as vLLM does).")
+
+
+class ResponseFormat(_Tolerant):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
+
+
+class StructuredOutputs(_Tolerant):
+    """vLLM's extension (`structured_outputs`, formerly the `guided_*` fields): exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+
+
 class StreamOptions(_Tolerant):
     include_usage: bool = False
 
@@ -91,6 +119,17 @@ class ChatCompletionRequest(_Tolerant):
     context_overflow: Literal["error", "drop_oldest_turns"] | None = Field(
         None, description="Over the context: a 400, or drop the oldest whole turns; default: the server's setting."
     )
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_fields(cls, data: Any) -> Any:
+        # NOTE: vLLM's older guided_json / guided_regex / guided_choice / guided_grammar, as structured_outputs
+        kinds = ("json", "regex", "choice", "grammar")
+        if isinstance(data, dict) and any(data.get(f"guided_{k}") is not None for k in kinds):
+            data = {**data, "structured_outputs": {k: data[f"guided_{k}"] for k in kinds if f"guided_{k}" in data}}
+        return data
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -246,11 +285,14 @@ __all__ = [
     "ErrorBody",
     "ErrorDetail",
     "ImagePart",
+    "JsonSchemaSpec",
     "Message",
     "ModelCard",
     "ModelList",
     "PromptTokensDetails",
+    "ResponseFormat",
     "ResponseMessage",
+    "StructuredOutputs",
     "TextPart",
     "TokenLogprobOut",
     "TopLogprob",

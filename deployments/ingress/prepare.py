@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deployments.ingress.prompt import build_prompt, load_tokenizer, needs_typed_content, template_messages
+from deployments.ingress.structured import response_grammar
 from encoders import data_url_format, decode_data_url, embedding_key, probe_image
 from schemas import AppArgs, InvalidRequest, ModelSpec, SamplingParams
 from schemas.openai import ChatCompletionRequest, ImagePart, Message
@@ -24,6 +25,7 @@ class Prepared:
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each image kept
     image_numbers: list[int] = field(default_factory=list)  # its index among the request's images
     routing_key: str = ""  # the conversation's first turn: which LLM replica holds its prefix (ingress/router.py)
+    grammar: str | None = None  # structured outputs: the grammar every choice must match (ingress/structured.py)
 
 
 @dataclass(slots=True)
@@ -48,7 +50,7 @@ def image_params(req: ChatCompletionRequest) -> list[tuple[int, str, str]]:
     ]
 
 
-def sampling_params(req: ChatCompletionRequest, max_tokens: int, choice: int) -> SamplingParams:
+def sampling_params(req: ChatCompletionRequest, max_tokens: int, choice: int, grammar: str | None) -> SamplingParams:
     seed = None if req.seed is None else (req.seed + choice) % 2**63  # n choices differ, each reproducible
     return SamplingParams(
         max_tokens=max_tokens,
@@ -62,6 +64,7 @@ def sampling_params(req: ChatCompletionRequest, max_tokens: int, choice: int) ->
         ignore_eos=req.ignore_eos,
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs or 0,
+        grammar=grammar,
     )
 
 
@@ -137,7 +140,9 @@ class Preparer:
         )
 
     def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes]) -> Prepared:
-        """Image headers and prompt ids, after `check`; `fetched` holds the bytes of remote images by JSON path."""
+        """Image headers, prompt ids and the output's grammar, after `check`; `fetched` holds the bytes of remote
+        images by JSON path."""
+        grammar = response_grammar(req)  # first: a schema xgrammar refuses costs no image work
         images = [self._image(n, i, param, url, fetched) for n, (i, param, url) in enumerate(image_params(req))]
         overflow = req.context_overflow or self.limits.context_overflow
         # Turns start after the leading system messages (whatever the first one's role: an assistant may open) and
@@ -149,7 +154,7 @@ class Preparer:
         starts = [n_system] + [i for i, m in enumerate(req.messages) if i > n_system and m.role == "user"]
         first = self._build(req, images, n_system, starts[0])
         if self._fits(req, first) or overflow == "error" or len(starts) == 1:
-            return self._checked(req, first)
+            return self._checked(req, first, grammar)
         lo, hi, best = 1, len(starts) - 1, None  # binary search: dropping more turns only shortens the prompt
         while lo <= hi:
             mid = (lo + hi) // 2
@@ -158,7 +163,7 @@ class Preparer:
                 best, hi = candidate, mid - 1
             else:
                 lo = mid + 1
-        return self._checked(req, best or self._build(req, images, n_system, starts[-1]))
+        return self._checked(req, best or self._build(req, images, n_system, starts[-1]), grammar)
 
     def _build(self, req: ChatCompletionRequest, images: list[_Image], n_system: int, start: int) -> Prepared:
         kept: list[Message] = req.messages[:n_system] + req.messages[start:]
@@ -190,7 +195,7 @@ class Preparer:
     def _fits(self, req: ChatCompletionRequest, p: Prepared) -> bool:
         return p.max_tokens >= 1 and len(p.prompt) + p.max_tokens <= self.max_model_len
 
-    def _checked(self, req: ChatCompletionRequest, p: Prepared) -> Prepared:
+    def _checked(self, req: ChatCompletionRequest, p: Prepared, grammar: str | None) -> Prepared:
         if not self._fits(req, p):
             asked = f" + max_tokens {p.max_tokens}" if req.requested_max_tokens else ""
             dropped = f" (after dropping the {p.dropped_messages} oldest messages)" if p.dropped_messages else ""
@@ -199,6 +204,7 @@ class Preparer:
                 param="messages",
                 code="context_length_exceeded",
             )
+        p.grammar = grammar
         return p
 
 

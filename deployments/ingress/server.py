@@ -232,7 +232,7 @@ class Ingress:
                 p.prompt,
                 p.grids,
                 refs,
-                sampling_params(req, p.max_tokens, i),
+                sampling_params(req, p.max_tokens, i, p.grammar),
                 p.image_keys,
                 p.images if self.encoder is None else [],
                 p.routing_key or None,

@@ -19,14 +19,15 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llm.engine.block_pool import BlockPool
 from llm.engine.delivery import Delivery, Sink
+from llm.engine.grammar import Grammars
 from llm.engine.model_runner import ModelRunner, Sampled
 from llm.engine.scheduler import Chunk, Scheduler
 from llm.engine.sequence import Sequence, make_sequence
@@ -61,10 +62,18 @@ class EngineConfig:
 
 class Engine:
     def __init__(
-        self, model: Qwen2LM, config: EngineConfig, *, image_token_id: int, merge_size: int, eos_token_ids: set[int]
+        self,
+        model: Qwen2LM,
+        config: EngineConfig,
+        *,
+        image_token_id: int,
+        merge_size: int,
+        eos_token_ids: set[int],
+        load_tokenizer: Callable[[], Any] | None = None,  # for structured outputs; None: grammars are refused
     ):
         self.model, self.config = model, config
         self.image_token_id, self.merge_size, self.eos_token_ids = image_token_id, merge_size, frozenset(eos_token_ids)
+        self.grammars = Grammars(load_tokenizer, model.config.vocab_size, self.eos_token_ids)
         single_cuda = (
             model.lm_head.weight.device.type == "cuda"
             and getattr(model, "tp", None) is not None
@@ -84,13 +93,7 @@ class Engine:
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         # written by the worker only
-        self.counts = {
-            "finished": 0,
-            "failed": 0,
-            "steps": 0,
-            "cpu_threads": config.cpu_threads or 0,
-            "cpu_thread_changes": 0,
-        }
+        self.counts = dict(finished=0, failed=0, steps=0, cpu_threads=config.cpu_threads or 0, cpu_thread_changes=0)
         # Seconds from arrival to first scheduled, and between two tokens of a sequence; the worker appends,
         # `drain_timings` takes them (deque appends and pops are thread-safe; bounded if nobody drains).
         self.queue_times: deque[float] = deque(maxlen=65536)
@@ -131,8 +134,10 @@ class Engine:
     def submit(self, inp: GenerateRequest, sink: Sink) -> Sequence:
         """Check and queue a sequence; raises `InvalidRequest` or `Overloaded` at once. `sink` is called on the
         caller's event loop with each `TokenChunk` (the last has a finish reason) or one exception; a step's
-        chunks for all the sequences of one event loop arrive in one callback. `cancel` ends it early."""
+        chunks for all the sequences of one event loop arrive in one callback. `cancel` ends it early. A grammar
+        is compiled here unless cached: `grammars.compile` it on a worker thread first to keep the loop free."""
         loop = asyncio.get_running_loop()
+        grammar = self.grammars.compile(g) if (g := inp.sampling.grammar) is not None else None
         seq = make_sequence(
             inp,
             next(self._ids),
@@ -142,6 +147,7 @@ class Engine:
             mrope=self.model.config.mrope_section is not None,
             device=self.runner.device,
             eos_token_ids=self.eos_token_ids,
+            grammar=grammar,
         )
         if self.dead is not None:
             raise self._dead_error()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from llm.engine.decode_step import StaticDecode
+from llm.engine.grammar import fill_bitmask
 from llm.engine.sampling import sample
 from llm.engine.scheduler import Chunk
 from llm.engine.sequence import Sequence
@@ -76,10 +77,13 @@ class ModelRunner:
             return self._decode(chunks)
         embeds, positions = self._inputs(chunks)  # (T, D), (3, T)
         meta = BatchMeta.build([ChunkSpec(c.seq.block_ids, c.start, c.n) for c in chunks], self.block_size, self.device)
-        hidden = self.model(embeds, positions, self.cache, meta)  # (T, D)
         ends = itertools.accumulate(c.n for c in chunks)
         rows = [(c.seq, end - 1) for c, end in zip(chunks, ends) if c.completes]
-        return self._sample(hidden, rows) if rows else []
+        mask = self._grammar_mask([s for s, _ in rows])
+        hidden = self.model(embeds, positions, self.cache, meta)  # (T, D)
+        if not rows:
+            return []
+        return self._sample_logits(self.model.logits(hidden, [r for _, r in rows]), [s for s, _ in rows], mask)
 
     def _decode(self, chunks: list[Chunk]) -> list[Sampled]:
         """A decode-only step through the static buffers (every chunk is one generated token)."""
@@ -90,18 +94,22 @@ class ModelRunner:
             [s.block_ids for s in seqs],
             [c.start + 1 for c in chunks],
         )
-        return self._sample_logits(self.static.run(len(chunks), rows), seqs)
+        mask = self._grammar_mask(seqs)
+        return self._sample_logits(self.static.run(len(chunks), rows), seqs, mask)
 
-    def _sample(self, hidden: torch.Tensor, rows: list[tuple[Sequence, int]]) -> list[Sampled]:
-        return self._sample_logits(self.model.logits(hidden, [r for _, r in rows]), [s for s, _ in rows])
+    def _grammar_mask(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
+        """The grammar rows' bitmask, filled on the host before the forward is launched (it overlaps the device)."""
+        return fill_bitmask([s.matcher for s in seqs], self.model.config.vocab_size)
 
-    def _sample_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
+    def _sample_logits(
+        self, logits: torch.Tensor, seqs: list[Sequence], mask: tuple[torch.Tensor, list[int]] | None
+    ) -> list[Sampled]:
         """logits (B, V) of `seqs`, in order -> their next tokens (one host sync for the batch)."""
         for s in seqs:
             if s.params.has_penalties and s.output_counts is None:
                 s.output_counts = torch.zeros(logits.shape[-1], device=logits.device)
         tokens, logprobs = sample(
-            logits, [s.params for s in seqs], [s.generator for s in seqs], [s.output_counts for s in seqs]
+            logits, [s.params for s in seqs], [s.generator for s in seqs], [s.output_counts for s in seqs], mask
         )
         for s, token in zip(seqs, tokens, strict=True):
             if s.output_counts is not None:

@@ -1,10 +1,12 @@
 """Next tokens for a whole batch, each row with its own settings: greedy, temperature, top-k, top-p, penalties,
-a per-request seed (the same tokens whatever the batch neighbours), and logprobs of the raw distribution."""
+a grammar's token bitmask, a per-request seed (the same tokens whatever the batch neighbours), and logprobs of the
+raw distribution."""
 
 from __future__ import annotations
 
 import torch
 
+from llm.engine.grammar import apply_bitmask
 from schemas import SamplingParams, TokenLogprob
 
 
@@ -36,14 +38,18 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     output_counts: list[torch.Tensor | None],
+    grammar_mask: tuple[torch.Tensor, list[int]] | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits (B, V) float32 -> one token id per row (one host sync for the batch), and logprobs where asked."""
+    """logits (B, V) float32 -> one token id per row (one host sync for the batch), and logprobs where asked.
+    `grammar_mask`: (bitmask, rows) from grammar.fill_bitmask; those rows sample only the tokens it allows."""
     B, V = logits.shape
     device = logits.device
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs for p in params) else None
     for i, (p, counts) in enumerate(zip(params, output_counts, strict=True)):
         if p.has_penalties and counts is not None:  # OpenAI's: over the tokens generated so far
             logits[i] -= p.presence_penalty * (counts > 0) + p.frequency_penalty * counts
+    if grammar_mask is not None:  # after the penalties, as vLLM; the logprobs above stay the raw distribution's
+        apply_bitmask(logits, *grammar_mask)
     tokens = torch.empty(B, dtype=torch.long, device=device)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
     if greedy:

@@ -110,11 +110,20 @@ class Scheduler:
         self.num_preemptions += 1
 
     def postprocess(self, seq: Sequence, token: int) -> FinishReason | None:
-        """The stop rules, after a step sampled `token` for `seq`: a stop token (EOS unless the request ignores it)
-        or max_tokens finishes it (its blocks go back to the pool)."""
+        """The stop rules, after a step sampled `token` for `seq`: a stop token (EOS unless the request ignores it),
+        the end of its grammar, or max_tokens finishes it (its blocks go back to the pool)."""
         seq.token_ids.append(token)
+        ended = False
+        if seq.matcher is not None:  # the mask allowed only this grammar's tokens: the matcher must take it
+            if not seq.matcher.accept_token(token):  # not an assert: it must run under python -O too
+                raise RuntimeError(f"token {token} outside the grammar of {seq.request_id}")
+            ended = seq.matcher.is_terminated()  # it took a stop token where the grammar may end
         finish: FinishReason | None = (
-            "stop" if token in seq.stop_token_ids else "length" if seq.num_generated >= seq.params.max_tokens else None
+            "stop"
+            if token in seq.stop_token_ids or ended
+            else "length"
+            if seq.num_generated >= seq.params.max_tokens
+            else None
         )
         if finish is not None:
             self.finish(seq)

@@ -9,8 +9,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from xgrammar import CompiledGrammar, GrammarMatcher
 
 from llm.engine.block_pool import block_hash
+from llm.engine.grammar import new_matcher
 from llm.engine.sampling import make_generator
 from llm.model.positions import linear_positions, mrope_positions
 from schemas import GenerateRequest, InvalidRequest, SamplingParams
@@ -30,6 +32,7 @@ class Sequence:
     params: SamplingParams
     stop_token_ids: frozenset[int] = frozenset()  # the request's, and EOS unless it ignores EOS
     generator: torch.Generator | None = None
+    matcher: GrammarMatcher | None = None  # structured outputs: where the output stands in its grammar
     cancelled: threading.Event = field(default_factory=threading.Event)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
@@ -99,6 +102,7 @@ def make_sequence(
     mrope: bool,
     device: torch.device,
     eos_token_ids: frozenset[int] = frozenset(),
+    grammar: CompiledGrammar | None = None,
 ) -> Sequence:
     """The request's checks (context length, embedding rows against placeholders and grids), then its state."""
     n_prompt, n_max = len(inp.prompt_token_ids), inp.sampling.max_tokens
@@ -150,6 +154,7 @@ def make_sequence(
         p,
         stop_ids,
         make_generator(p, device),
+        new_matcher(grammar) if grammar is not None else None,
     )
 
 

@@ -10,10 +10,18 @@ from schemas import GenerateRequest, SamplingParams
 from tests.helpers import make_image
 
 
-def make_engine(model, reference, **kw) -> Engine:
+def make_engine(model, reference, load_tokenizer=None, **kw) -> Engine:
+    """`load_tokenizer`: for structured outputs (grammars are refused without it)."""
     config = EngineConfig(**{"max_model_len": 512, "num_blocks": 128, "block_size": 16, "max_queued": 16, **kw})
     eos = set(reference.generation_config.eos_token_id)
-    return Engine(model, config, image_token_id=reference.config.image_token_id, merge_size=2, eos_token_ids=eos)
+    return Engine(
+        model,
+        config,
+        image_token_id=reference.config.image_token_id,
+        merge_size=2,
+        eos_token_ids=eos,
+        load_tokenizer=load_tokenizer,
+    )
 
 
 def request_for(
