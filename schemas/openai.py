@@ -4,62 +4,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from schemas.adapters import normalize_message
-
-
-class _Tolerant(BaseModel):
-    # NOTE: OpenAI clients send fields we do not know (metadata, store, user, ...); tolerate them rather
-    # than break a client, but never let them reach the engine.
-    model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data: Any) -> Any:
-        # NOTE: an explicit null means "the default" to OpenAI and vLLM, and the openai client sends None as null.
-        # Every optional field here defaults to what its null means; a required one stays required.
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
-
-class ImageURL(_Tolerant):
-    url: str = Field(description="A data: URL (base64) of the image, or an http(s)/file URL where the server allows.")
-    detail: Literal["auto", "low", "high"] = Field("auto", description="Accepted for compatibility; ignored.")
-
-
-class TextPart(_Tolerant):
-    type: Literal["text"]
-    text: str
-
-
-class ImagePart(_Tolerant):
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
-
-
-class Message(_Tolerant):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _other_formats(cls, data: Any) -> Any:
-        return normalize_message(data)  # Qwen-VL / MindIE items and webui inline images (schemas/adapters.py)
-
-    @model_validator(mode="after")
-    def _content_present(self) -> Message:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
-        if isinstance(self.content, list) and self.role != "user":
-            if any(isinstance(p, ImagePart) for p in self.content):
-                raise ValueError(f"images are only accepted in user messages, not in a {self.role} message")
-        return self
+from schemas.messages import (  # re-exported: the request's message models live there
+    ImagePart,
+    Message,
+    TextPart,
+    Tool,
+    ToolChoice,
+    _Tolerant,
+)
 
 
 class JsonSchemaSpec(_Tolerant):
@@ -121,6 +77,9 @@ class ChatCompletionRequest(_Tolerant):
     )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension
+    tools: list[Tool] = Field(default_factory=list, max_length=128)
+    tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -197,18 +156,30 @@ class Box(BaseModel):
     y2: int
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponseToolCall(BaseModel):
+    id: str  # call_<24 alphanumerics>
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the answer is tool calls alone
     refusal: None = None  # required by OpenAI's schema (nullable); always null: no refusals here
     # Extension: boxes parsed out of a grounding answer (absent when there are none).
     boxes: list[Box] | None = Field(None, exclude_if=lambda v: not v)
+    tool_calls: list[ResponseToolCall] | None = Field(None, exclude_if=lambda v: not v)
 
 
 class Choice(BaseModel):
     index: int = 0
     message: ResponseMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: ChoiceLogprobs | None = None
     token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
 
@@ -224,16 +195,32 @@ class ChatCompletion(BaseModel):
     prompt_token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = Field(None, exclude_if=lambda v: v is None)  # in a call's first delta
+    arguments: str  # a fragment of the JSON text
+
+
+class ToolCallDelta(BaseModel):
+    """OpenAI's streamed call: the first delta of call `index` has its id, type and name, later ones more
+    arguments."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=lambda v: v is None)
+    type: Literal["function"] | None = Field(None, exclude_if=lambda v: v is None)
+    function: FunctionDelta
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=lambda v: v is None)
     content: str | None = Field(None, exclude_if=lambda v: v is None)
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda v: v is None)
     boxes: list[Box] | None = Field(None, exclude_if=lambda v: not v)  # with the finish chunk, as in the message
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: ChoiceLogprobs | None = Field(None, exclude_if=lambda v: v is None)
     token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
 
@@ -284,6 +271,7 @@ __all__ = [
     "Delta",
     "ErrorBody",
     "ErrorDetail",
+    "FunctionDelta",
     "ImagePart",
     "JsonSchemaSpec",
     "Message",
@@ -291,9 +279,13 @@ __all__ = [
     "ModelList",
     "PromptTokensDetails",
     "ResponseFormat",
+    "ResponseFunction",
     "ResponseMessage",
+    "ResponseToolCall",
     "StructuredOutputs",
     "TextPart",
+    "Tool",
+    "ToolCallDelta",
     "TokenLogprobOut",
     "TopLogprob",
     "Usage",
