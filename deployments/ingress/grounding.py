@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from schemas.openai import Box
+
 _PAIR = re.compile(r"\(\s*(\d+)\s*,\s*(\d+)\s*\)\s*,\s*\(\s*(\d+)\s*,\s*(\d+)\s*\)")
 MARKERS = ("<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>")
 
@@ -50,4 +52,29 @@ def parse_boxes(
     return out
 
 
-__all__ = ["GroundingTokens", "MARKERS", "parse_boxes"]
+def pixel_boxes(
+    token_ids: list[int],
+    marks: GroundingTokens | None,
+    tokenizer: PreTrainedTokenizerBase,
+    image_sizes: list[tuple[int, int]],
+    image_numbers: list[int],
+) -> list[Box] | None:
+    """The answer's grounding boxes in pixels of the image they refer to: the last image of the prompt (Qwen's
+    0..1000 coordinates are relative to the image in view)."""
+    if marks is None or not image_sizes:
+        return None
+    (w, h), number = image_sizes[-1], image_numbers[-1]
+    return [
+        Box(
+            label=label,
+            image_index=number,
+            x1=round(x1 * w / 1000),
+            y1=round(y1 * h / 1000),
+            x2=round(x2 * w / 1000),
+            y2=round(y2 * h / 1000),
+        )
+        for label, (x1, y1, x2, y2) in parse_boxes(token_ids, marks, tokenizer)
+    ] or None
+
+
+__all__ = ["GroundingTokens", "MARKERS", "parse_boxes", "pixel_boxes"]

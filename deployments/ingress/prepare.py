@@ -9,6 +9,7 @@ from pathlib import Path
 
 from deployments.ingress.prompt import build_prompt, load_tokenizer, needs_typed_content, template_messages
 from deployments.ingress.structured import response_grammar
+from deployments.ingress.tools import check_tools, renders_tools, template_tools, tool_grammar
 from encoders import data_url_format, decode_data_url, embedding_key, probe_image
 from schemas import AppArgs, InvalidRequest, ModelSpec, SamplingParams
 from schemas.openai import ChatCompletionRequest, ImagePart, Message
@@ -94,6 +95,7 @@ class Preparer:
         self.model_id = hashlib.sha256(args.model.encode() + config_bytes).hexdigest()[:16]
         self.tokenizer = load_tokenizer(args.model, spec.hf_config)
         self.typed_content = needs_typed_content(self.tokenizer)  # llava-hf's templates drop string contents
+        self.renders_tools = renders_tools(self.tokenizer)
         self.max_model_len = spec.max_model_len
 
     def check(self, req: ChatCompletionRequest) -> None:
@@ -112,6 +114,7 @@ class Preparer:
             )
         if req.n > limits.max_n:
             raise InvalidRequest(f"n={req.n} is over the limit of {limits.max_n}", param="n")
+        check_tools(req, self.renders_tools)
         params = image_params(req)
         if len(params) > self.max_images:
             raise InvalidRequest(f"more than {self.max_images} images in one request", param=params[self.max_images][1])
@@ -142,7 +145,8 @@ class Preparer:
     def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes]) -> Prepared:
         """Image headers, prompt ids and the output's grammar, after `check`; `fetched` holds the bytes of remote
         images by JSON path."""
-        grammar = response_grammar(req)  # first: a schema xgrammar refuses costs no image work
+        # First: a schema xgrammar refuses costs no image work. check_tools refused a tool grammar with a format.
+        grammar = tool_grammar(req) or response_grammar(req)
         images = [self._image(n, i, param, url, fetched) for n, (i, param, url) in enumerate(image_params(req))]
         overflow = req.context_overflow or self.limits.context_overflow
         # Turns start after the leading system messages (whatever the first one's role: an assistant may open) and
@@ -187,6 +191,7 @@ class Preparer:
             self.tokens.per_image_ids,
             self.tokens.forbidden_ids,
             self.typed_content,
+            template_tools(req),
         )
         room, cap = self.max_model_len - len(out.prompt), self.limits.default_max_tokens
         out.max_tokens = req.requested_max_tokens or (room if cap is None else min(cap, room))

@@ -55,6 +55,9 @@ def template_messages(messages: list[Message], typed_content: bool = False) -> l
     out = []
     for m in messages:
         role = "system" if m.role == "developer" else m.role
+        if m.tool_calls or m.role == "tool":
+            out.append(_tool_turn(m))
+            continue
         if (m.content is None or isinstance(m.content, str)) and typed_content:
             out.append({"role": role, "content": [{"type": "text", "text": m.content}] if m.content else []})
         elif m.content is None or isinstance(m.content, str):
@@ -67,6 +70,28 @@ def template_messages(messages: list[Message], typed_content: bool = False) -> l
     return out
 
 
+def _tool_turn(m: Message) -> dict:
+    """An agent loop's assistant message with calls, or a tool's result, as Qwen2.5's template (and vLLM) take
+    them: the calls' arguments as objects (the template writes them with `tojson`), content as a string."""
+    if isinstance(m.content, list):  # a tool's result may come as text parts
+        content = "".join(p.text for p in m.content if not isinstance(p, ImagePart))
+    else:
+        content = m.content or ""
+    if m.role == "tool":
+        return {"role": "tool", "content": content, "tool_call_id": m.tool_call_id} | (
+            {"name": m.name} if m.name else {}
+        )
+    calls = [
+        {
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)},
+        }
+        for c in m.tool_calls  # arguments: JSON text, checked by deployments/ingress/tools.py
+    ]
+    return {"role": "assistant", "content": content, "tool_calls": calls}
+
+
 def build_prompt(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[Message],
@@ -75,15 +100,16 @@ def build_prompt(
     per_image_ids: Iterable[int] = (),
     forbidden_ids: Iterable[int] = (),
     typed_content: bool = False,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Render, tokenize, and expand the template's one placeholder per image to that image's run of tokens.
 
     The template writes the placeholder (and each of `per_image_ids`, such as vision start/end markers) once per
     image and never any of `forbidden_ids` (video placeholders): any other count means the user typed them.
-    `typed_content`: the template's needs_typed_content."""
+    `typed_content`: the template's needs_typed_content; `tools`: the request's, for the template to show."""
     try:
         text = tokenizer.apply_chat_template(
-            template_messages(messages, typed_content), tokenize=False, add_generation_prompt=True
+            template_messages(messages, typed_content), tools=tools, tokenize=False, add_generation_prompt=True
         )
     except (TemplateError, TypeError) as e:  # NOTE: a template's raise_exception, or its operations on our input
         raise InvalidRequest(f"the model's chat template refused the messages: {e}", param="messages") from e

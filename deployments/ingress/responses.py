@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from deployments.ingress.detokenize import TextDelta, decoder
-from deployments.ingress.grounding import GroundingTokens, parse_boxes
 from deployments.ingress.http import error_body, json_text, sse
+from deployments.ingress.tool_parser import ToolCallParser
+from deployments.ingress.tool_parser import parse as parse_calls
 from schemas import AppArgs, FinishReason, InvalidRequest, TokenLogprob
 from schemas.openai import (
     Box,
@@ -168,33 +169,18 @@ def _usage(n_prompt: int, choices: list[ChoiceState]) -> Usage:
     )
 
 
-def pixel_boxes(
-    token_ids: list[int],
-    marks: GroundingTokens | None,
-    tokenizer: PreTrainedTokenizerBase,
-    image_sizes: list[tuple[int, int]],
-    image_numbers: list[int],
-) -> list[Box] | None:
-    """The answer's grounding boxes in pixels of the image they refer to: the last image of the prompt (Qwen's
-    0..1000 coordinates are relative to the image in view)."""
-    if marks is None or not image_sizes:
-        return None
-    (w, h), number = image_sizes[-1], image_numbers[-1]
-    return [
-        Box(
-            label=label,
-            image_index=number,
-            x1=round(x1 * w / 1000),
-            y1=round(y1 * h / 1000),
-            x2=round(x2 * w / 1000),
-            y2=round(y2 * h / 1000),
-        )
-        for label, (x1, y1, x2, y2) in parse_boxes(token_ids, marks, tokenizer)
-    ] or None
-
-
 def _no_boxes(token_ids: list[int]) -> None:
     return None
+
+
+def _answer(c: ChoiceState, boxes: list[Box] | None, tools: bool) -> tuple[ResponseMessage, FinishReason | str]:
+    """A choice's message and finish reason; with `tools`, its calls parsed out (finish_reason "tool_calls")."""
+    finish = c.finish_reason or "stop"
+    if not tools:
+        return ResponseMessage(content=c.text, boxes=boxes), finish
+    content, calls = parse_calls(c.text)
+    message = ResponseMessage(content=content, boxes=boxes, tool_calls=[k.response() for k in calls])
+    return message, "tool_calls" if calls else finish
 
 
 async def completion(
@@ -204,10 +190,13 @@ async def completion(
     events,
     tokenizer: PreTrainedTokenizerBase,
     boxes_of: BoxesOf = _no_boxes,
+    tools: bool = False,
 ) -> tuple[ChatCompletion, list[ChoiceState]]:
+    """`tools`: parse the answers' tool calls (deployments/ingress/tools.py's parses_tools)."""
     choices = [ChoiceState() for _ in range(req.n)]
     async for i, delta in events:
         choices[i].add(delta)
+    answers = [_answer(c, boxes_of(c.token_ids), tools) for c in choices]
     body = ChatCompletion(
         **head,
         usage=_usage(len(prompt), choices),
@@ -215,12 +204,12 @@ async def completion(
         choices=[
             Choice(
                 index=i,
-                message=ResponseMessage(content=c.text, boxes=boxes_of(c.token_ids)),
-                finish_reason=c.finish_reason or "stop",
+                message=message,
+                finish_reason=finish,
                 logprobs=to_logprobs(tokenizer, c.token_ids, c.logprobs),
                 token_ids=c.token_ids if req.return_token_ids else None,
             )
-            for i, c in enumerate(choices)
+            for i, (c, (message, finish)) in enumerate(zip(choices, answers, strict=True))
         ],
     )
     return body, choices
@@ -235,9 +224,12 @@ async def sse_stream(
     request_id: str,
     on_done: Callable[[list[ChoiceState]], None],
     boxes_of: BoxesOf = _no_boxes,
+    tools: bool = False,
 ) -> AsyncIterator[str]:
-    """role chunk per choice, content chunks, a finish chunk per choice, the usage chunk, then [DONE]."""
+    """role chunk per choice, content and tool-call chunks, a finish chunk per choice, the usage chunk, then [DONE].
+    With `tools`, text that may start a call is held back until it is known (ToolCallParser)."""
     choices = [ChoiceState() for _ in range(req.n)]
+    parsers = [ToolCallParser() if tools else None for _ in range(req.n)]
     ids_out, chunks = req.return_token_ids, ContentChunks(head)
     try:
         for i in range(req.n):
@@ -246,9 +238,19 @@ async def sse_stream(
             yield sse(ChatCompletionChunk(**head, choices=[role], prompt_token_ids=ids))
         async for i, delta in events:
             choices[i].add(delta)
-            if delta.text or (delta.token_ids and (ids_out or delta.logprobs is not None)):
+            text, calls, parser = delta.text, [], parsers[i]
+            if parser is not None:
+                text, calls = parser.feed(delta.text)
+                if delta.finish_reason is not None:
+                    rest, more = parser.finish()
+                    text, calls = text + rest, calls + more
+            if text or (delta.token_ids and (ids_out or delta.logprobs is not None)):
                 lps = None if delta.logprobs is None else logprob_items(tokenizer, delta.token_ids, delta.logprobs)
-                yield chunks.content(i, delta.text, delta.token_ids if ids_out else None, lps)
+                yield chunks.content(i, text, delta.token_ids if ids_out else None, lps)
+            first = len(parser.calls) - len(calls) if calls else 0  # the calls are numbered within their choice
+            for k, call in enumerate(calls, first):
+                for d in call.deltas(k):
+                    yield sse(ChatCompletionChunk(**head, choices=[ChunkChoice(index=i, delta=Delta(tool_calls=[d]))]))
             if delta.finish_reason is not None:
                 yield sse(
                     ChatCompletionChunk(
@@ -257,7 +259,7 @@ async def sse_stream(
                             ChunkChoice(
                                 index=i,
                                 delta=Delta(boxes=boxes_of(choices[i].token_ids)),
-                                finish_reason=delta.finish_reason,
+                                finish_reason="tool_calls" if parser and parser.calls else delta.finish_reason,
                             )
                         ],
                     )
@@ -278,7 +280,6 @@ __all__ = [
     "deadline_error",
     "interleave",
     "logprob_items",
-    "pixel_boxes",
     "sse_stream",
     "system_fingerprint",
     "to_logprobs",

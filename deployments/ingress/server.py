@@ -19,7 +19,7 @@ from deployments.ingress.auth import Gate
 from deployments.ingress.channel import FAILOVER_ROUTE_S, ChannelHub, TokenStream
 from deployments.ingress.detokenize import OutputProcessor, TextDelta
 from deployments.ingress.fetch import ImageFetcher
-from deployments.ingress.grounding import GroundingTokens
+from deployments.ingress.grounding import GroundingTokens, pixel_boxes
 from deployments.ingress.http import error_response, head_only, parse, read_json, route_path
 from deployments.ingress.info import InfoRoutes
 from deployments.ingress.prepare import Prepared, Preparer, image_params, sampling_params
@@ -28,11 +28,11 @@ from deployments.ingress.responses import (
     completion,
     deadline_error,
     interleave,
-    pixel_boxes,
     sse_stream,
     system_fingerprint,
     with_deadline,
 )
+from deployments.ingress.tools import parses_tools
 from schemas import (
     REPLICA_GONE,
     AppArgs,
@@ -166,11 +166,11 @@ class Ingress:
         if req.stream:
             done = lambda choices: self._log(log, choices)  # noqa: E731
             return StreamingResponse(
-                sse_stream(req, head, p.prompt, events, self.tokenizer, request_id, done, boxes),
+                sse_stream(req, head, p.prompt, events, self.tokenizer, request_id, done, boxes, parses_tools(req)),
                 media_type="text/event-stream",
                 headers=headers,
             )
-        body, choices = await completion(req, head, p.prompt, events, self.tokenizer, boxes)
+        body, choices = await completion(req, head, p.prompt, events, self.tokenizer, boxes, parses_tools(req))
         self._log(log, choices)
         return JSONResponse(body.model_dump(), headers=headers)
 

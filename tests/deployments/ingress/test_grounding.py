@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.ingress.grounding import GroundingTokens, parse_boxes
+from deployments.ingress.grounding import GroundingTokens, parse_boxes, pixel_boxes
 from deployments.ingress.prompt import load_tokenizer
-from deployments.ingress.responses import pixel_boxes
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ import pytest
 from ray.serve.exceptions import BackPressureError
 
 from deployments.ingress.detokenize import TextDelta
-from deployments.ingress.grounding import GroundingTokens
+from deployments.ingress.grounding import GroundingTokens, pixel_boxes
 from deployments.ingress.http import error_response
 from deployments.ingress.prompt import load_tokenizer
-from deployments.ingress.responses import completion, pixel_boxes, sse_stream, with_deadline
+from deployments.ingress.responses import completion, sse_stream, with_deadline
 from schemas import InvalidRequest, Overloaded, TokenLogprob
 from schemas.openai import ChatCompletionRequest
 from tests.api_schema import assert_valid

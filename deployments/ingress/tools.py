@@ -1,0 +1,111 @@
+"""Tool calling at the ingress: the request's tools checked against its history and the chat template, the grammar
+that makes `required` and a named `tool_choice` a valid call whatever the weights, and which answers are parsed.
+The call format is the hermes one of Qwen2.5's template (deployments/ingress/tool_parser.py)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerBase
+
+from deployments.ingress.structured import json_grammar
+from deployments.ingress.tool_parser import END, START
+from schemas import InvalidRequest
+from schemas.openai import ChatCompletionRequest
+
+
+def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template can show the model its tools: it names `tools` (Qwen2.5's does, Qwen2-VL's and
+    llava-hf's do not). A template that does not would drop them silently, so such a request is refused."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # named templates: apply_chat_template picks "tool_use" for tools when present
+        template = template.get("tool_use") or template.get("default") or ""
+    return "tools" in (template or "")
+
+
+def tool_choice(req: ChatCompletionRequest) -> str:
+    """ "none", "auto", "required" or "named"; as OpenAI: auto with tools, none without."""
+    choice = req.tool_choice or ("auto" if req.tools else "none")
+    return choice if isinstance(choice, str) else "named"
+
+
+def parses_tools(req: ChatCompletionRequest) -> bool:
+    """Whether the answers are searched for calls: under "none" the tools are shown but never called (vLLM's)."""
+    return bool(req.tools) and tool_choice(req) != "none"
+
+
+def check_tools(req: ChatCompletionRequest, can_render: bool) -> None:
+    """The request's tool fields and agent-loop history, before any other work."""
+    names = [t.function.name for t in req.tools]
+    if req.tools and not can_render:
+        raise InvalidRequest("this model's chat template cannot show tools to the model", param="tools")
+    choice = tool_choice(req)
+    if choice in ("required", "named") and not req.tools:
+        raise InvalidRequest(f"tool_choice {choice!r} needs tools", param="tool_choice")
+    if choice == "named" and req.tool_choice.function.name not in names:
+        raise InvalidRequest(
+            f"tool_choice names {req.tool_choice.function.name!r}, which is not among the tools {names}",
+            param="tool_choice.function.name",
+        )
+    if choice in ("required", "named") and (req.response_format or req.structured_outputs):
+        raise InvalidRequest(f"tool_choice {choice!r} and a response format cannot both hold", param="tool_choice")
+    called: set[str] = set()
+    for i, m in enumerate(req.messages):
+        for j, call in enumerate(m.tool_calls):
+            called.add(call.id)
+            try:
+                json.loads(call.function.arguments)
+            except ValueError as e:
+                param = f"messages[{i}].tool_calls[{j}].function.arguments"
+                raise InvalidRequest(f"{param}: not JSON: {e}", param=param) from e
+        if m.role == "tool" and m.tool_call_id not in called:
+            raise InvalidRequest(
+                f"messages[{i}]: no earlier assistant message made a call with id {m.tool_call_id!r}",
+                param=f"messages[{i}].tool_call_id",
+            )
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
+    """The tools as chat templates take them (OpenAI's form), or None."""
+    return [t.model_dump(exclude={"function": {"strict"}}, exclude_none=True) for t in req.tools] or None
+
+
+def tool_grammar(req: ChatCompletionRequest) -> str | None:
+    """The grammar of the answer under "required" (one call, or several with parallel_tool_calls) or a named
+    choice (one call of it); None where the model answers freely."""
+    choice = tool_choice(req)
+    if choice not in ("required", "named"):
+        return None
+    tools = [t for t in req.tools if choice == "required" or t.function.name == req.tool_choice.function.name]
+    schemas = tuple(json.dumps(t.function.parameters) for t in tools)  # key order kept: properties come in it
+    params = tuple(f"tools[{req.tools.index(t)}].function.parameters" for t in tools)
+    return _calls_grammar(
+        tuple(t.function.name for t in tools), schemas, params, choice == "required" and req.parallel_tool_calls
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _calls_grammar(names: tuple[str, ...], schemas: tuple[str, ...], params: tuple[str, ...], several: bool) -> str:
+    calls = [
+        xgr.Grammar.concat(
+            _literal(f'{START}\n{{"name": {json.dumps(name)}, "arguments": '),
+            xgr.Grammar.from_ebnf(json_grammar(schema, param)),
+            _literal(f"}}\n{END}"),
+        )
+        for name, schema, param in zip(names, schemas, params, strict=True)
+    ]
+    one = str(xgr.Grammar.union(*calls) if len(calls) > 1 else calls[0])
+    if not several:
+        return one
+    # NOTE: Qwen2.5's template writes several calls one per line; the union's root becomes the one-call rule.
+    assert one.startswith("root ::= "), one[:40]
+    return 'root ::= tool_call_one ("\\n" tool_call_one)*\ntool_call_one ::= ' + one.removeprefix("root ::= ")
+
+
+def _literal(text: str) -> xgr.Grammar:
+    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+
+
+__all__ = ["check_tools", "parses_tools", "renders_tools", "template_tools", "tool_choice", "tool_grammar"]
