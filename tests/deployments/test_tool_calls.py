@@ -1,0 +1,133 @@
+"""Tool calls through the deployed app with the `openai` client, on the tiny random checkpoint with a tool-capable
+chat template (tests/tool_template.py): "required" and a named tool give calls whose arguments validate against
+the tool's schema (random weights: the grammar's doing), the tool-result turn answers, a stream's deltas reassemble
+to the unstreamed answer, and every body is OpenAI's published shape."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.api_schema import assert_valid
+from tests.deployments.parity import deployed
+from tests.tool_template import with_tools_template
+
+pytestmark = pytest.mark.e2e
+
+# NOTE: bounded strings: a random model fills an unbounded one until max_tokens (valid, but cut).
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def app(ray_serve, app_args, checkpoint, tmp_path_factory):
+    tools_checkpoint = with_tools_template(checkpoint, tmp_path_factory.mktemp("tools") / "qwen2-vl-tiny")
+    with deployed(ray_serve, {**app_args, "encoder": {"colocated": True}}, tools_checkpoint, "tools") as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(app):
+    return openai.OpenAI(base_url=f"{app.base_url}v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _valid_calls(choice) -> list:
+    assert choice.finish_reason == "tool_calls", choice
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_") and len(call.id) == 29
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return choice.message.tool_calls
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_required_gives_valid_calls(oai, seed):
+    out = oai.chat.completions.create(
+        model="qwen2-vl-tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
+        max_tokens=300,
+    )  # fmt: skip
+    assert len(_valid_calls(out.choices[0])) >= 1 and out.choices[0].message.content is None
+
+
+def test_a_named_tool_gives_one_call_of_it(oai):
+    out = oai.chat.completions.create(
+        model="qwen2-vl-tiny", messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, temperature=1.0, seed=5,
+        max_tokens=300,
+    )  # fmt: skip
+    assert [c.function.name for c in _valid_calls(out.choices[0])] == ["get_weather"]
+
+
+def test_the_tool_result_turn_answers(oai):
+    first = oai.chat.completions.create(
+        model="qwen2-vl-tiny", messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=300
+    )
+    call = _valid_calls(first.choices[0])[0]
+    history = [
+        *MESSAGES,
+        first.choices[0].message.model_dump(exclude_none=True),  # the assistant's turn, as an agent loop sends it
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny"}'},
+    ]
+    second = oai.chat.completions.create(
+        model="qwen2-vl-tiny", messages=history, tools=TOOLS, temperature=0, max_tokens=8
+    )
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the call and its result are in the prompt: it grew by more than the call's arguments
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+
+
+def _body(**fields) -> dict:
+    return {"messages": MESSAGES, "tools": TOOLS, "temperature": 0, "max_tokens": 300, **fields}
+
+
+def test_streamed_deltas_reassemble_to_the_answer(app):
+    for choice in ("required", NAMED):
+        r = app.post("/v1/chat/completions", json=_body(tool_choice=choice))
+        assert r.status_code == 200, r.text
+        whole = r.json()
+        assert_valid("CreateChatCompletionResponse", whole)
+        chunks = _stream(app, _body(tool_choice=choice, stream=True))
+        calls: dict[int, dict] = {}
+        content, finish = "", None
+        for chunk in chunks:
+            assert_valid("CreateChatCompletionStreamResponse", chunk)
+            delta = chunk["choices"][0]["delta"]
+            content += delta.get("content") or ""
+            finish = chunk["choices"][0]["finish_reason"] or finish
+            for d in delta.get("tool_calls") or []:
+                if "id" in d:  # a call's first delta: id, type and name
+                    assert d["index"] == len(calls) and d["type"] == "function"
+                    calls[d["index"]] = {"name": d["function"]["name"], "arguments": ""}
+                calls[d["index"]]["arguments"] += d["function"]["arguments"]
+        message = whole["choices"][0]["message"]
+        assert finish == whole["choices"][0]["finish_reason"] == "tool_calls"
+        assert (content or None) == message["content"]
+        assert list(calls.values()) == [c["function"] for c in message["tool_calls"]]
+
+
+def _stream(client: httpx.Client, body: dict) -> list[dict]:
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
