@@ -61,7 +61,10 @@ def reserved_cpus() -> int:
     """
     if not ray.is_initialized():  # not in a Ray worker; and asking the runtime context would start (or join!) one
         return max(1, os.cpu_count() or 1)
-    return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+    try:
+        return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+    except AssertionError:  # Ray's "only available when the process is a worker": a driver
+        return max(1, os.cpu_count() or 1)
 
 
 # NOTE: the router is set here, not in serve_config.yaml: `serve deploy` imports a class path named in the YAML on

@@ -65,7 +65,7 @@ def _cases(server: str, port: int, root: Path) -> dict[str, tuple]:
             INVALID,
             "messages[0].role",
             None,
-            "'system', 'developer', 'user' or 'assistant'",
+            "'system', 'developer', 'user', 'assistant' or 'tool'",
         ),
         "unknown_part_type": (
             _user({"type": "audio", "audio": "x"}),
