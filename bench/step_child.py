@@ -29,6 +29,11 @@ except ImportError:  # a baseline from before the split (flat llm/)
     except ImportError:  # older still: no CPU kernels
         kernels = None
 
+try:  # trees whose model runner packs float32 linear weights for oneDNN
+    from llm.model.layers import pack_linears
+except ImportError:
+    pack_linears = None
+
 BS, NUM_BLOCKS = 16, 3000
 
 
@@ -55,6 +60,8 @@ def main() -> None:
         set_thread_intra_op_threads(threads)
         for dtype in dict.fromkeys(d for d, _ in cases):
             model = Qwen2LM.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
+            if pack_linears is not None:  # trees whose model runner packs float32 weights at start: the same here
+                pack_linears(model)
             cache = model.new_cache(NUM_BLOCKS, BS)
             for b in (b for d, b in cases if d == dtype):
                 chunks = _batch(b)

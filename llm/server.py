@@ -119,6 +119,7 @@ class LLM:
             cpu_threads=cpu_threads,
             cpu_threads_max=cpu_threads_max,
             cuda_graphs=llm_args.cuda_graphs,
+            cpu_packed_weights=llm_args.cpu_packed_weights,
         )
         self.engine = Engine(
             model,

@@ -121,6 +121,12 @@ class LLMArgs(_Strict):
         "other processes (encoders, ingress) leave cores idle, and gives them back when they want them; default: "
         "a fixed cpu_threads (on 2 cores, following the load measured slower: docs/engine.md).",
     )
+    cpu_packed_weights: bool = Field(
+        True,
+        description="On cpu in float32: the linear layers' weights are also held in oneDNN's packed layout, built at "
+        "start, and the GEMMs read that (faster for decode batches); costs a second copy of those weights in "
+        "memory (false: MKL's GEMM on the checkpoint's layout alone).",
+    )
     cuda_graphs: bool | None = Field(
         None,
         description="On cuda with one rank: decode-only steps replay CUDA graphs captured at start, one per "

@@ -55,6 +55,7 @@ class EngineConfig:
     cpu_threads_max: int | None = None  # above cpu_threads: the worker takes up to this many while the node is idle
     static_decode: bool | None = None  # decode-only steps through decode_step.py; None: on cuda with one rank
     cuda_graphs: bool | None = None  # replay them as CUDA graphs; None: on cuda with one rank
+    cpu_packed_weights: bool = True  # float32 on CPU, one rank: GEMMs on oneDNN-packed copies (layers.pack_linears)
 
     def __post_init__(self) -> None:
         assert self.num_blocks * self.block_size >= self.max_model_len, "the cache must hold one full sequence"
@@ -89,6 +90,7 @@ class Engine:
             max_model_len=config.max_model_len,
             static_decode=static or graphs,
             cuda_graphs=graphs,
+            packed_weights=config.cpu_packed_weights,
         )
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)

@@ -4,9 +4,11 @@ the forward pass, the logits of the rows that sample, and the sampled tokens. It
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from llm.engine.decode_step import StaticDecode
 from llm.engine.grammar import fill_bitmask
@@ -15,8 +17,11 @@ from llm.engine.scheduler import Chunk
 from llm.engine.sequence import Sequence
 from llm.model import cpu_kernels
 from llm.model.attention import BatchMeta, ChunkSpec
+from llm.model.layers import pack_linears
 from llm.model.merge import merge_image_embeds
 from schemas import TokenLogprob
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -40,11 +45,16 @@ class ModelRunner:
         max_model_len: int,
         static_decode: bool,
         cuda_graphs: bool,
+        packed_weights: bool = False,
     ):
         self.model, self.block_size = model, block_size
         self.device = model.lm_head.weight.device
         if self.device.type == "cpu":
             cpu_kernels.load()  # decode attention in place; built once per machine, loaded in ~1 s after
+            if packed_weights and isinstance(model, nn.Module):  # one rank (a ParallelLM's ranks keep torch's GEMM)
+                n = pack_linears(model)
+                if n:
+                    logger.info("%d float32 linear weights packed for oneDNN", n)
         self.cache = model.new_cache(num_blocks + static_decode, block_size)
         self.static = (
             StaticDecode(model, self.cache, max_num_seqs, max_model_len, cuda_graphs) if static_decode else None

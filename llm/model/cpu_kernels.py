@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import os
 import platform
 import threading
 import time
@@ -133,16 +134,41 @@ def paged_decode_cpu(
 
 
 # Rows up to which a linear goes to the kernel, per dtype: a bfloat16 decode batch (ATen's bfloat16 GEMM is a scalar
-# fallback without AVX-512-BF16); a prefill chunk keeps ATen's GEMM. NOTE: float32 stays MKL's: the kernel beat
-# sgemm on up to 8 rows of a cache-resident weight, but not in a whole decode step, which streams the weights from
-# memory; oneDNN on prepacked weights was faster but its primitive cache grew without bound (BENCHMARKS.md).
+# fallback without AVX-512-BF16); a prefill chunk keeps ATen's GEMM. float32 goes to oneDNN on prepacked weights
+# (`pack`) instead: our kernel beat MKL's sgemm on up to 8 rows of a cache-resident weight, but not in a whole decode
+# step, which streams the weights from memory (BENCHMARKS.md).
 MAX_LINEAR_ROWS = {torch.bfloat16: 64}
 
+# NOTE: oneDNN compiles a primitive per GEMM shape (row count x weight) and keeps it in two LRU caches, ideep's and
+# oneDNN's own, 1,024 entries each by default and up to a few MiB an entry: a replica that met every row count from 1
+# to 1,024 grew by 3 GiB. A step meets at most two row counts (its batch, the sampled rows) times five weight shapes,
+# so 16 entries keep its hits; a miss re-creates a primitive in about 0.2 ms. Both read these variables at their first
+# use, which is this process's first packed linear (an operator's own setting wins).
+ONEDNN_CACHE_ENTRIES = 16
+for _var in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
+    os.environ.setdefault(_var, str(ONEDNN_CACHE_ENTRIES))
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x (T, K), weight (N, K), bias), by the kernel where it applies (AVX2 builds, T <=
-    MAX_LINEAR_ROWS[dtype], K a multiple of 8), else by torch."""
+
+def can_pack() -> bool:
+    """Whether this torch can hold float32 linear weights in oneDNN's packed layout (`pack`)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight (N, K) in oneDNN's blocked layout for `linear(..., packed=)`: an opaque tensor, a second
+    copy. NOTE: ATen's float32 linear is MKL's sgemm, which repacks the weight on every call; a decode step's GEMMs
+    have few rows, so that repacking is a large share of them (vLLM's CPU backend prepacks for oneDNN too)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)  # laid out for ~32 rows; any count works
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear(x (T, K), weight (N, K), bias): by oneDNN on `packed` (pack(weight)) where given, by the bfloat16
+    kernel where it applies (AVX2 builds, T <= MAX_LINEAR_ROWS[dtype], K a multiple of 8), else by torch."""
     global calls
+    if packed is not None and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if (
         x.dim() == 2
         and x.shape[0] <= MAX_LINEAR_ROWS.get(x.dtype, 0)
@@ -157,4 +183,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return F.linear(x, weight, bias)
 
 
-__all__ = ["MAX_LINEAR_ROWS", "add_rms_norm", "available", "linear", "load", "on", "paged_decode_cpu", "rope_"]
+__all__ = [
+    "MAX_LINEAR_ROWS",
+    "add_rms_norm",
+    "available",
+    "can_pack",
+    "linear",
+    "load",
+    "on",
+    "pack",
+    "paged_decode_cpu",
+    "rope_",
+]

@@ -89,15 +89,32 @@ class Rotary:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose bfloat16 decode rows go to the CPU kernel (cpu_kernels.py) where it is built."""
+    """nn.Linear whose bfloat16 decode rows go to the CPU kernel (cpu_kernels.py) where it is built, and whose float32
+    GEMMs read oneDNN's packed copy of the weight once `pack_linears` made one."""
+
+    packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.linear(x, self.weight, self.bias)
+        return cpu_kernels.linear(x, self.weight, self.bias, self.packed)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """A packed copy (cpu_kernels.pack) of every float32 CPU linear weight of model; returns how many. The weights
+    themselves stay (the reference path, torch.compile, tensor-parallel loading read them)."""
+    linears = [m for m in model.modules() if isinstance(m, Linear | RowParallelLinear)]
+    todo = [m for m in linears if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    if not todo or not cpu_kernels.can_pack():
+        return 0
+    for m in todo:
+        m.packed = cpu_kernels.pack(m.weight)
+    return len(todo)
 
 
 class RowParallelLinear(nn.Module):
     """nn.Linear over this rank's slice of the input features: the ranks' partial products are summed (one
     all-reduce), then the bias is added once. With one rank it is nn.Linear."""
+
+    packed: torch.Tensor | None = None  # as Linear's
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
         super().__init__()
@@ -107,8 +124,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return cpu_kernels.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(cpu_kernels.linear(x, self.weight, None))  # (T, out)
+            return cpu_kernels.linear(x, self.weight, self.bias, self.packed)
+        y = self.tp.all_reduce(cpu_kernels.linear(x, self.weight, None, self.packed))  # (T, out)
         return y if self.bias is None else y + self.bias
 
 
@@ -156,4 +173,13 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(x, attn))
 
 
-__all__ = ["Attention", "DecoderLayer", "MLP", "RMSNorm", "Rotary", "RowParallelLinear", "interleave_rope_rows"]
+__all__ = [
+    "Attention",
+    "DecoderLayer",
+    "MLP",
+    "RMSNorm",
+    "Rotary",
+    "RowParallelLinear",
+    "interleave_rope_rows",
+    "pack_linears",
+]
