@@ -92,6 +92,7 @@ class Engine:
             cuda_graphs=graphs,
             packed_weights=config.cpu_packed_weights,
         )
+        self._check_peak_step()
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         # written by the worker only
@@ -107,6 +108,20 @@ class Engine:
         self.dead: BaseException | None = None  # set when a tensor-parallel rank is lost: the replica must restart
         self._closing = False
         threading.Thread(target=self._loop, name="llm-engine", daemon=True).start()
+
+    def _check_peak_step(self) -> None:
+        """The largest step the scheduler may run, once: out of memory here is an error that names the settings."""
+        c, t = self.config, time.perf_counter()
+        try:
+            tokens = self.runner.peak_step(c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len)
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            raise MemoryError(
+                f"one engine step of llm.max_num_batched_tokens={c.max_num_batched_tokens} tokens does not fit in "
+                f"memory beside the weights and the KV cache ({c.num_blocks} blocks of {c.block_size}): lower "
+                "llm.max_num_batched_tokens, or the KV cache (llm.gpu_memory_utilization, llm.cpu_kv_cache_gib, "
+                f"llm.kv_cache_tokens): {e}"
+            ) from e
+        logger.info("start-up step: %d tokens in %.0f ms", tokens, (time.perf_counter() - t) * 1e3)
 
     def stats(self) -> dict[str, float]:
         s = self.scheduler

@@ -56,9 +56,36 @@ class ModelRunner:
                 if n:
                     logger.info("%d float32 linear weights packed for oneDNN", n)
         self.cache = model.new_cache(num_blocks + static_decode, block_size)
+        self.cache_blocks = num_blocks  # the pool's; a static decode's extra one is its padding rows' null block
         self.static = (
             StaticDecode(model, self.cache, max_num_seqs, max_model_len, cuda_graphs) if static_decode else None
         )
+
+    def peak_step(self, tokens: int, rows: int, max_model_len: int) -> int:
+        """One forward of `tokens` prefill tokens (in chunks of at most max_model_len, as several sequences would
+        come) and the logits of `rows` of them: the largest step the scheduler may run, once at start, so that a
+        replica without the memory for it fails now and says which setting to lower, not under its first peak of
+        load (it also warms the GEMMs' caches). Writes KV into free blocks only. Returns the tokens it ran (fewer
+        when the cache holds fewer)."""
+        tokens = min(tokens, self.cache_blocks * self.block_size)
+        chunks, block = [], 0
+        for start in range(0, tokens, max_model_len):
+            n = min(max_model_len, tokens - start)
+            used = -(-n // self.block_size)
+            if block + used > self.cache_blocks:
+                break
+            chunks.append(ChunkSpec(list(range(block, block + used)), 0, n))
+            block += used
+        tokens = sum(c.n for c in chunks)
+        if tokens < 2:
+            return tokens
+        ids = torch.zeros(tokens, dtype=torch.long)
+        positions = torch.cat([torch.arange(c.n) for c in chunks]).expand(3, -1)
+        meta = BatchMeta.build(chunks, self.block_size, self.device)
+        with torch.inference_mode():
+            hidden = self.model(self.model.embed(ids), positions, self.cache, meta)
+            self.model.logits(hidden, list(range(tokens - min(rows, tokens), tokens))).sum().item()  # one sync
+        return tokens
 
     def _embed(self, chunk: Chunk) -> torch.Tensor:
         """Input embeddings of the chunk's tokens, image rows merged in: the one merge."""

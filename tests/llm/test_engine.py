@@ -218,3 +218,30 @@ def test_kv_cache_must_hold_one_full_sequence():
     assert num_kv_blocks(1 << 20, max_model_len=512, kv_cache_tokens=None, **kw) == 1024 // 16  # 1 GiB of 1 MiB tokens
     with pytest.raises(ValueError, match="holds 2048 tokens, fewer than max_model_len=4096"):
         num_kv_blocks(1024, max_model_len=4096, kv_cache_tokens=2048, **kw)
+
+
+def test_the_engine_runs_its_largest_step_once_at_start(model, reference, monkeypatch):
+    """max_num_batched_tokens=300 over a 256-token context: two sequences' chunks (256 + 44), before any request."""
+    seen, real = [], model.forward
+
+    def forward(embeds, positions, cache, meta):
+        seen.append((embeds.shape[0], positions.shape))
+        return real(embeds, positions, cache, meta)
+
+    monkeypatch.setattr(model, "forward", forward)
+    engine = make_engine(model, reference, max_model_len=256, max_num_batched_tokens=300, num_blocks=64)
+    assert seen == [(300, (3, 300))]
+    assert engine.pool.num_free == engine.pool.num_blocks  # the step's KV went to free blocks, none kept
+    ours, _ = asyncio.run(collect(engine, _seq([5, 6, 7], max_tokens=4)))
+    monkeypatch.undo()
+    assert ours == asyncio.run(collect(make_engine(model, reference), _seq([5, 6, 7], max_tokens=4)))[0]
+    engine.close()
+
+
+def test_a_step_that_does_not_fit_fails_the_start_and_names_the_setting(model, reference, monkeypatch):
+    def forward(embeds, positions, cache, meta):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(model, "forward", forward)
+    with pytest.raises(MemoryError, match=r"llm\.max_num_batched_tokens=1024 tokens does not fit"):
+        make_engine(model, reference, max_num_batched_tokens=1024)
