@@ -139,8 +139,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "day
 def test_auto_parses_the_call_the_model_writes(oai):
     """`auto`: the model answers freely, and the hermes block it writes is parsed out of its text, streamed or not.
     A random model writes no call of itself, and logit_bias cannot make it write one: a bias holds for the whole
-    answer, one value per token, while a call is 70 tokens of the tiny BPE (37 distinct) in one order (`"`,
-    newlines). So the sampling is held to the text by vLLM's structured_outputs (a choice of one string): the tokens
+    answer, one value per token, while a call is 70 tokens of the tiny BPE in one order, 37 distinct ones, with
+    repeats. So the sampling is held to the text by vLLM's structured_outputs (a choice of one string): the tokens
     are still sampled and detokenized as any answer's, and the parser sees only that text."""
     answer = "Let me check.\n" + CALL
     ask = dict(
