@@ -62,9 +62,12 @@ def sampling_params(
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, default)
 
+    temperature = pick("temperature", 1.0)
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=pick("temperature", 1.0),
+        # NOTE: as vLLM (_SAMPLING_EPS): below 1e-5 is greedy. Checkpoints ask for 1e-6 in generation_config.json, and
+        # a float32 row divided by a subnormal temperature is inf and NaN.
+        temperature=temperature if temperature >= 1e-5 else 0.0,
         top_p=pick("top_p", 1.0),
         top_k=max(int(pick("top_k", 0)), 0),
         seed=seed,

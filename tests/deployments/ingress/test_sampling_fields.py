@@ -107,3 +107,15 @@ def test_the_vocabulary_is_the_tokenizers_within_the_logits(prep, checkpoint):
     prep.check(parse(ChatCompletionRequest, {"messages": MESSAGES, "logit_bias": {str(n - 1): 1}}))
     with pytest.raises(InvalidRequest):
         prep.check(parse(ChatCompletionRequest, {"messages": MESSAGES, "logit_bias": {str(n): 1}}))
+
+
+@pytest.mark.parametrize(("temperature", "used"), [(1e-300, 0.0), (9e-6, 0.0), (1e-5, 1e-5), (0.5, 0.5)])
+def test_a_temperature_below_vllms_epsilon_is_greedy(temperature, used):
+    req = parse(ChatCompletionRequest, {"messages": MESSAGES, "temperature": temperature})
+    assert sampling_params(req, 16, 0, None, {}).temperature == used
+    assert (
+        sampling_params(
+            parse(ChatCompletionRequest, {"messages": MESSAGES}), 16, 0, None, {"temperature": 1e-6}
+        ).temperature
+        == 0.0
+    )
