@@ -34,7 +34,7 @@ class RowState:
         device: torch.device,
     ) -> RowState:
         """`stop_token_ids`: the sequence's (EOS unless it ignores EOS, and the request's own)."""
-        stops = sorted(t for t in stop_token_ids if t < vocab_size) if params.min_tokens else []  # others never come
+        stops = sorted(t for t in stop_token_ids if 0 <= t < vocab_size) if params.min_tokens else []  # others: never
         seen = None
         if params.repetition_penalty != 1.0:
             seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)

@@ -139,3 +139,14 @@ def test_sample_honours_the_bias_whatever_the_temperature(temperature):
     gens = [torch.Generator().manual_seed(i) if temperature else None for i in range(3)]
     tokens, _ = sample(_logits(3, seed=7), params, gens, states_for(params, V))
     assert tokens == [33, 33, 33]
+
+
+def test_min_tokens_leaves_stop_ids_outside_the_logits_alone():
+    """stop_token_ids the request may send (-1, past the vocabulary) are no tokens: a negative index must not wrap
+    around to mask the last one."""
+    params = [SamplingParams(8, min_tokens=2)]
+    state = RowState.start(params[0], [1], frozenset({-1, 17, V + 5}), V, torch.device("cpu"))
+    logits = _logits(1, seed=8)
+    ours = logits.clone()
+    apply_before_temperature(ours, params, [state], [True])
+    assert torch.isinf(ours[0, 17]) and int(torch.isinf(ours).sum()) == 1
