@@ -192,6 +192,11 @@ class AppArgs(_Strict):
     )
     device: Device = Field("auto", description="auto: cuda in each replica that was given a GPU, else cpu; or set one.")
     dtype: DType = Field("auto", description="Weights and activations: bfloat16 on cuda, float32 on cpu when auto.")
+    generation_config: Literal["auto", "vllm"] = Field(
+        "auto",
+        description="auto: a request that leaves temperature, top_p, top_k, min_p or repetition_penalty out gets the "
+        "checkpoint's generation_config.json value; vllm: the API's own defaults (vLLM's --generation-config).",
+    )
     limits: Limits = Field(default_factory=Limits, description="Input limits; every one gets a 4xx past it.")
     encoder: EncoderArgs = Field(default_factory=EncoderArgs, description="Encoder replica settings.")
     llm: LLMArgs = Field(default_factory=LLMArgs, description="Language-model replica settings.")

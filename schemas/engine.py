@@ -18,6 +18,10 @@ class SamplingParams:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # over the prompt and the output, as transformers and vLLM; 1: off
+    min_p: float = 0.0  # 0: off
+    min_tokens: int = 0  # the stop tokens (EOS unless ignored, stop_token_ids) are masked until this many
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: bool = False
@@ -30,10 +34,8 @@ class SamplingParams:
         assert self.max_tokens >= 1, self.max_tokens
         assert 0.0 <= self.temperature and 0.0 < self.top_p <= 1.0, (self.temperature, self.top_p)
         assert self.top_k >= 0 and 0 <= self.top_logprobs <= 20, (self.top_k, self.top_logprobs)
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        assert self.repetition_penalty > 0.0 and 0.0 <= self.min_p <= 1.0, (self.repetition_penalty, self.min_p)
+        assert 0 <= self.min_tokens <= self.max_tokens, (self.min_tokens, self.max_tokens)
 
 
 @dataclass(slots=True)

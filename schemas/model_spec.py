@@ -28,6 +28,9 @@ class ModelSpec:
     processing: ImageProcessing  # an image's size -> its tokens (merge_size, max_image_tokens)
     max_model_len: int  # the context: admission at the ingress, the KV cache at the LLM
     eos_token_ids: frozenset[int]
+    # generation_config.json's sampling values (temperature, top_p, top_k, min_p, repetition_penalty): the defaults
+    # of a request that leaves them out; empty with `generation_config: vllm`
+    sampling_defaults: dict[str, float]
     device: str  # "cpu" or "cuda", resolved in this process
     dtype: torch.dtype
 
@@ -48,6 +51,7 @@ class ModelSpec:
         max_model_len: int | None = None,
         device: str = "auto",
         dtype: str = "auto",
+        generation_config: str = "auto",
     ) -> ModelSpec:
         """An unsupported checkpoint, or a `max_model_len` over the checkpoint's positions, raises `ValueError`."""
         # NOTE: imported here: the registry imports every family's modules, and the encoders import schemas.
@@ -61,6 +65,10 @@ class ModelSpec:
             config = AutoConfig.for_model(family, **{k: v for k, v in config_dict.items() if k != "model_type"})
         text = getattr(config, "text_config", config)
         dev = resolve_device(device, torch.cuda.is_available())
+        try:
+            generation = GenerationConfig.from_pretrained(model_dir)
+        except OSError:  # no generation_config.json
+            generation = None
         return cls(
             str(model_dir),
             config,
@@ -68,7 +76,8 @@ class ModelSpec:
             fam.image_tokens(config),
             fam.processing.from_pretrained(model_dir, config),
             resolve_max_model_len(max_model_len, text.max_position_embeddings),
-            frozenset(eos_token_ids(model_dir, config)),
+            frozenset(eos_token_ids(generation, config)),
+            sampling_defaults(generation) if generation_config == "auto" else {},
             dev,
             getattr(torch, resolve_dtype(dtype, dev)),
         )
@@ -76,17 +85,41 @@ class ModelSpec:
     @classmethod
     def from_args(cls, args: AppArgs) -> ModelSpec:
         return cls.load(
-            args.model, family=args.family, max_model_len=args.llm.max_model_len, device=args.device, dtype=args.dtype
+            args.model,
+            family=args.family,
+            max_model_len=args.llm.max_model_len,
+            device=args.device,
+            dtype=args.dtype,
+            generation_config=args.generation_config,
         )
 
 
-def eos_token_ids(model_dir: str | Path, config: Any) -> set[int]:
+def eos_token_ids(generation: GenerationConfig | None, config: Any) -> set[int]:
     """generation_config.json's EOS ids (what transformers' generate stops on), else the config's."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:  # no generation_config.json
+    if generation is not None:
+        eos = generation.eos_token_id
+    else:  # no generation_config.json
         eos = getattr(getattr(config, "text_config", config), "eos_token_id", None)
     return set([eos] if isinstance(eos, int) else eos or [])
 
 
-__all__ = ["ModelSpec", "eos_token_ids"]
+# The values vLLM's `--generation-config auto` takes from the file as its default sampling parameters (max_new_tokens
+# aside: here the default max_tokens stays the room left in the context).
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation: GenerationConfig | None) -> dict[str, float]:
+    """The sampling values generation_config.json sets (transformers 5 leaves the others None)."""
+    if generation is None:
+        return {}
+    out = {k: v for k in SAMPLING_KEYS if (v := getattr(generation, k, None)) is not None}
+    t, p, k, m, r = (out.get(k) for k in SAMPLING_KEYS)
+    if not (
+        (t is None or t >= 0) and (p is None or 0 < p <= 1) and (k is None or k >= -1)
+        and (m is None or 0 <= m <= 1) and (r is None or r > 0)
+    ):  # fmt: skip
+        raise ValueError(f"generation_config.json has sampling values out of range: {out}")
+    return out
+
+
+__all__ = ["SAMPLING_KEYS", "ModelSpec", "eos_token_ids", "sampling_defaults"]

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.messages import (  # re-exported: the request's message models live there
     ImagePart,
@@ -16,6 +16,7 @@ from schemas.messages import (  # re-exported: the request's message models live
     ToolChoice,
     _Tolerant,
 )
+from schemas.sampling import SamplingFields
 
 
 class JsonSchemaSpec(_Tolerant):
@@ -50,28 +51,20 @@ class StreamOptions(_Tolerant):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Tolerant):
+class ChatCompletionRequest(SamplingFields):
+    """The sampling fields are SamplingFields' (schemas/sampling.py)."""
+
     model: str | None = Field(None, description="Must name the served model when given.")
     messages: list[Message] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: list[str] = Field(default_factory=list, description="Up to max_stop strings; a string means one.")
     n: int = Field(1, ge=1, description="Choices to generate; at most the server's max_n.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    # Extensions, as in vLLM: top_k (0 or -1: off); stop_token_ids; return the prompt and completion token ids
-    # (for parity checks and debugging); keep generating past EOS (benchmarks that need exact output lengths).
-    top_k: int = Field(0, ge=-1)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    # vLLM's extension: return the prompt and completion token ids (for parity checks and debugging).
     return_token_ids: bool = False
-    ignore_eos: bool = False
     context_overflow: Literal["error", "drop_oldest_turns"] | None = Field(
         None, description="Over the context: a 400, or drop the oldest whole turns; default: the server's setting."
     )
@@ -89,18 +82,6 @@ class ChatCompletionRequest(_Tolerant):
         if isinstance(data, dict) and any(data.get(f"guided_{k}") is not None for k in kinds):
             data = {**data, "structured_outputs": {k: data[f"guided_{k}"] for k in kinds if f"guided_{k}" in data}}
         return data
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_list(cls, v: Any) -> Any:
-        return [] if v is None else [v] if isinstance(v, str) else v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_not_empty(cls, v: list[str]) -> list[str]:
-        if any(s == "" for s in v):
-            raise ValueError("stop strings must not be empty")
-        return v
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:

@@ -1,8 +1,8 @@
-"""Token ids back to text as they stream: multi-byte characters stay whole, stop strings cut the text."""
+"""Token ids back to text as they stream: multi-byte characters stay whole, stop strings cut the text (or end it,
+with `include_stop_str_in_output`), special tokens skipped or not (`skip_special_tokens`), as vLLM's detokenizer."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,9 +32,9 @@ class IncrementalDetokenizer:
     """Emits only text that can no longer change: a partial UTF-8 character (U+FFFD at the end) waits."""
 
     # The prefix/read offsets idea follows text-generation-inference's incremental decoding.
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self._decode = decoder(tokenizer, skip_special_tokens=True)
+        self._decode = decoder(tokenizer, skip_special_tokens)
         self.token_ids: list[int] = []
         self._prefix = 0  # start of the window decoded for context
         self._read = 0  # end of the text already emitted
@@ -60,37 +60,48 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    """Holds back just enough text to see a stop string that spans chunks; cuts before the first match."""
+    """Holds back just enough text to see a stop string that spans chunks; cuts before the first match, or after it
+    with `include` (then nothing needs holding back: the text before a match is sent either way)."""
 
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        # One search for all the stop strings: the leftmost match of the alternation is the first of them.
-        self._pattern = re.compile("|".join(map(re.escape, stops))) if stops else None
-        self._hold = max((len(s) for s in stops), default=1) - 1
-        self._buffer = ""
+    def __init__(self, stops: list[str], include: bool = False):
+        self.stops, self.include = stops, include
+        self._hold = max((len(s) for s in stops), default=1) - 1  # a match may start this far back
+        self._buffer = ""  # the last `_hold` characters seen, the context of the next search
+        self._sent = 0  # how many of them were sent already (with `include`)
         self.stopped = False
 
-    def feed(self, text: str) -> str:
+    def _first_match(self, text: str, new_from: int) -> tuple[int, int] | None:
+        """(start, end) of the leftmost stop string in `text` that ends after `new_from` (in the new text; one that
+        ended before was either found then or ended before the matcher was armed), the first listed on a tie."""
+        best = None
+        for stop in self.stops:
+            i = text.find(stop, max(0, new_from - len(stop) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, i + len(stop))
+        return best
+
+    def feed(self, text: str, armed: bool = True) -> str:
         """The text that is now safe to send. Only the held-back tail and `text` are searched: the buffer never
-        keeps more than the longest stop string less one character."""
-        if self._pattern is None:
+        keeps more than the longest stop string less one character. Not `armed` (before min_tokens, as vLLM): no
+        stop string ends the text yet, but the tail is kept, since a later match may start in it."""
+        if not self.stops:
             return text
         if self.stopped:
             return ""
         buffer = self._buffer + text
-        hit = self._pattern.search(buffer)
+        hit = self._first_match(buffer, len(self._buffer)) if armed else None
         if hit is not None:
             self._buffer, self.stopped = "", True
-            return buffer[: hit.start()]
-        cut = len(buffer) - self._hold
-        if cut <= 0:
-            self._buffer = buffer
-            return ""
-        self._buffer = buffer[cut:]
-        return buffer[:cut]
+            return buffer[self._sent : hit[1] if self.include else hit[0]]
+        keep = min(self._hold, len(buffer))
+        end = len(buffer) if self.include else len(buffer) - keep
+        out = buffer[self._sent : end]
+        self._buffer, self._sent = buffer[len(buffer) - keep :], max(0, end - (len(buffer) - keep))
+        return out
 
     def flush(self) -> str:
-        out, self._buffer = ("" if self.stopped else self._buffer), ""
+        out = "" if self.stopped else self._buffer[self._sent :]
+        self._buffer, self._sent = "", 0
         return out
 
 
@@ -104,27 +115,44 @@ class TextDelta:
 
 
 class OutputProcessor:
-    """One choice's token chunks -> text deltas: incremental text, stop strings, the finish reason."""
+    """One choice's token chunks -> text deltas: incremental text, stop strings, the finish reason. As vLLM's:
+    stop strings end the text only after `min_tokens` tokens; the text of the stop token that ended a choice (EOS,
+    a stop_token_ids token) is left out, and the stop string cut off, unless `include_stop` (vLLM's
+    include_stop_str_in_output)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str]):
-        self.detok, self.stop = IncrementalDetokenizer(tokenizer), StopMatcher(stops)
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        stops: list[str],
+        *,
+        min_tokens: int = 0,
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ):
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.stop = StopMatcher(stops, include_stop)
+        self.min_tokens, self.include_stop, self.num_tokens = min_tokens, include_stop, 0
 
     def feed(self, chunk: TokenChunk) -> TextDelta:
         ids, logprobs = chunk.token_ids, chunk.logprobs
+        # The engine's "stop" is a stop token, the chunk's last one: its text is not the answer's (vLLM's rule).
+        n_text = len(ids) - 1 if chunk.finish_reason == "stop" and ids and not self.include_stop else len(ids)
         if self.stop.stops and len(ids) > 1:
             # A token at a time: a stop string ends the choice at the token that completed it, so the tokens the
             # engine made after it in the same chunk (token_ids, logprobs, usage, grounding boxes) are not the
             # answer's. As vLLM: the completion's tokens run up to and including that token.
             text = ""
             for i, token in enumerate(ids):
-                text += self.stop.feed(self.detok.add([token]))
+                armed = self.num_tokens + i + 1 > self.min_tokens
+                text += self.stop.feed(self.detok.add([token] if i < n_text else []), armed)
                 if self.stop.stopped:
                     ids, logprobs = ids[: i + 1], logprobs[: i + 1] if logprobs is not None else None
                     break
         else:
-            text = self.stop.feed(self.detok.add(ids))
+            text = self.stop.feed(self.detok.add(ids[:n_text]), self.num_tokens + len(ids) > self.min_tokens)
+        self.num_tokens += len(ids)
         if chunk.finish_reason is not None and not self.stop.stopped:
-            text += self.stop.feed(self.detok.flush())
+            text += self.stop.feed(self.detok.flush(), self.num_tokens > self.min_tokens)
             text += self.stop.flush()
         finish = "stop" if self.stop.stopped else chunk.finish_reason
         return TextDelta(text, ids, finish, logprobs, chunk.num_cached_tokens)

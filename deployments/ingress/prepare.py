@@ -51,16 +51,32 @@ def image_params(req: ChatCompletionRequest) -> list[tuple[int, str, str]]:
     ]
 
 
-def sampling_params(req: ChatCompletionRequest, max_tokens: int, choice: int, grammar: str | None) -> SamplingParams:
+def sampling_params(
+    req: ChatCompletionRequest, max_tokens: int, choice: int, grammar: str | None, defaults: dict[str, float]
+) -> SamplingParams:
+    """The engine's parameters of choice `choice`; a field the request leaves out takes `defaults`' value (the
+    checkpoint's generation_config.json, ModelSpec.sampling_defaults) where it has one, else the API's default."""
     seed = None if req.seed is None else (req.seed + choice) % 2**63  # n choices differ, each reproducible
+
+    def pick(name: str, default: float) -> float:
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, default)
+
+    temperature = pick("temperature", 1.0)
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=max(req.top_k, 0),
+        # NOTE: as vLLM (_SAMPLING_EPS): below 1e-5 is greedy. Checkpoints ask for 1e-6 in generation_config.json, and
+        # a float32 row divided by a subnormal temperature is inf and NaN.
+        temperature=temperature if temperature >= 1e-5 else 0.0,
+        top_p=pick("top_p", 1.0),
+        top_k=max(int(pick("top_k", 0)), 0),
         seed=seed,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
+        repetition_penalty=pick("repetition_penalty", 1.0),
+        min_p=pick("min_p", 0.0),
+        min_tokens=req.min_tokens,
+        logit_bias=dict(req.logit_bias),
         stop_token_ids=frozenset(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
         logprobs=req.logprobs,
@@ -97,6 +113,8 @@ class Preparer:
         self.typed_content = needs_typed_content(self.tokenizer)  # llava-hf's templates drop string contents
         self.renders_tools = renders_tools(self.tokenizer)
         self.max_model_len = spec.max_model_len
+        self.sampling_defaults = spec.sampling_defaults  # generation_config.json's, read once with the spec
+        self.vocab_size = min(len(self.tokenizer), spec.text_config.vocab_size)  # ids that are tokens and logits
 
     def check(self, req: ChatCompletionRequest) -> None:
         """The cheap checks, before any image is read or fetched."""
@@ -114,6 +132,14 @@ class Preparer:
             )
         if req.n > limits.max_n:
             raise InvalidRequest(f"n={req.n} is over the limit of {limits.max_n}", param="n")
+        if outside := [t for t in req.logit_bias if not 0 <= t < self.vocab_size]:  # vLLM refuses them too
+            raise InvalidRequest(
+                f"logit_bias: token id {outside[0]} is outside the vocabulary of {self.vocab_size}", param="logit_bias"
+            )
+        if req.requested_max_tokens is not None and req.min_tokens > req.requested_max_tokens:
+            raise InvalidRequest(
+                f"min_tokens {req.min_tokens} is over max_tokens {req.requested_max_tokens}", param="min_tokens"
+            )
         check_tools(req, self.renders_tools)
         params = image_params(req)
         if len(params) > self.max_images:
@@ -201,6 +227,11 @@ class Preparer:
         return p.max_tokens >= 1 and len(p.prompt) + p.max_tokens <= self.max_model_len
 
     def _checked(self, req: ChatCompletionRequest, p: Prepared, grammar: str | None) -> Prepared:
+        if self._fits(req, p) and req.min_tokens > p.max_tokens:  # max_tokens left out: the room left
+            raise InvalidRequest(
+                f"min_tokens {req.min_tokens} is over the {p.max_tokens} tokens left in the context after the prompt",
+                param="min_tokens",
+            )
         if not self._fits(req, p):
             asked = f" + max_tokens {p.max_tokens}" if req.requested_max_tokens else ""
             dropped = f" (after dropping the {p.dropped_messages} oldest messages)" if p.dropped_messages else ""

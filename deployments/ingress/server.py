@@ -232,7 +232,7 @@ class Ingress:
                 p.prompt,
                 p.grids,
                 refs,
-                sampling_params(req, p.max_tokens, i, p.grammar),
+                sampling_params(req, p.max_tokens, i, p.grammar, self.prep.sampling_defaults),
                 p.image_keys,
                 p.images if self.encoder is None else [],
                 p.routing_key or None,
@@ -243,7 +243,7 @@ class Ingress:
         for route_timeout_s in (None, FAILOVER_ROUTE_S):
             call = self.llm.options(stream=True).generate.remote
             streams = [
-                self._events(TokenStream(self.hub, call(r), r.request_id, route_timeout_s), req.stop) for r in requests
+                self._events(TokenStream(self.hub, call(r), r.request_id, route_timeout_s), req) for r in requests
             ]
             try:
                 return streams, list(await asyncio.gather(*(anext(s) for s in streams)))
@@ -255,9 +255,16 @@ class Ingress:
                 self.counts["llm_retries"] += 1
         raise AssertionError("unreachable")
 
-    async def _events(self, gen: TokenStream, stops: list[str]) -> AsyncIterator[TextDelta]:
+    async def _events(self, gen: TokenStream, req: ChatCompletionRequest) -> AsyncIterator[TextDelta]:
         """One choice's token chunks -> text deltas; a stop string ends it (and cancels its generation)."""
-        out, engine_done = OutputProcessor(self.tokenizer, stops), False
+        out = OutputProcessor(
+            self.tokenizer,
+            req.stop,
+            min_tokens=req.min_tokens,
+            include_stop=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+        engine_done = False
         try:
             async for chunk in gen:
                 engine_done = chunk.finish_reason is not None

@@ -161,7 +161,7 @@ class Engine:
             max_model_len=self.config.max_model_len,
             image_token_id=self.image_token_id,
             merge_size=self.merge_size,
-            mrope=self.model.config.mrope_section is not None,
+            lm_config=self.model.config,
             device=self.runner.device,
             eos_token_ids=self.eos_token_ids,
             grammar=grammar,

@@ -12,6 +12,7 @@ from torch import nn
 
 from llm.engine.decode_step import StaticDecode
 from llm.engine.grammar import fill_bitmask
+from llm.engine.logits import RowState
 from llm.engine.sampling import sample
 from llm.engine.scheduler import Chunk
 from llm.engine.sequence import Sequence
@@ -143,14 +144,13 @@ class ModelRunner:
     ) -> list[Sampled]:
         """logits (B, V) of `seqs`, in order -> their next tokens (one host sync for the batch)."""
         for s in seqs:
-            if s.params.has_penalties and s.output_counts is None:
-                s.output_counts = torch.zeros(logits.shape[-1], device=logits.device)
-        tokens, logprobs = sample(
-            logits, [s.params for s in seqs], [s.generator for s in seqs], [s.output_counts for s in seqs], mask
-        )
-        for s, token in zip(seqs, tokens, strict=True):
-            if s.output_counts is not None:
-                s.output_counts[token] += 1
+            if s.logits_state is None:  # its first sampling: the logits' width and device are known now
+                prompt = s.token_ids[: s.prompt_len]
+                s.logits_state = RowState.start(s.params, prompt, s.stop_token_ids, logits.shape[-1], logits.device)
+        states = [s.logits_state for s in seqs]
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], states, mask)
+        for state, token in zip(states, tokens, strict=True):
+            state.add(token)
         return [Sampled(s, t, lp) for s, t, lp in zip(seqs, tokens, logprobs, strict=True)]
 
 

@@ -1,12 +1,13 @@
-"""Next tokens for a whole batch, each row with its own settings: greedy, temperature, top-k, top-p, penalties,
-a grammar's token bitmask, a per-request seed (the same tokens whatever the batch neighbours), and logprobs of the
-raw distribution."""
+"""Next tokens for a whole batch, each row with its own settings: the logits processors (logits.py: logit_bias,
+min_tokens, penalties), a grammar's token bitmask, greedy or temperature, min_p, top-k, top-p, a per-request seed
+(the same tokens whatever the batch neighbours), and logprobs of the raw distribution."""
 
 from __future__ import annotations
 
 import torch
 
 from llm.engine.grammar import apply_bitmask
+from llm.engine.logits import RowState, apply_before_temperature, apply_min_p
 from schemas import SamplingParams, TokenLogprob
 
 
@@ -37,18 +38,18 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-    output_counts: list[torch.Tensor | None],
+    states: list[RowState],
     grammar_mask: tuple[torch.Tensor, list[int]] | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits (B, V) float32 -> one token id per row (one host sync for the batch), and logprobs where asked.
+    `states`: each row's token history (logits.RowState; the caller adds the sampled tokens to it).
     `grammar_mask`: (bitmask, rows) from grammar.fill_bitmask; those rows sample only the tokens it allows."""
     B, V = logits.shape
     device = logits.device
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs for p in params) else None
-    for i, (p, counts) in enumerate(zip(params, output_counts, strict=True)):
-        if p.has_penalties and counts is not None:  # OpenAI's: over the tokens generated so far
-            logits[i] -= p.presence_penalty * (counts > 0) + p.frequency_penalty * counts
-    if grammar_mask is not None:  # after the penalties, as vLLM; the logprobs above stay the raw distribution's
+    grammar_rows = set(grammar_mask[1]) if grammar_mask is not None else set()
+    apply_before_temperature(logits, params, states, [i not in grammar_rows for i in range(B)])
+    if grammar_mask is not None:  # after the penalties; the logprobs above stay the raw distribution's
         apply_bitmask(logits, *grammar_mask)
     tokens = torch.empty(B, dtype=torch.long, device=device)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
@@ -58,6 +59,8 @@ def sample(
     if rand:
         temps = torch.tensor([params[i].temperature for i in rand], device=device)
         x = logits[rand] / temps[:, None]  # (R, V)
+        if any(params[i].min_p > 0.0 for i in rand):  # after the temperature, before top-k/top-p (vLLM's order)
+            x = apply_min_p(x, torch.tensor([params[i].min_p for i in rand], device=device))
         if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rand):
             top_k = torch.tensor([params[i].top_k or V for i in rand], device=device)
             top_p = torch.tensor([params[i].top_p for i in rand], device=device)

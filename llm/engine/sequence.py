@@ -7,12 +7,14 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from xgrammar import CompiledGrammar, GrammarMatcher
 
 from llm.engine.block_pool import block_hash
 from llm.engine.grammar import new_matcher
+from llm.engine.logits import RowState
 from llm.engine.sampling import make_generator
 from llm.model.positions import linear_positions, mrope_positions
 from schemas import GenerateRequest, InvalidRequest, SamplingParams
@@ -38,7 +40,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached: int | None = None  # prompt tokens found in the prefix cache when first admitted
-    output_counts: torch.Tensor | None = None  # (V,) generated-token counts, for penalties
+    logits_state: RowState | None = None  # its token history for the logits processors, from its first sampling
     arrived_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # first step with this sequence in it
     last_token_at: float | None = None
@@ -99,13 +101,17 @@ def make_sequence(
     max_model_len: int,
     image_token_id: int,
     merge_size: int,
-    mrope: bool,
+    lm_config: Any,  # the decoder's: M-RoPE when it has an mrope_section; its vocabulary
     device: torch.device,
     eos_token_ids: frozenset[int] = frozenset(),
     grammar: CompiledGrammar | None = None,
 ) -> Sequence:
-    """The request's checks (context length, embedding rows against placeholders and grids), then its state."""
+    """The request's checks (context length, logit_bias's tokens, embedding rows against placeholders and grids),
+    then its state."""
     n_prompt, n_max = len(inp.prompt_token_ids), inp.sampling.max_tokens
+    bias, vocab_size, mrope = inp.sampling.logit_bias, lm_config.vocab_size, lm_config.mrope_section is not None
+    if bias and not (0 <= min(bias) and max(bias) < vocab_size):  # the ingress checked: a second line of defence
+        raise InvalidRequest(f"logit_bias names tokens outside the vocabulary of {vocab_size}", param="logit_bias")
     if n_prompt == 0:
         raise InvalidRequest("the prompt is empty")
     if n_prompt + n_max > max_model_len:

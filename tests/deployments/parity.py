@@ -42,10 +42,10 @@ CASES = {
 
 
 def reference_generate(
-    checkpoint, reference, conversation, max_tokens: int = MAX_TOKENS
+    checkpoint, reference, conversation, max_tokens: int = MAX_TOKENS, **generate_kw
 ) -> tuple[list[int], list[int]]:
-    """transformers' own pipeline: chat template, processor grids, placeholder expansion, generate.
-    -> (prompt token ids, greedy completion token ids)."""
+    """transformers' own pipeline: chat template, processor grids, placeholder expansion, generate (with
+    `generate_kw`: repetition_penalty=...). -> (prompt token ids, greedy completion token ids)."""
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     processor = AutoImageProcessor.from_pretrained(checkpoint)
     messages, images = [], []
@@ -76,6 +76,7 @@ def reference_generate(
             do_sample=False,
             max_new_tokens=max_tokens,
             **kwargs,
+            **generate_kw,
         )
     return ids, out[0, len(ids) :].tolist()
 

@@ -131,3 +131,39 @@ def _stream(client: httpx.Client, body: dict) -> list[dict]:
         events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+
+
+def test_auto_parses_the_call_the_model_writes(oai):
+    """`auto`: the model answers freely, and the hermes block it writes is parsed out of its text, streamed or not.
+    A random model writes no call of itself, and logit_bias cannot make it write one: a bias holds for the whole
+    answer, one value per token, while a call is 70 tokens of the tiny BPE in one order, 37 distinct ones, with
+    repeats. So the sampling is held to the text by vLLM's structured_outputs (a choice of one string): the tokens
+    are still sampled and detokenized as any answer's, and the parser sees only that text."""
+    answer = "Let me check.\n" + CALL
+    ask = dict(
+        model="qwen2-vl-tiny", messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=120,
+        extra_body={"structured_outputs": {"choice": [answer]}},
+    )  # fmt: skip
+    plain = oai.chat.completions.create(**ask, tool_choice="none")  # not parsed: the text as the model wrote it
+    assert plain.choices[0].message.content == answer and plain.choices[0].finish_reason == "stop"
+    assert not plain.choices[0].message.tool_calls
+    out = oai.chat.completions.create(**ask, tool_choice="auto")
+    [call] = _valid_calls(out.choices[0])
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    assert out.choices[0].message.content == "Let me check."
+    content, calls, finish = "", {}, None
+    for chunk in oai.chat.completions.create(**ask, tool_choice="auto", stream=True):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        finish = choice.finish_reason or finish
+        for d in choice.delta.tool_calls or []:
+            if d.id is not None:
+                calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+            calls[d.index]["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls" and content.strip() == "Let me check."
+    [streamed] = calls.values()
+    assert streamed["name"] == "get_weather" and json.loads(streamed["arguments"]) == {"city": "Paris", "days": 2}
+    assert streamed["id"].startswith("call_")

@@ -6,6 +6,7 @@ import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from llm import Engine, EngineConfig
+from llm.engine.logits import RowState
 from schemas import GenerateRequest, SamplingParams
 from tests.helpers import make_image
 
@@ -22,6 +23,11 @@ def make_engine(model, reference, load_tokenizer=None, **kw) -> Engine:
         eos_token_ids=eos,
         load_tokenizer=load_tokenizer,
     )
+
+
+def states_for(params: list[SamplingParams], vocab_size: int, prompt: list[int] = (), stops=frozenset()):
+    """Each row's logits state at its first sampling (`sample`'s `states`), on the CPU."""
+    return [RowState.start(p, list(prompt), frozenset(stops), vocab_size, torch.device("cpu")) for p in params]
 
 
 def request_for(

@@ -17,7 +17,7 @@ from deployments.ingress.structured import json_grammar
 from llm.engine import sample
 from llm.engine.grammar import apply_bitmask
 from schemas import GenerateRequest, InvalidRequest, SamplingParams
-from tests.llm.reference import collect, make_engine
+from tests.llm.reference import collect, make_engine, states_for
 
 SCHEMA = {
     "type": "object",
@@ -72,10 +72,10 @@ def test_a_masked_token_is_never_sampled_and_free_rows_are_unchanged():
         SamplingParams(8, temperature=1.5, seed=1),
         SamplingParams(8, temperature=0.0),
     ]
-    free, _ = sample(logits.clone(), params, [None, None, None], [None] * 3)
+    free, _ = sample(logits.clone(), params, [None, None, None], states_for(params, V))
     for seed in range(20):
         gens = [None, torch.Generator().manual_seed(seed), None]
-        tokens, _ = sample(logits.clone(), params, gens, [None] * 3, mask)
+        tokens, _ = sample(logits.clone(), params, gens, states_for(params, V), mask)
         assert 5 <= tokens[0] < 9 and 5 <= tokens[1] < 9
         assert tokens[2] == free[2]  # the free row, exactly as without a grammar
     assert tokens[0] == 5 + int(logits[0, 5:9].argmax())  # greedy under the mask: the best allowed token

@@ -9,7 +9,7 @@ import torch
 
 from llm.engine import sample
 from schemas import GenerateRequest, SamplingParams
-from tests.llm.reference import collect, make_engine, reference_generate, request_for
+from tests.llm.reference import collect, make_engine, reference_generate, request_for, states_for
 
 
 def test_per_step_logprobs_match_transformers_in_a_mixed_batch(checkpoint, reference, model, vision):
@@ -80,10 +80,54 @@ def test_sampling_rows_use_their_own_settings():
         SamplingParams(max_tokens=1, temperature=0.7),
     ]
     gens = [None] + [torch.Generator().manual_seed(i) for i in range(3)]
-    tokens, lps = sample(logits.clone(), params, gens, [None] * 4)
+    tokens, lps = sample(logits.clone(), params, gens, states_for(params, 50))
     best = logits.argmax(-1).tolist()
     assert tokens[:3] == best[:3] and lps == [None] * 4
     draws = {
-        sample(logits[3:].clone(), params[3:], [torch.Generator().manual_seed(s)], [None])[0][0] for s in range(40)
+        sample(logits[3:].clone(), params[3:], [torch.Generator().manual_seed(s)], states_for(params[3:], 50))[0][0]
+        for s in range(40)
     }
     assert len(draws) > 3  # the free row really samples
+
+
+def test_repetition_penalty_greedy_equals_transformers_generate_in_one_batch(checkpoint, reference, model, vision):
+    """Rows with different penalties (one off, one below 1) and an image prompt, batched: each equals transformers'
+    generate with its own repetition_penalty, which counts the prompt's tokens (image placeholders too)."""
+    penalties = [1.0, 1.3, 2.0, 0.8]
+    sizes = [[], [(64, 48)], [], []]
+    requests = [
+        request_for(
+            checkpoint, reference, vision, s, seed=i, prefix=[5, 6, 7, 5, 6, last], max_tokens=16,
+            repetition_penalty=p,
+        )
+        for i, (p, s, last) in enumerate(zip(penalties, sizes, [9, 10, 12, 13], strict=True))
+    ]  # fmt: skip
+    engine = make_engine(model, reference, max_num_batched_tokens=64, block_size=4, num_blocks=256)
+
+    async def together():
+        return await asyncio.gather(*(collect(engine, inp) for inp, _ in requests))
+
+    outs = [ids for ids, _ in asyncio.run(together())]
+    refs = [reference_generate(reference, ref, 16, repetition_penalty=p) for (_, ref), p in zip(requests, penalties)]
+    assert outs == refs
+    unpenalized = [reference_generate(reference, ref, 16) for _, ref in requests]
+    assert [o != u for o, u in zip(outs, unpenalized, strict=True)] == [False, True, True, True]  # not vacuous
+
+
+def test_min_tokens_holds_eos_back_as_transformers_min_new_tokens(reference, model):
+    """EOS biased to be every step's winner: the answer ends at once, or after min_tokens tokens, as transformers'
+    generate with min_new_tokens and the same bias."""
+    eos = reference.generation_config.eos_token_id[0]
+    engine = make_engine(model, reference)
+    prompt = [5, 6, 7]
+
+    def ours(min_tokens: int) -> tuple[list[int], str | None]:
+        params = SamplingParams(max_tokens=12, temperature=0.0, min_tokens=min_tokens, logit_bias={eos: 100.0})
+        return asyncio.run(collect(engine, GenerateRequest(f"m{min_tokens}", prompt, [], [], params)))
+
+    assert ours(0) == ([eos], "stop")
+    tokens, finish = ours(5)
+    ref = reference_generate(
+        reference, {"input_ids": torch.tensor([prompt])}, 12, min_new_tokens=5, sequence_bias={(eos,): 100.0}
+    )
+    assert tokens == ref and len(tokens) == 6 and tokens[-1] == eos and finish == "stop"

@@ -98,6 +98,7 @@ NULLABLE = [
     "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
     "stop", "n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "top_k", "stop_token_ids",
     "return_token_ids", "ignore_eos", "context_overflow", "user", "metadata", "store", "response_format",
+    "repetition_penalty", "min_p", "min_tokens", "logit_bias", "include_stop_str_in_output", "skip_special_tokens",
 ]  # fmt: skip
 
 
@@ -107,8 +108,13 @@ def test_an_explicit_null_is_the_default():
     default = parse(ChatCompletionRequest, {"messages": hi})
     nulls = parse(ChatCompletionRequest, {"messages": hi, **dict.fromkeys(NULLABLE)})
     assert nulls == default
+    # temperature, top_p, top_k, min_p, repetition_penalty: None is the checkpoint's generation_config.json value
+    # where it has one, else the API's (deployments/ingress/prepare.py's sampling_params)
     assert (nulls.temperature, nulls.top_p, nulls.n, nulls.stop, nulls.logprobs, nulls.stream) == (
-        1.0, 1.0, 1, [], False, False,
+        None, None, 1, [], False, False,
+    )  # fmt: skip
+    assert (nulls.logit_bias, nulls.min_tokens, nulls.skip_special_tokens, nulls.include_stop_str_in_output) == (
+        {}, 0, True, False,
     )  # fmt: skip
     inner = parse(
         ChatCompletionRequest,

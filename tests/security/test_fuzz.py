@@ -73,6 +73,16 @@ def bodies(server: str):
         "stop_token_ids": st.lists(st.integers(-5, 10**6)),
         "model": st.sampled_from(["qwen2-vl-tiny", "other"]),
         "context_overflow": st.sampled_from(["error", "x"]),
+        "logit_bias": st.dictionaries(
+            st.text(max_size=6) | st.integers(-5, 10**6).map(str),
+            st.floats(-200, 200) | st.text(max_size=2),
+            max_size=3,
+        ),
+        "min_tokens": st.integers(-2, 10),
+        "repetition_penalty": st.floats(-1, 3, allow_nan=False),
+        "min_p": st.floats(-0.5, 1.5, allow_nan=False),
+        "skip_special_tokens": st.booleans(),
+        "include_stop_str_in_output": st.booleans(),
     }
     optional = st.fixed_dictionaries({}, optional=fields)
     image = st.sampled_from(PNGS).map(lambda p: {"type": "image_url", "image_url": {"url": _data_url(p)}})
@@ -93,6 +103,12 @@ def bodies(server: str):
             "logprobs": st.just(True),
             "top_k": st.integers(0, 50),
             "frequency_penalty": st.floats(-2, 2),
+            "logit_bias": st.dictionaries(st.integers(0, 1000).map(str), st.floats(-100, 100), max_size=3),
+            "min_tokens": st.integers(0, 3),
+            "repetition_penalty": st.floats(0.5, 2),
+            "min_p": st.floats(0, 1),
+            "skip_special_tokens": st.booleans(),
+            "include_stop_str_in_output": st.booleans(),
         },
     )
     return st.one_of(

@@ -152,3 +152,93 @@ def test_a_stop_string_ends_the_tokens_at_the_one_that_completed_it(checkpoint, 
     assert "".join(d.text for d in deltas) == "the star" and deltas[-1].finish_reason == "stop"
     assert [t for d in deltas for t in d.token_ids] == head + stop_token
     assert [-lp.logprob for d in deltas for lp in d.logprobs] == head + stop_token
+
+
+@pytest.mark.parametrize(
+    ("chunks", "stops", "expected"),
+    [
+        (["Hello wor", "ld, stop here"], ["world"], "Hello world"),
+        (["ab", "c", "STO", "P", "tail"], ["STOP"], "abcSTOP"),
+        (["no stop in ", "this text"], ["zzz"], "no stop in this text"),
+        (["two ", "stops: B then A"], ["A", "B"], "two stops: B"),
+    ],
+)
+def test_stop_matcher_includes_the_stop_string_when_asked(chunks, stops, expected):
+    m = StopMatcher(stops, include=True)
+    assert "".join(m.feed(c) for c in chunks) + m.flush() == expected
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_included_stop_strings_add_the_match_to_the_same_cut(seed):
+    """Random texts, stops and chunks: with include_stop_str_in_output the text is the one without it, plus the stop
+    string that ended it; and nothing is held back (each chunk's text goes out at once until a match)."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice("ab c.") for _ in range(rng.randrange(0, 60)))
+    stops = ["".join(rng.choice("ab c.") for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(1, 4))]
+    cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randrange(1, 12))))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    cut, kept = StopMatcher(stops), StopMatcher(stops, include=True)
+    without = "".join(cut.feed(c) for c in chunks) + cut.flush()
+    sent, with_stop = "", ""
+    for c in chunks:
+        with_stop += kept.feed(c)
+        sent += c
+        assert kept.stopped or with_stop == sent
+    with_stop += kept.flush()
+    assert cut.stopped == kept.stopped
+    if cut.stopped:
+        assert with_stop.startswith(without) and with_stop[len(without) :] in stops
+    else:
+        assert with_stop == without == text
+
+
+def _one_token_chunks(tokenizer, pieces: list[str], finish: str = "length") -> list[TokenChunk]:
+    ids = [i for p in pieces for i in tokenizer.encode(p, add_special_tokens=False)]
+    return [TokenChunk([t], finish if n == len(ids) - 1 else None) for n, t in enumerate(ids)]
+
+
+@pytest.mark.parametrize("step", [1, 100])
+def test_stop_strings_wait_for_min_tokens(checkpoint, step):
+    """As vLLM: a stop string completed by one of the first min_tokens tokens does not end the text, even while it
+    still lies in the held-back tail when min_tokens is reached; one completed later does."""
+    tokenizer = load_tokenizer(checkpoint)
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in ("the star", "(", "12", "(", "56")]
+    assert len(ids[1]) == len(ids[3]) == 1
+    flat = [i for t in ids for i in t]
+    n_before = len(ids[0]) + 1  # up to and including the first "("
+
+    def run(min_tokens: int) -> str:
+        out = OutputProcessor(tokenizer, ["(", "zzzzz"], min_tokens=min_tokens)  # a long stop: a long tail held
+        text = ""
+        for i in range(0, len(flat), step):
+            delta = out.feed(TokenChunk(flat[i : i + step], "length" if i + step >= len(flat) else None))
+            text += delta.text
+            if delta.finish_reason is not None:
+                break
+        return text
+
+    assert run(0) == "the star"
+    assert run(n_before) == "the star(12"  # the first "(" came with token n_before: not yet armed
+    assert run(n_before - 1) == "the star"
+
+
+def test_the_stop_tokens_text_is_left_out_unless_included(checkpoint):
+    """A stop_token_ids token that is plain text ends the answer without its text (vLLM's detokenizer), and with
+    include_stop_str_in_output keeps it; with skip_special_tokens false, special tokens are text, and so is the
+    closing EOS when included."""
+    tokenizer = load_tokenizer(checkpoint)
+    say = tokenizer.encode("ok.", add_special_tokens=False)
+    box = tokenizer.convert_tokens_to_ids("<|box_start|>")
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def text(ids, **kw) -> str:
+        out = OutputProcessor(tokenizer, [], **kw)
+        return "".join(out.feed(TokenChunk([t], "stop" if n == len(ids) - 1 else None)).text for n, t in enumerate(ids))
+
+    assert text(say) == "ok" and text(say, include_stop=True) == "ok."
+    assert text([*say[:-1], box, eos]) == "ok"
+    assert text([*say[:-1], box, eos], skip_special_tokens=False) == "ok<|box_start|>"
+    assert text([*say[:-1], box, eos], skip_special_tokens=False, include_stop=True) == "ok<|box_start|><|im_end|>"
+    # a finish that is no stop token (max_tokens) keeps the last token's text
+    out = OutputProcessor(tokenizer, [])
+    assert "".join(out.feed(TokenChunk([t], "length" if t == say[-1] else None)).text for t in say) == "ok."
