@@ -1,0 +1,147 @@
+"""The request fields chat and text completions share (sampling, output format, streaming), and which fields a
+request may carry at all: every other one is a 400 `unsupported_parameter`, never silently ignored."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from schemas.messages import _Tolerant
+
+# Fields OpenAI clients send routinely that change nothing in the tokens of the answer: accepted and ignored, as
+# vLLM accepts them. (`service_tier` picks OpenAI's latency tier; `store`, `metadata` and `user` ask OpenAI to keep or
+# tag the completion; `prompt_cache_key` and `safety_identifier` are hints for OpenAI's cache and abuse checks.)
+NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+
+# Fields the LLM replica honours that the request models here may not declare yet: vLLM's sampling extensions,
+# which llm/engine/sampling.py applies. Add a name here when the engine honours it before its field is declared.
+HONOURED = frozenset(
+    {"repetition_penalty", "min_p", "min_tokens", "logit_bias", "include_stop_str_in_output", "skip_special_tokens"}
+)
+
+
+class JsonSchemaSpec(_Tolerant):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")  # OpenAI's rule for the name
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(True, alias="schema", description="absent: any JSON value")
+    strict: bool = Field(False, description="Accepted; the schema is always enforced (as vLLM does).")
+
+
+class ResponseFormat(_Tolerant):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
+
+
+class StructuredOutputs(_Tolerant):
+    """vLLM's extension (`structured_outputs`, formerly the `guided_*` fields): exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+
+
+class StreamOptions(_Tolerant):
+    include_usage: bool = False
+
+
+_GUIDED = ("json", "regex", "choice", "grammar")
+
+
+class GenerationRequest(_Tolerant):
+    """What POST /v1/chat/completions and POST /v1/completions share."""
+
+    # Names a request may carry beside its declared fields: vLLM's older spellings of structured_outputs.
+    ALIASES: ClassVar[frozenset[str]] = frozenset(f"guided_{k}" for k in _GUIDED)
+
+    model: str | None = Field(None, description="Must name the served model when given.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: list[str] = Field(default_factory=list, description="Up to max_stop strings; a string means one.")
+    n: int = Field(1, ge=1, description="Choices to generate; at most the server's max_n.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # Extensions, as in vLLM: top_k (0 or -1: off); stop_token_ids; return the prompt and completion token ids
+    # (for parity checks and debugging); keep generating past EOS (benchmarks that need exact output lengths).
+    top_k: int = Field(0, ge=-1)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    return_token_ids: bool = False
+    ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_known_fields(cls, data: Any) -> Any:
+        """A field we do not honour is refused by name (null counts as absent). Its name goes to the error's
+        context: parse() makes it the error's `param`."""
+        if isinstance(data, dict):
+            known = cls.known_fields()
+            for name, value in data.items():
+                if value is not None and name not in known:
+                    raise PydanticCustomError(
+                        "unsupported_parameter",
+                        "unsupported parameter: this server does not honour it (docs/api.md lists those it does)",
+                        {"param": str(name)},
+                    )
+        return data
+
+    @classmethod
+    @functools.cache
+    def known_fields(cls) -> frozenset[str]:
+        declared = {f.alias or name for name, f in cls.model_fields.items()}
+        return frozenset(declared | cls.ALIASES | NO_EFFECT | HONOURED)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_fields(cls, data: Any) -> Any:
+        # NOTE: vLLM's older guided_json / guided_regex / guided_choice / guided_grammar, as structured_outputs
+        if isinstance(data, dict) and any(data.get(f"guided_{k}") is not None for k in _GUIDED):
+            data = {**data, "structured_outputs": {k: data[f"guided_{k}"] for k in _GUIDED if f"guided_{k}" in data}}
+        return data
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        return [] if v is None else [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """None: no logprobs; k: the sampled token's logprob and the k most likely (0 to 20)."""
+        raise NotImplementedError
+
+
+__all__ = [
+    "HONOURED",
+    "NO_EFFECT",
+    "GenerationRequest",
+    "JsonSchemaSpec",
+    "ResponseFormat",
+    "StreamOptions",
+    "StructuredOutputs",
+]
