@@ -13,6 +13,7 @@ from deployments.ingress.tools import check_tools, renders_tools, template_tools
 from encoders import data_url_format, decode_data_url, embedding_key, probe_image
 from schemas import AppArgs, InvalidRequest, ModelSpec, SamplingParams
 from schemas.openai import ChatCompletionRequest, ImagePart, Message
+from schemas.requests import GenerationRequest
 
 
 @dataclass(slots=True)
@@ -51,7 +52,7 @@ def image_params(req: ChatCompletionRequest) -> list[tuple[int, str, str]]:
     ]
 
 
-def sampling_params(req: ChatCompletionRequest, max_tokens: int, choice: int, grammar: str | None) -> SamplingParams:
+def sampling_params(req: GenerationRequest, max_tokens: int, choice: int, grammar: str | None) -> SamplingParams:
     seed = None if req.seed is None else (req.seed + choice) % 2**63  # n choices differ, each reproducible
     return SamplingParams(
         max_tokens=max_tokens,
@@ -63,8 +64,8 @@ def sampling_params(req: ChatCompletionRequest, max_tokens: int, choice: int, gr
         frequency_penalty=req.frequency_penalty,
         stop_token_ids=frozenset(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
-        logprobs=req.logprobs,
-        top_logprobs=req.top_logprobs or 0,
+        logprobs=req.num_logprobs is not None,
+        top_logprobs=req.num_logprobs or 0,
         grammar=grammar,
     )
 
@@ -98,22 +99,30 @@ class Preparer:
         self.renders_tools = renders_tools(self.tokenizer)
         self.max_model_len = spec.max_model_len
 
-    def check(self, req: ChatCompletionRequest) -> None:
-        """The cheap checks, before any image is read or fetched."""
-        limits = self.limits
-        if req.model is not None and req.model != self.args.model_name:
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.args.model_name:
             raise InvalidRequest(
-                f"model {req.model!r} is not served here; this server serves {self.args.model_name!r}",
+                f"model {model!r} is not served here; this server serves {self.args.model_name!r}",
                 param="model",
                 code="model_not_found",
                 status=404,
             )
+
+    def check_generation(self, req: GenerationRequest, num_prompts: int = 1) -> None:
+        """The checks chat and text completions share: the model, stop strings, and the choices (n per prompt)."""
+        limits = self.limits
+        self.check_model(req.model)
         if len(req.stop) > limits.max_stop or any(len(s) > limits.max_stop_chars for s in req.stop):
             raise InvalidRequest(
                 f"at most {limits.max_stop} stop strings of at most {limits.max_stop_chars} characters", param="stop"
             )
-        if req.n > limits.max_n:
-            raise InvalidRequest(f"n={req.n} is over the limit of {limits.max_n}", param="n")
+        if req.n * num_prompts > limits.max_n:
+            asked = f"{num_prompts} prompts x n={req.n}" if num_prompts > 1 else f"n={req.n}"
+            raise InvalidRequest(f"{asked} is over the limit of {limits.max_n} choices", param="n")
+
+    def check(self, req: ChatCompletionRequest) -> None:
+        """The cheap checks, before any image is read or fetched."""
+        self.check_generation(req)
         check_tools(req, self.renders_tools)
         params = image_params(req)
         if len(params) > self.max_images:
@@ -193,20 +202,24 @@ class Preparer:
             self.typed_content,
             template_tools(req),
         )
-        room, cap = self.max_model_len - len(out.prompt), self.limits.default_max_tokens
-        out.max_tokens = req.requested_max_tokens or (room if cap is None else min(cap, room))
+        out.max_tokens = self._max_tokens(req, out.prompt)
         return out
 
-    def _fits(self, req: ChatCompletionRequest, p: Prepared) -> bool:
+    def _max_tokens(self, req: GenerationRequest, prompt: list[int]) -> int:
+        """The request's, else the room left in the context (as vLLM), capped by limits.default_max_tokens."""
+        room, cap = self.max_model_len - len(prompt), self.limits.default_max_tokens
+        return req.requested_max_tokens or (room if cap is None else min(cap, room))
+
+    def _fits(self, req: GenerationRequest, p: Prepared) -> bool:
         return p.max_tokens >= 1 and len(p.prompt) + p.max_tokens <= self.max_model_len
 
-    def _checked(self, req: ChatCompletionRequest, p: Prepared, grammar: str | None) -> Prepared:
+    def _checked(self, req: GenerationRequest, p: Prepared, grammar: str | None, param: str = "messages") -> Prepared:
         if not self._fits(req, p):
             asked = f" + max_tokens {p.max_tokens}" if req.requested_max_tokens else ""
             dropped = f" (after dropping the {p.dropped_messages} oldest messages)" if p.dropped_messages else ""
             raise InvalidRequest(
                 f"{len(p.prompt)} prompt tokens{asked} exceed the context length of {self.max_model_len}{dropped}",
-                param="messages",
+                param=param,
                 code="context_length_exceeded",
             )
         p.grammar = grammar

@@ -92,6 +92,26 @@ def _tool_turn(m: Message) -> dict:
     return {"role": "assistant", "content": content, "tool_calls": calls}
 
 
+def check_reserved(
+    tokenizer: PreTrainedTokenizerBase,
+    ids: list[int],
+    num_images: int,
+    per_image_ids: Iterable[int],
+    forbidden_ids: Iterable[int],
+    param: str,
+) -> None:
+    """A prompt holds each of `per_image_ids` (an image's placeholder and markers) once per image, and none of
+    `forbidden_ids` (video placeholders): another count means the client typed them."""
+    expected = {t: num_images for t in per_image_ids} | {t: 0 for t in forbidden_ids}
+    for token_id, n in expected.items():
+        if (found := ids.count(token_id)) != n:
+            raise InvalidRequest(
+                f"the prompt has {found} {tokenizer.convert_ids_to_tokens(token_id)!r} tokens for "
+                f"{num_images} images: text must not contain that reserved token",
+                param=param,
+            )
+
+
 def build_prompt(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[Message],
@@ -118,18 +138,7 @@ def build_prompt(
     bos = tokenizer.bos_token
     ids = tokenizer.encode(text, add_special_tokens=bool(bos) and not text.startswith(bos))
     slots = [i for i, t in enumerate(ids) if t == image_token_id]
-    expected = (
-        {image_token_id: len(image_token_counts)}
-        | {t: len(image_token_counts) for t in per_image_ids}
-        | {t: 0 for t in forbidden_ids}
-    )
-    for token_id, n in expected.items():
-        if (found := ids.count(token_id)) != n:
-            raise InvalidRequest(
-                f"the prompt has {found} {tokenizer.convert_ids_to_tokens(token_id)!r} tokens for "
-                f"{len(image_token_counts)} images: text must not contain that reserved token",
-                param="messages",
-            )
+    check_reserved(tokenizer, ids, len(image_token_counts), [image_token_id, *per_image_ids], forbidden_ids, "messages")
     expanded: list[int] = []
     prev = 0
     for slot, count in zip(slots, image_token_counts, strict=True):
@@ -140,4 +149,4 @@ def build_prompt(
     return expanded
 
 
-__all__ = ["build_prompt", "load_tokenizer", "needs_typed_content", "template_messages"]
+__all__ = ["build_prompt", "check_reserved", "load_tokenizer", "needs_typed_content", "template_messages"]
