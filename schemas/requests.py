@@ -58,11 +58,39 @@ class StreamOptions(_Tolerant):
 _GUIDED = ("json", "regex", "choice", "grammar")
 
 
-class GenerationRequest(_Tolerant):
+def unsupported(param: str, why: str = "this server does not honour it (docs/api.md lists those it does)"):
+    """A pydantic error naming `param` in its context (parse() makes it the error's `param`): raise it from a
+    model validator, whose errors have no location of their own."""
+    return PydanticCustomError("unsupported_parameter", "unsupported parameter: {why}", {"param": param, "why": why})
+
+
+class Strict(_Tolerant):
+    """A request model that refuses, by name, a top-level field it neither declares nor lists in ACCEPTED (a null
+    counts as absent). Its nested objects stay tolerant: clients send back the messages we answered, fields and all."""
+
+    ACCEPTED: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_known_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = cls.known_fields()
+            for name, value in data.items():
+                if value is not None and name not in known:
+                    raise unsupported(str(name))
+        return data
+
+    @classmethod
+    @functools.cache
+    def known_fields(cls) -> frozenset[str]:
+        return frozenset({f.alias or name for name, f in cls.model_fields.items()} | cls.ACCEPTED)
+
+
+class GenerationRequest(Strict):
     """What POST /v1/chat/completions and POST /v1/completions share."""
 
-    # Names a request may carry beside its declared fields: vLLM's older spellings of structured_outputs.
-    ALIASES: ClassVar[frozenset[str]] = frozenset(f"guided_{k}" for k in _GUIDED)
+    # Beside the declared fields: vLLM's older spellings of structured_outputs, and the lists above.
+    ACCEPTED: ClassVar[frozenset[str]] = frozenset(f"guided_{k}" for k in _GUIDED) | NO_EFFECT | HONOURED
 
     model: str | None = Field(None, description="Must name the served model when given.")
     stream: bool = False
@@ -83,28 +111,6 @@ class GenerationRequest(_Tolerant):
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension
-
-    @model_validator(mode="before")
-    @classmethod
-    def _only_known_fields(cls, data: Any) -> Any:
-        """A field we do not honour is refused by name (null counts as absent). Its name goes to the error's
-        context: parse() makes it the error's `param`."""
-        if isinstance(data, dict):
-            known = cls.known_fields()
-            for name, value in data.items():
-                if value is not None and name not in known:
-                    raise PydanticCustomError(
-                        "unsupported_parameter",
-                        "unsupported parameter: this server does not honour it (docs/api.md lists those it does)",
-                        {"param": str(name)},
-                    )
-        return data
-
-    @classmethod
-    @functools.cache
-    def known_fields(cls) -> frozenset[str]:
-        declared = {f.alias or name for name, f in cls.model_fields.items()}
-        return frozenset(declared | cls.ALIASES | NO_EFFECT | HONOURED)
 
     @model_validator(mode="before")
     @classmethod
@@ -140,8 +146,10 @@ __all__ = [
     "HONOURED",
     "NO_EFFECT",
     "GenerationRequest",
+    "Strict",
     "JsonSchemaSpec",
     "ResponseFormat",
     "StreamOptions",
     "StructuredOutputs",
+    "unsupported",
 ]

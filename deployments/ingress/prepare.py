@@ -7,11 +7,18 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deployments.ingress.prompt import build_prompt, load_tokenizer, needs_typed_content, template_messages
+from deployments.ingress.prompt import (
+    build_prompt,
+    check_reserved,
+    load_tokenizer,
+    needs_typed_content,
+    template_messages,
+)
 from deployments.ingress.structured import response_grammar
 from deployments.ingress.tools import check_tools, renders_tools, template_tools, tool_grammar
 from encoders import data_url_format, decode_data_url, embedding_key, probe_image
 from schemas import AppArgs, InvalidRequest, ModelSpec, SamplingParams
+from schemas.completions import CompletionRequest
 from schemas.openai import ChatCompletionRequest, ImagePart, Message
 from schemas.requests import GenerationRequest
 
@@ -28,6 +35,7 @@ class Prepared:
     image_numbers: list[int] = field(default_factory=list)  # its index among the request's images
     routing_key: str = ""  # the conversation's first turn: which LLM replica holds its prefix (ingress/router.py)
     grammar: str | None = None  # structured outputs: the grammar every choice must match (ingress/structured.py)
+    text: str = ""  # a text completion's prompt as text, for echo
 
 
 @dataclass(slots=True)
@@ -98,6 +106,9 @@ class Preparer:
         self.typed_content = needs_typed_content(self.tokenizer)  # llava-hf's templates drop string contents
         self.renders_tools = renders_tools(self.tokenizer)
         self.max_model_len = spec.max_model_len
+        self.vocab_size = spec.text_config.vocab_size
+        # What a prompt may not carry: an image's placeholder and markers (without an image), video placeholders.
+        self.reserved = (self.image_token_id, *self.tokens.per_image_ids), self.tokens.forbidden_ids
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.args.model_name:
@@ -224,6 +235,35 @@ class Preparer:
             )
         p.grammar = grammar
         return p
+
+    def prompts(self, req: CompletionRequest) -> list[Prepared]:
+        """A text completion's prompts: strings tokenized as vLLM does (the tokenizer's BOS added), token ids
+        checked against the vocabulary; none may carry an image's reserved tokens. Each must leave room."""
+        self.check_generation(req, len(req.prompts))
+        grammar = response_grammar(req)
+        out = []
+        for k, prompt in enumerate(req.prompts):
+            param = "prompt" if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else f"prompt[{k}]"
+            if isinstance(prompt, str):
+                ids, text = self.encode(prompt), prompt
+            else:
+                self.check_ids(prompt, param)
+                ids, text = prompt, self.tokenizer.decode(prompt) if req.echo else ""
+            if not ids:
+                raise InvalidRequest("the prompt is empty (no tokens)", param=param)
+            check_reserved(self.tokenizer, ids, 0, *self.reserved, param)
+            p = Prepared(prompt=ids, text=text)
+            p.max_tokens = self._max_tokens(req, ids)
+            out.append(self._checked(req, p, grammar, param))
+        return out
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A plain prompt's ids, as vLLM makes them: the tokenizer's special tokens (a BOS) added by default."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        if bad := [t for t in ids if not 0 <= t < self.vocab_size]:
+            raise InvalidRequest(f"token id {bad[0]} is not in the vocabulary, 0 to {self.vocab_size - 1}", param=param)
 
 
 __all__ = ["Prepared", "Preparer", "first_turn_key", "image_params", "sampling_params"]

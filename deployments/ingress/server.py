@@ -1,5 +1,5 @@
-"""Ingress deployment: OpenAI-compatible HTTP; validates, tokenizes, fans images out, streams text back: prepare the
-prompts, start their generations (generate.py), answer."""
+"""Ingress deployment: OpenAI-compatible HTTP; validates, tokenizes, fans images out, streams text back. Chat and
+text completions share one path: prepare the prompts, start their generations (generate.py), answer."""
 
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ from deployments.ingress.responses import (
     system_fingerprint,
     with_deadline,
 )
+from deployments.ingress.text_completions import text_completion, text_sse_stream
 from deployments.ingress.tools import parses_tools
 from schemas import AppArgs, InvalidRequest, ModelSpec, this_replica
+from schemas.completions import CompletionRequest
 from schemas.metrics import IngressMetrics
 from schemas.openai import ChatCompletionRequest
 from schemas.requests import GenerationRequest
@@ -66,6 +68,7 @@ class Ingress:
         info = InfoRoutes(self.args.model_name, self.max_model_len)
         self.routes = {
             "/v1/chat/completions": ("POST", self.chat),
+            "/v1/completions": ("POST", self.completions),
             "/v1/models": ("GET", info.models),
             "/v1/models/": ("GET", info.model),  # /v1/models/{id}: a prefix (an id may hold a slash)
             "/health": ("GET", info.health),
@@ -74,7 +77,8 @@ class Ingress:
         self.fingerprint = system_fingerprint(self.args, self.prep.model_id)
 
     async def __call__(self, request: Request) -> Response:
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        kind = "cmpl" if route_path(request) == "/v1/completions" else "chatcmpl"  # the completion's id, as OpenAI
+        request_id = f"{kind}-{uuid.uuid4().hex}"
         if request.method == "OPTIONS":  # CORS preflight: browsers send no credentials with it
             response = self.gate.preflight(request)
         else:
@@ -175,6 +179,25 @@ class Ingress:
         body, choices = await completion(req, head, p.prompt, events, self.tokenizer, boxes, parses_tools(req))
         self._log(log, choices)
         return JSONResponse(body.model_dump(), headers=headers)
+
+    async def completions(self, request: Request, request_id: str) -> Response:
+        """POST /v1/completions: plain prompts, no chat template, no images; the same engine path as chat."""
+        started = time.monotonic()
+        req = parse(CompletionRequest, await read_json(request, self.args.limits.max_request_bytes))
+
+        async def prepare() -> list[Prepared]:
+            return await asyncio.to_thread(self.prep.prompts, req)
+
+        prompts, head, events, log = await self._run(req, prepare, request_id, started)
+        if req.stream:
+            done = lambda choices: self._log(log, choices)  # noqa: E731
+            return StreamingResponse(
+                text_sse_stream(req, head, prompts, events, self.tokenizer, request_id, done),
+                media_type="text/event-stream",
+            )
+        body, choices = await text_completion(req, head, prompts, events, self.tokenizer)
+        self._log(log, choices)
+        return JSONResponse(body.model_dump())
 
     def _log(self, log: dict, choices: list[ChoiceState]) -> None:
         finish = ",".join(str(c.finish_reason) for c in choices)
