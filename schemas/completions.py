@@ -1,4 +1,5 @@
-"""OpenAI's legacy text completions (POST /v1/completions): requests and responses."""
+"""OpenAI's legacy text completions (POST /v1/completions) and vLLM's /tokenize and /detokenize: requests and
+responses."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from schemas.messages import Message, Tool
 from schemas.openai import Usage
-from schemas.requests import GenerationRequest, unsupported
+from schemas.requests import GenerationRequest, Strict, unsupported
 
 # A prompt as OpenAI's legacy API and vLLM take it: a string, strings, token ids, or lists of token ids.
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -75,4 +77,51 @@ class TextCompletion(BaseModel):
     usage: Usage | None = Field(None, exclude_if=lambda v: v is None)
 
 
-__all__ = ["CompletionChoice", "CompletionLogprobs", "CompletionRequest", "Prompt", "TextCompletion"]
+class TokenizeRequest(Strict):
+    """vLLM's /tokenize: a `prompt` (its ids as /v1/completions takes them), or chat `messages` (the ids that
+    /v1/chat/completions generates from, images expanded to their placeholder runs)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool | None = Field(None, description="prompt only: the tokenizer's BOS (default true)")
+    messages: list[Message] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    add_generation_prompt: bool | None = Field(None, description="messages only: default true")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        other = ("tools", "add_generation_prompt") if self.prompt is not None else ("add_special_tokens",)
+        for name in other:
+            if getattr(self, name) is not None:
+                raise unsupported(name, f"{name} goes with {'messages' if self.prompt is not None else 'prompt'}")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+__all__ = [
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
+    "Prompt",
+    "TextCompletion",
+    "TokenizeRequest",
+    "TokenizeResponse",
+]

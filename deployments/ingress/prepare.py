@@ -189,7 +189,9 @@ class Preparer:
                 lo = mid + 1
         return self._checked(req, best or self._build(req, images, n_system, starts[-1]), grammar)
 
-    def _build(self, req: ChatCompletionRequest, images: list[_Image], n_system: int, start: int) -> Prepared:
+    def _build(
+        self, req: ChatCompletionRequest, images: list[_Image], n_system: int, start: int, generation_prompt=True
+    ) -> Prepared:
         kept: list[Message] = req.messages[:n_system] + req.messages[start:]
         out = Prepared(dropped_messages=start - n_system)
         for image in images:
@@ -212,6 +214,7 @@ class Preparer:
             self.tokens.forbidden_ids,
             self.typed_content,
             template_tools(req),
+            generation_prompt,
         )
         out.max_tokens = self._max_tokens(req, out.prompt)
         return out
@@ -264,6 +267,12 @@ class Preparer:
     def check_ids(self, ids: list[int], param: str) -> None:
         if bad := [t for t in ids if not 0 <= t < self.vocab_size]:
             raise InvalidRequest(f"token id {bad[0]} is not in the vocabulary, 0 to {self.vocab_size - 1}", param=param)
+
+    def tokenize_chat(self, req: ChatCompletionRequest, fetched: dict[str, bytes], generation_prompt: bool) -> list:
+        """The prompt ids that prepare() would give the whole conversation (images checked and expanded), whether
+        or not they fit the context: /tokenize's answer."""
+        images = [self._image(n, i, param, url, fetched) for n, (i, param, url) in enumerate(image_params(req))]
+        return self._build(req, images, 0, 0, generation_prompt).prompt
 
 
 __all__ = ["Prepared", "Preparer", "first_turn_key", "image_params", "sampling_params"]

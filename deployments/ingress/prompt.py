@@ -121,6 +121,7 @@ def build_prompt(
     forbidden_ids: Iterable[int] = (),
     typed_content: bool = False,
     tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """Render, tokenize, and expand the template's one placeholder per image to that image's run of tokens.
 
@@ -129,7 +130,10 @@ def build_prompt(
     `typed_content`: the template's needs_typed_content; `tools`: the request's, for the template to show."""
     try:
         text = tokenizer.apply_chat_template(
-            template_messages(messages, typed_content), tools=tools, tokenize=False, add_generation_prompt=True
+            template_messages(messages, typed_content),
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
     except (TemplateError, TypeError) as e:  # NOTE: a template's raise_exception, or its operations on our input
         raise InvalidRequest(f"the model's chat template refused the messages: {e}", param="messages") from e

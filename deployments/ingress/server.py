@@ -34,6 +34,7 @@ from deployments.ingress.responses import (
     with_deadline,
 )
 from deployments.ingress.text_completions import text_completion, text_sse_stream
+from deployments.ingress.tokens import TokenRoutes
 from deployments.ingress.tools import parses_tools
 from schemas import AppArgs, InvalidRequest, ModelSpec, this_replica
 from schemas.completions import CompletionRequest
@@ -66,9 +67,12 @@ class Ingress:
         )
         self.gen = Generator(encoder, llm, self.hub, self.args, self.tokenizer)
         info = InfoRoutes(self.args.model_name, self.max_model_len)
+        tokens = TokenRoutes(self.prep, self.fetcher, self.args.limits.max_request_bytes)
         self.routes = {
             "/v1/chat/completions": ("POST", self.chat),
             "/v1/completions": ("POST", self.completions),
+            "/tokenize": ("POST", tokens.tokenize),
+            "/detokenize": ("POST", tokens.detokenize),
             "/v1/models": ("GET", info.models),
             "/v1/models/": ("GET", info.model),  # /v1/models/{id}: a prefix (an id may hold a slash)
             "/health": ("GET", info.health),

@@ -216,6 +216,7 @@ ERRORS = {  # (method, path, keyword arguments of httpx, status)
     ),
     "wrong_method": ("GET", "/v1/chat/completions", {}, 405),
     "unsupported_parameter": ("POST", "/v1/completions", {"json": {"prompt": "hi", "suffix": "!"}}, 400),
+    "bad_tokenize": ("POST", "/tokenize", {"json": {"prompt": "hi", "messages": HI}}, 400),
     "body_too_large": (
         "POST",
         "/v1/chat/completions",

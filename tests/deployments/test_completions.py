@@ -1,10 +1,13 @@
-"""POST /v1/completions through the deployed app with the `openai` client (the session's
+"""POST /v1/completions, /tokenize and /detokenize through the deployed app with the `openai` client (the session's
 app: the tiny Qwen2-VL, max_model_len 1024, limits.default_max_tokens 16), and fields we do not honour as 400s."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
+
+from tests.helpers import data_url, make_image
 
 pytestmark = pytest.mark.e2e
 MODEL = "qwen2-vl-tiny"
@@ -31,6 +34,15 @@ def test_a_completion_streamed_and_not(oai):
     assert chunks[-1].choices == [] and chunks[-1].usage == out.usage
     assert "".join(c.choices[0].text for c in chunks[:-1]) == choice.text
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == choice.finish_reason
+
+
+def test_a_completion_takes_the_same_engine_path_as_chat(oai, base_url):
+    """The chat template's prompt ids (from /tokenize) sent as a completion's prompt give the chat's answer."""
+    chat = oai.chat.completions.create(model=MODEL, messages=TEXT_CHAT, max_tokens=12, temperature=0)
+    ids = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "messages": TEXT_CHAT}).json()["tokens"]
+    out = oai.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert out.choices[0].text == chat.choices[0].message.content
+    assert out.usage == chat.usage.model_copy(update={"prompt_tokens_details": out.usage.prompt_tokens_details})
 
 
 def test_without_max_tokens_a_completion_gets_the_room_left(oai):
@@ -114,3 +126,38 @@ def test_prompts_that_are_not_the_models_are_400s(oai):
         with pytest.raises(openai.BadRequestError) as e:
             oai.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
         assert fragment in e.value.body["message"] and e.value.body["param"].startswith("prompt"), e.value.body
+
+
+def test_tokenize_then_detokenize_round_trips_the_chat_prompt(oai, base_url):
+    """/tokenize's ids for a conversation with an image are the ids the chat completion generated from; /detokenize
+    gives their text, and that text tokenizes back to them."""
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(make_image(100, 70))}},
+                {"type": "text", "text": "What is in the picture?"},
+            ],
+        }
+    ]
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, extra_body={"return_token_ids": True}
+    )
+    prompt_ids = chat.model_extra["prompt_token_ids"]
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        tokenized = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+        assert tokenized == {"count": len(prompt_ids), "max_model_len": 1024, "tokens": prompt_ids}
+        text = http.post("/detokenize", json={"model": MODEL, "tokens": prompt_ids}).json()["prompt"]
+        assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
+        again = http.post("/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False}).json()
+        assert again["tokens"] == prompt_ids
+        bare = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+        assert bare["tokens"] == prompt_ids[: bare["count"]] and bare["count"] < len(prompt_ids)
+        for path, body, param in [
+            ("/tokenize", {"prompt": "x", "messages": messages}, None),
+            ("/tokenize", {"prompt": "x", "chat_template": "{{ 1 }}"}, "chat_template"),
+            ("/detokenize", {"tokens": [-1]}, "tokens"),
+            ("/detokenize", {"tokens": [1], "model": "gpt-4o"}, "model"),
+        ]:
+            r = http.post(path, json=body)
+            assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
