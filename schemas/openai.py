@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from schemas.messages import (  # re-exported: the request's message models live there
     ImagePart,
@@ -14,74 +14,27 @@ from schemas.messages import (  # re-exported: the request's message models live
     TextPart,
     Tool,
     ToolChoice,
-    _Tolerant,
 )
-from schemas.sampling import SamplingFields
+from schemas.requests import (  # re-exported: the fields chat shares with text completions live there
+    GenerationRequest,
+    JsonSchemaSpec,
+    ResponseFormat,
+    StreamOptions,
+    StructuredOutputs,
+)
 
 
-class JsonSchemaSpec(_Tolerant):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    name: str = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")  # OpenAI's rule for the name
-    description: str | None = None
-    json_schema: dict[str, Any] | bool = Field(True, alias="schema", description="absent: any JSON value")
-    strict: bool = Field(False, description="Accepted; the schema is always enforced (as vLLM does).")
-
-
-class ResponseFormat(_Tolerant):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaSpec | None = None
-
-    @model_validator(mode="after")
-    def _schema_present(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format of type json_schema needs json_schema")
-        return self
-
-
-class StructuredOutputs(_Tolerant):
-    """vLLM's extension (`structured_outputs`, formerly the `guided_*` fields): exactly one of these."""
-
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = Field(None, min_length=1)
-    grammar: str | None = None
-
-
-class StreamOptions(_Tolerant):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(SamplingFields):
-    """The sampling fields are SamplingFields' (schemas/sampling.py)."""
-
-    model: str | None = Field(None, description="Must name the served model when given.")
+class ChatCompletionRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, description="Choices to generate; at most the server's max_n.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # vLLM's extension: return the prompt and completion token ids (for parity checks and debugging).
-    return_token_ids: bool = False
     context_overflow: Literal["error", "drop_oldest_turns"] | None = Field(
         None, description="Over the context: a 400, or drop the oldest whole turns; default: the server's setting."
     )
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
     tools: list[Tool] = Field(default_factory=list, max_length=128)
     tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
     parallel_tool_calls: bool = True
-
-    @model_validator(mode="before")
-    @classmethod
-    def _guided_fields(cls, data: Any) -> Any:
-        # NOTE: vLLM's older guided_json / guided_regex / guided_choice / guided_grammar, as structured_outputs
-        kinds = ("json", "regex", "choice", "grammar")
-        if isinstance(data, dict) and any(data.get(f"guided_{k}") is not None for k in kinds):
-            data = {**data, "structured_outputs": {k: data[f"guided_{k}"] for k in kinds if f"guided_{k}" in data}}
-        return data
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -92,6 +45,10 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _completion_id() -> str:
@@ -253,6 +210,7 @@ __all__ = [
     "ErrorBody",
     "ErrorDetail",
     "FunctionDelta",
+    "GenerationRequest",
     "ImagePart",
     "JsonSchemaSpec",
     "Message",
@@ -263,6 +221,7 @@ __all__ = [
     "ResponseFunction",
     "ResponseMessage",
     "ResponseToolCall",
+    "StreamOptions",
     "StructuredOutputs",
     "TextPart",
     "Tool",

@@ -1,8 +1,10 @@
 """The ingress process: everything only an Ingress replica runs, from the HTTP request to the streamed answer.
 
 `server` (the deployment), `http`, `auth`, `urls` and `fetch` (image URLs), `prepare` (checks, prompt, image
-fan-out), `prompt`, `detokenize`, `grounding`, `responses`, `channel` (the ingress half of the token channel) and
-`router` (the LLM deployment's request router, which runs in the caller's handle, so here)."""
+fan-out), `sampling` (the engine's parameters), `prompt`, `generate` (encodes, starts the choices), `detokenize`,
+`grounding`, `responses` (chat) and `text_completions`, `tokens` (/tokenize, /detokenize), `channel` (the ingress
+half of the token channel) and `router` (the LLM deployment's request router, which runs in the caller's handle, so
+here)."""
 
 from deployments.ingress.router import PrefixAffinityRouter
 from deployments.ingress.server import Ingress

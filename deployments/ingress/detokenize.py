@@ -4,7 +4,7 @@ with `include_stop_str_in_output`), special tokens skipped or not (`skip_special
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -158,4 +158,23 @@ class OutputProcessor:
         return TextDelta(text, ids, finish, logprobs, chunk.num_cached_tokens)
 
 
-__all__ = ["IncrementalDetokenizer", "OutputProcessor", "StopMatcher", "TextDelta", "decoder"]
+@dataclass(frozen=True, slots=True)
+class TextRules:
+    """How one request's choices turn tokens into text: OutputProcessor's settings, taken from the request."""
+
+    stops: list[str] = field(default_factory=list)
+    min_tokens: int = 0
+    include_stop: bool = False
+    skip_special_tokens: bool = True
+
+    def processor(self, tokenizer: PreTrainedTokenizerBase) -> OutputProcessor:
+        return OutputProcessor(
+            tokenizer,
+            self.stops,
+            min_tokens=self.min_tokens,
+            include_stop=self.include_stop,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+__all__ = ["IncrementalDetokenizer", "OutputProcessor", "StopMatcher", "TextDelta", "TextRules", "decoder"]

@@ -63,7 +63,11 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         return model.model_validate(body)
     except ValidationError as e:
         # Of a union's alternatives, the error that got deepest into the client's JSON says the most.
-        errors = [(_json_path(body, tuple(err["loc"])), err) for err in e.errors(include_url=False)]
+        # A model-level error names its field in its context (GenerationRequest's unsupported_parameter).
+        errors = [
+            (_json_path(body, tuple(err["loc"])) or err.get("ctx", {}).get("param", ""), err)
+            for err in e.errors(include_url=False)
+        ]
         param, first = max(errors, key=lambda pe: len(pe[0]))
         msg = first["msg"].removeprefix("Value error, ")
         raise InvalidRequest(f"{param}: {msg}" if param else msg, param=param or None, code=first["type"]) from e

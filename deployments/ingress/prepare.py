@@ -7,12 +7,20 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deployments.ingress.prompt import build_prompt, load_tokenizer, needs_typed_content, template_messages
+from deployments.ingress.prompt import (
+    build_prompt,
+    check_reserved,
+    load_tokenizer,
+    needs_typed_content,
+    template_messages,
+)
 from deployments.ingress.structured import response_grammar
 from deployments.ingress.tools import check_tools, renders_tools, template_tools, tool_grammar
 from encoders import data_url_format, decode_data_url, embedding_key, probe_image
-from schemas import AppArgs, InvalidRequest, ModelSpec, SamplingParams
+from schemas import AppArgs, InvalidRequest, ModelSpec
+from schemas.completions import CompletionRequest
 from schemas.openai import ChatCompletionRequest, ImagePart, Message
+from schemas.requests import GenerationRequest
 
 
 @dataclass(slots=True)
@@ -27,6 +35,7 @@ class Prepared:
     image_numbers: list[int] = field(default_factory=list)  # its index among the request's images
     routing_key: str = ""  # the conversation's first turn: which LLM replica holds its prefix (ingress/router.py)
     grammar: str | None = None  # structured outputs: the grammar every choice must match (ingress/structured.py)
+    text: str = ""  # a text completion's prompt as text, for echo
 
 
 @dataclass(slots=True)
@@ -49,40 +58,6 @@ def image_params(req: ChatCompletionRequest) -> list[tuple[int, str, str]]:
         for j, part in enumerate(m.content)
         if isinstance(part, ImagePart)
     ]
-
-
-def sampling_params(
-    req: ChatCompletionRequest, max_tokens: int, choice: int, grammar: str | None, defaults: dict[str, float]
-) -> SamplingParams:
-    """The engine's parameters of choice `choice`; a field the request leaves out takes `defaults`' value (the
-    checkpoint's generation_config.json, ModelSpec.sampling_defaults) where it has one, else the API's default."""
-    seed = None if req.seed is None else (req.seed + choice) % 2**63  # n choices differ, each reproducible
-
-    def pick(name: str, default: float) -> float:
-        value = getattr(req, name)
-        return value if value is not None else defaults.get(name, default)
-
-    temperature = pick("temperature", 1.0)
-    return SamplingParams(
-        max_tokens=max_tokens,
-        # NOTE: as vLLM (_SAMPLING_EPS): below 1e-5 is greedy. Checkpoints ask for 1e-6 in generation_config.json, and
-        # a float32 row divided by a subnormal temperature is inf and NaN.
-        temperature=temperature if temperature >= 1e-5 else 0.0,
-        top_p=pick("top_p", 1.0),
-        top_k=max(int(pick("top_k", 0)), 0),
-        seed=seed,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=pick("repetition_penalty", 1.0),
-        min_p=pick("min_p", 0.0),
-        min_tokens=req.min_tokens,
-        logit_bias=dict(req.logit_bias),
-        stop_token_ids=frozenset(req.stop_token_ids),
-        ignore_eos=req.ignore_eos,
-        logprobs=req.logprobs,
-        top_logprobs=req.top_logprobs or 0,
-        grammar=grammar,
-    )
 
 
 def first_turn_key(first_turn: list[Message], image_keys: list[str]) -> str:
@@ -114,24 +89,31 @@ class Preparer:
         self.renders_tools = renders_tools(self.tokenizer)
         self.max_model_len = spec.max_model_len
         self.sampling_defaults = spec.sampling_defaults  # generation_config.json's, read once with the spec
-        self.vocab_size = min(len(self.tokenizer), spec.text_config.vocab_size)  # ids that are tokens and logits
+        # Ids that are tokens and have logits (as vLLM, the tokenizer's; Qwen pads its logits past them).
+        self.vocab_size = min(len(self.tokenizer), spec.text_config.vocab_size)
+        # What a prompt may not carry: an image's placeholder and markers (without an image), video placeholders.
+        self.reserved = (self.image_token_id, *self.tokens.per_image_ids), self.tokens.forbidden_ids
 
-    def check(self, req: ChatCompletionRequest) -> None:
-        """The cheap checks, before any image is read or fetched."""
-        limits = self.limits
-        if req.model is not None and req.model != self.args.model_name:
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.args.model_name:
             raise InvalidRequest(
-                f"model {req.model!r} is not served here; this server serves {self.args.model_name!r}",
+                f"model {model!r} is not served here; this server serves {self.args.model_name!r}",
                 param="model",
                 code="model_not_found",
                 status=404,
             )
+
+    def check_generation(self, req: GenerationRequest, num_prompts: int = 1) -> None:
+        """The checks chat and text completions share: the model, stop strings, and the choices (n per prompt)."""
+        limits = self.limits
+        self.check_model(req.model)
         if len(req.stop) > limits.max_stop or any(len(s) > limits.max_stop_chars for s in req.stop):
             raise InvalidRequest(
                 f"at most {limits.max_stop} stop strings of at most {limits.max_stop_chars} characters", param="stop"
             )
-        if req.n > limits.max_n:
-            raise InvalidRequest(f"n={req.n} is over the limit of {limits.max_n}", param="n")
+        if req.n * num_prompts > limits.max_n:
+            asked = f"{num_prompts} prompts x n={req.n}" if num_prompts > 1 else f"n={req.n}"
+            raise InvalidRequest(f"{asked} is over the limit of {limits.max_n} choices", param="n")
         if outside := [t for t in req.logit_bias if not 0 <= t < self.vocab_size]:  # vLLM refuses them too
             raise InvalidRequest(
                 f"logit_bias: token id {outside[0]} is outside the vocabulary of {self.vocab_size}", param="logit_bias"
@@ -140,6 +122,10 @@ class Preparer:
             raise InvalidRequest(
                 f"min_tokens {req.min_tokens} is over max_tokens {req.requested_max_tokens}", param="min_tokens"
             )
+
+    def check(self, req: ChatCompletionRequest) -> None:
+        """The cheap checks, before any image is read or fetched."""
+        self.check_generation(req)
         check_tools(req, self.renders_tools)
         params = image_params(req)
         if len(params) > self.max_images:
@@ -195,7 +181,9 @@ class Preparer:
                 lo = mid + 1
         return self._checked(req, best or self._build(req, images, n_system, starts[-1]), grammar)
 
-    def _build(self, req: ChatCompletionRequest, images: list[_Image], n_system: int, start: int) -> Prepared:
+    def _build(
+        self, req: ChatCompletionRequest, images: list[_Image], n_system: int, start: int, generation_prompt=True
+    ) -> Prepared:
         kept: list[Message] = req.messages[:n_system] + req.messages[start:]
         out = Prepared(dropped_messages=start - n_system)
         for image in images:
@@ -218,15 +206,20 @@ class Preparer:
             self.tokens.forbidden_ids,
             self.typed_content,
             template_tools(req),
+            generation_prompt,
         )
-        room, cap = self.max_model_len - len(out.prompt), self.limits.default_max_tokens
-        out.max_tokens = req.requested_max_tokens or (room if cap is None else min(cap, room))
+        out.max_tokens = self._max_tokens(req, out.prompt)
         return out
 
-    def _fits(self, req: ChatCompletionRequest, p: Prepared) -> bool:
+    def _max_tokens(self, req: GenerationRequest, prompt: list[int]) -> int:
+        """The request's, else the room left in the context (as vLLM), capped by limits.default_max_tokens."""
+        room, cap = self.max_model_len - len(prompt), self.limits.default_max_tokens
+        return req.requested_max_tokens or (room if cap is None else min(cap, room))
+
+    def _fits(self, req: GenerationRequest, p: Prepared) -> bool:
         return p.max_tokens >= 1 and len(p.prompt) + p.max_tokens <= self.max_model_len
 
-    def _checked(self, req: ChatCompletionRequest, p: Prepared, grammar: str | None) -> Prepared:
+    def _checked(self, req: GenerationRequest, p: Prepared, grammar: str | None, param: str = "messages") -> Prepared:
         if self._fits(req, p) and req.min_tokens > p.max_tokens:  # max_tokens left out: the room left
             raise InvalidRequest(
                 f"min_tokens {req.min_tokens} is over the {p.max_tokens} tokens left in the context after the prompt",
@@ -237,11 +230,46 @@ class Preparer:
             dropped = f" (after dropping the {p.dropped_messages} oldest messages)" if p.dropped_messages else ""
             raise InvalidRequest(
                 f"{len(p.prompt)} prompt tokens{asked} exceed the context length of {self.max_model_len}{dropped}",
-                param="messages",
+                param=param,
                 code="context_length_exceeded",
             )
         p.grammar = grammar
         return p
 
+    def prompts(self, req: CompletionRequest) -> list[Prepared]:
+        """A text completion's prompts: strings tokenized as vLLM does (the tokenizer's BOS added), token ids
+        checked against the vocabulary; none may carry an image's reserved tokens. Each must leave room."""
+        self.check_generation(req, len(req.prompts))
+        grammar = response_grammar(req)
+        out = []
+        for k, prompt in enumerate(req.prompts):
+            param = "prompt" if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else f"prompt[{k}]"
+            if isinstance(prompt, str):
+                ids, text = self.encode(prompt), prompt
+            else:
+                self.check_ids(prompt, param)
+                ids, text = prompt, self.tokenizer.decode(prompt) if req.echo else ""
+            if not ids:
+                raise InvalidRequest("the prompt is empty (no tokens)", param=param)
+            check_reserved(self.tokenizer, ids, 0, *self.reserved, param)
+            p = Prepared(prompt=ids, text=text)
+            p.max_tokens = self._max_tokens(req, ids)
+            out.append(self._checked(req, p, grammar, param))
+        return out
 
-__all__ = ["Prepared", "Preparer", "first_turn_key", "image_params", "sampling_params"]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A plain prompt's ids, as vLLM makes them: the tokenizer's special tokens (a BOS) added by default."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        if bad := [t for t in ids if not 0 <= t < self.vocab_size]:
+            raise InvalidRequest(f"token id {bad[0]} is not in the vocabulary, 0 to {self.vocab_size - 1}", param=param)
+
+    def tokenize_chat(self, req: ChatCompletionRequest, fetched: dict[str, bytes], generation_prompt: bool) -> list:
+        """The prompt ids that prepare() would give the whole conversation (images checked and expanded), whether
+        or not they fit the context: /tokenize's answer."""
+        images = [self._image(n, i, param, url, fetched) for n, (i, param, url) in enumerate(image_params(req))]
+        return self._build(req, images, 0, 0, generation_prompt).prompt
+
+
+__all__ = ["Prepared", "Preparer", "first_turn_key", "image_params"]

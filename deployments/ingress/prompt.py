@@ -92,6 +92,26 @@ def _tool_turn(m: Message) -> dict:
     return {"role": "assistant", "content": content, "tool_calls": calls}
 
 
+def check_reserved(
+    tokenizer: PreTrainedTokenizerBase,
+    ids: list[int],
+    num_images: int,
+    per_image_ids: Iterable[int],
+    forbidden_ids: Iterable[int],
+    param: str,
+) -> None:
+    """A prompt holds each of `per_image_ids` (an image's placeholder and markers) once per image, and none of
+    `forbidden_ids` (video placeholders): another count means the client typed them."""
+    expected = {t: num_images for t in per_image_ids} | {t: 0 for t in forbidden_ids}
+    for token_id, n in expected.items():
+        if (found := ids.count(token_id)) != n:
+            raise InvalidRequest(
+                f"the prompt has {found} {tokenizer.convert_ids_to_tokens(token_id)!r} tokens for "
+                f"{num_images} images: text must not contain that reserved token",
+                param=param,
+            )
+
+
 def build_prompt(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[Message],
@@ -101,6 +121,7 @@ def build_prompt(
     forbidden_ids: Iterable[int] = (),
     typed_content: bool = False,
     tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """Render, tokenize, and expand the template's one placeholder per image to that image's run of tokens.
 
@@ -109,7 +130,10 @@ def build_prompt(
     `typed_content`: the template's needs_typed_content; `tools`: the request's, for the template to show."""
     try:
         text = tokenizer.apply_chat_template(
-            template_messages(messages, typed_content), tools=tools, tokenize=False, add_generation_prompt=True
+            template_messages(messages, typed_content),
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
     except (TemplateError, TypeError) as e:  # NOTE: a template's raise_exception, or its operations on our input
         raise InvalidRequest(f"the model's chat template refused the messages: {e}", param="messages") from e
@@ -118,18 +142,7 @@ def build_prompt(
     bos = tokenizer.bos_token
     ids = tokenizer.encode(text, add_special_tokens=bool(bos) and not text.startswith(bos))
     slots = [i for i, t in enumerate(ids) if t == image_token_id]
-    expected = (
-        {image_token_id: len(image_token_counts)}
-        | {t: len(image_token_counts) for t in per_image_ids}
-        | {t: 0 for t in forbidden_ids}
-    )
-    for token_id, n in expected.items():
-        if (found := ids.count(token_id)) != n:
-            raise InvalidRequest(
-                f"the prompt has {found} {tokenizer.convert_ids_to_tokens(token_id)!r} tokens for "
-                f"{len(image_token_counts)} images: text must not contain that reserved token",
-                param="messages",
-            )
+    check_reserved(tokenizer, ids, len(image_token_counts), [image_token_id, *per_image_ids], forbidden_ids, "messages")
     expanded: list[int] = []
     prev = 0
     for slot, count in zip(slots, image_token_counts, strict=True):
@@ -140,4 +153,4 @@ def build_prompt(
     return expanded
 
 
-__all__ = ["build_prompt", "load_tokenizer", "needs_typed_content", "template_messages"]
+__all__ = ["build_prompt", "check_reserved", "load_tokenizer", "needs_typed_content", "template_messages"]

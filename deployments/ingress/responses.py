@@ -157,10 +157,11 @@ class ChoiceState:
         self.finish_reason = delta.finish_reason or self.finish_reason
 
 
-def _usage(n_prompt: int, choices: list[ChoiceState]) -> Usage:
+def usage(n_prompt: int, choices: list[ChoiceState], n: int = 1) -> Usage:
+    """`n_prompt`: the tokens of all the prompts; `choices`: n per prompt, prompt by prompt."""
     n_completion = sum(len(c.token_ids) for c in choices)
-    # NOTE: the n choices share one prompt, counted once; its cached part is the first choice's.
-    cached = PromptTokensDetails(cached_tokens=choices[0].num_cached_tokens if choices else 0)
+    # NOTE: the n choices of a prompt share it, counted once; its cached part is its first choice's.
+    cached = PromptTokensDetails(cached_tokens=sum(c.num_cached_tokens for c in choices[::n]))
     return Usage(
         prompt_tokens=n_prompt,
         completion_tokens=n_completion,
@@ -199,7 +200,7 @@ async def completion(
     answers = [_answer(c, boxes_of(c.token_ids), tools) for c in choices]
     body = ChatCompletion(
         **head,
-        usage=_usage(len(prompt), choices),
+        usage=usage(len(prompt), choices),
         prompt_token_ids=prompt if req.return_token_ids else None,
         choices=[
             Choice(
@@ -265,7 +266,7 @@ async def sse_stream(
                     )
                 )
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield sse(ChatCompletionChunk(**head, choices=[], usage=_usage(len(prompt), choices)))
+            yield sse(ChatCompletionChunk(**head, choices=[], usage=usage(len(prompt), choices)))
     except Exception as e:  # after the 200: the error goes out as an event, which OpenAI clients raise
         yield sse(error_body(e, request_id)[2])
     finally:
@@ -283,5 +284,6 @@ __all__ = [
     "sse_stream",
     "system_fingerprint",
     "to_logprobs",
+    "usage",
     "with_deadline",
 ]

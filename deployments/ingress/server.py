@@ -1,4 +1,5 @@
-"""Ingress deployment: OpenAI-compatible HTTP; validates, tokenizes, fans images out, streams text back."""
+"""Ingress deployment: OpenAI-compatible HTTP; validates, tokenizes, fans images out, streams text back. Chat and
+text completions share one path: prepare the prompts, start their generations (generate.py), answer."""
 
 from __future__ import annotations
 
@@ -7,22 +8,23 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.ingress.auth import Gate
-from deployments.ingress.channel import FAILOVER_ROUTE_S, ChannelHub, TokenStream
-from deployments.ingress.detokenize import OutputProcessor, TextDelta
+from deployments.ingress.channel import ChannelHub
+from deployments.ingress.detokenize import TextRules
 from deployments.ingress.fetch import ImageFetcher
+from deployments.ingress.generate import Generator
 from deployments.ingress.grounding import GroundingTokens, pixel_boxes
 from deployments.ingress.http import error_response, head_only, parse, read_json, route_path
 from deployments.ingress.info import InfoRoutes
-from deployments.ingress.prepare import Prepared, Preparer, image_params, sampling_params
+from deployments.ingress.prepare import Prepared, Preparer, image_params
 from deployments.ingress.responses import (
     ChoiceState,
     completion,
@@ -32,21 +34,15 @@ from deployments.ingress.responses import (
     system_fingerprint,
     with_deadline,
 )
+from deployments.ingress.sampling import sampling_params
+from deployments.ingress.text_completions import text_completion, text_sse_stream
+from deployments.ingress.tokens import TokenRoutes
 from deployments.ingress.tools import parses_tools
-from schemas import (
-    REPLICA_GONE,
-    AppArgs,
-    EncoderUnavailable,
-    GenerateRequest,
-    InvalidRequest,
-    ModelSpec,
-    Overloaded,
-    observe,
-    root_cause,
-    this_replica,
-)
+from schemas import AppArgs, InvalidRequest, ModelSpec, this_replica
+from schemas.completions import CompletionRequest
 from schemas.metrics import IngressMetrics
 from schemas.openai import ChatCompletionRequest
+from schemas.requests import GenerationRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -54,7 +50,6 @@ logger = logging.getLogger("ray.serve")
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
 class Ingress:
     def __init__(self, encoder: DeploymentHandle | None, llm: DeploymentHandle, args: dict[str, Any]):
-        self.encoder, self.llm = encoder, llm
         self.args = AppArgs.model_validate(args)
         self.hub = ChannelHub(llm, this_replica())  # the token channels to the LLM replicas (ingress/channel.py)
         self.prep = Preparer(self.args, ModelSpec.from_args(self.args))  # the checkpoint's facts, read once here
@@ -72,10 +67,14 @@ class Ingress:
             urls.allowed_domains if urls.allow_http else "off",
             urls.file_root or "off",
         )
-        self.counts = {"encoder_retries": 0, "encoder_failures": 0, "encoder_timeouts": 0, "llm_retries": 0}
+        self.gen = Generator(encoder, llm, self.hub, self.args, self.tokenizer)
         info = InfoRoutes(self.args.model_name, self.max_model_len)
+        tokens = TokenRoutes(self.prep, self.fetcher, self.args.limits.max_request_bytes)
         self.routes = {
             "/v1/chat/completions": ("POST", self.chat),
+            "/v1/completions": ("POST", self.completions),
+            "/tokenize": ("POST", tokens.tokenize),
+            "/detokenize": ("POST", tokens.detokenize),
             "/v1/models": ("GET", info.models),
             "/v1/models/": ("GET", info.model),  # /v1/models/{id}: a prefix (an id may hold a slash)
             "/health": ("GET", info.health),
@@ -84,7 +83,8 @@ class Ingress:
         self.fingerprint = system_fingerprint(self.args, self.prep.model_id)
 
     async def __call__(self, request: Request) -> Response:
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        kind = "cmpl" if route_path(request) == "/v1/completions" else "chatcmpl"  # the completion's id, as OpenAI
+        request_id = f"{kind}-{uuid.uuid4().hex}"
         if request.method == "OPTIONS":  # CORS preflight: browsers send no credentials with it
             response = self.gate.preflight(request)
         else:
@@ -120,41 +120,57 @@ class Ingress:
     async def stats(self) -> dict[str, int]:
         """Images re-encoded after their encoder replica went away, requests that gave up on them (503), and
         requests sent again after their LLM replica went away."""
-        return dict(self.counts)
+        return dict(self.gen.counts)
 
-    async def chat(self, request: Request, request_id: str) -> Response:
-        started = time.monotonic()
+    async def _run(
+        self, req: GenerationRequest, prepare: Callable[[], Awaitable[list[Prepared]]], request_id: str, started: float
+    ) -> tuple[list[Prepared], dict, Any, dict]:
+        """Prepare the prompts and start their n choices each, under the request's deadline -> (the prompts, the
+        response head, the (choice, delta) events, the log record)."""
         timeout_s = self.args.limits.request_timeout_s
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        req = parse(ChatCompletionRequest, await read_json(request, self.args.limits.max_request_bytes))
+        deadline = asyncio.get_running_loop().time() + timeout_s - (time.monotonic() - started)
         try:
             async with asyncio.timeout_at(deadline) as budget:
-                self.prep.check(req)
-                fetched = await self.fetcher.fetch_all([(param, url) for _, param, url in image_params(req)])
-                p = await asyncio.to_thread(self.prep.prepare, req, fetched)
-                streams, firsts = await self._start(req, p, request_id)
+                prompts = await prepare()
+                defaults = self.prep.sampling_defaults
+                params = [
+                    [sampling_params(req, p.max_tokens, i, p.grammar, defaults) for i in range(req.n)] for p in prompts
+                ]
+                text = TextRules(req.stop, req.min_tokens, req.include_stop_str_in_output, req.skip_special_tokens)
+                streams, firsts = await self.gen.start_all(prompts, params, text, request_id)
         except TimeoutError:
             if not budget.expired():
                 raise
             raise deadline_error(timeout_s) from None
         log = {
             "id": request_id,
-            "prompt": len(p.prompt),
-            "images": len(p.images),
+            "prompt": sum(len(p.prompt) for p in prompts),
+            "images": sum(len(p.images) for p in prompts),
             "started": started,
             "ttft": time.monotonic() - started,
-            "dropped": p.dropped_messages,
+            "dropped": sum(p.dropped_messages for p in prompts),
         }
         self.metrics.ttft.observe(log["ttft"])
-        if p.images:  # NOTE: Ray counters refuse inc(0)
-            self.metrics.images.inc(len(p.images))
+        if log["images"]:  # NOTE: Ray counters refuse inc(0)
+            self.metrics.images.inc(log["images"])
         head = {
             "id": request_id,
             "created": int(time.time()),
             "model": self.args.model_name,
             "system_fingerprint": self.fingerprint,
         }
-        events = with_deadline(interleave(firsts, streams), deadline, timeout_s)
+        return prompts, head, with_deadline(interleave(firsts, streams), deadline, timeout_s), log
+
+    async def chat(self, request: Request, request_id: str) -> Response:
+        started = time.monotonic()
+        req = parse(ChatCompletionRequest, await read_json(request, self.args.limits.max_request_bytes))
+
+        async def prepare() -> list[Prepared]:
+            self.prep.check(req)
+            fetched = await self.fetcher.fetch_all([(param, url) for _, param, url in image_params(req)])
+            return [await asyncio.to_thread(self.prep.prepare, req, fetched)]
+
+        [p], head, events, log = await self._run(req, prepare, request_id, started)
         headers = {"X-Dropped-Messages": str(p.dropped_messages)} if p.dropped_messages else None
         boxes = functools.partial(
             pixel_boxes,
@@ -174,110 +190,24 @@ class Ingress:
         self._log(log, choices)
         return JSONResponse(body.model_dump(), headers=headers)
 
-    async def _encode(self, p: Prepared, indices: list[int], calls: list[DeploymentResponse]) -> list[Any]:
-        """One encoder call per image, concurrently; only ObjectRefs come back (the ingress never holds
-        embeddings). The calls are added to `calls`, to be cancelled if the request ends early."""
-        responses = [self.encoder.encode.remote(p.images[i], p.image_keys[i]) for i in indices]
-        calls += responses
-        refs = asyncio.gather(*(r._to_object_ref() for r in responses))
-        refs.add_done_callback(observe)  # a request that ends early leaves it failing unobserved
-        try:
-            return list(await asyncio.wait_for(refs, self.args.encoder.timeout_s))
-        except TimeoutError:
-            self.counts["encoder_timeouts"] += 1
-            raise Overloaded("no encoder replica took the images in time", retry_after_s=2) from None
+    async def completions(self, request: Request, request_id: str) -> Response:
+        """POST /v1/completions: plain prompts, no chat template, no images; the same engine path as chat."""
+        started = time.monotonic()
+        req = parse(CompletionRequest, await read_json(request, self.args.limits.max_request_bytes))
 
-    async def _start(self, req: ChatCompletionRequest, p: Prepared, request_id: str):
-        """Encode the images and start the n generations, up to their first tokens (so an early error still gets
-        its own status). Images whose encoder replica went away are encoded once more; a second loss is a 503."""
-        if self.encoder is None:  # colocated mode: the LLM replica gets the bytes and encodes them itself
-            return await self._generate(req, p, [], request_id)
-        calls: list[DeploymentResponse] = []
-        try:
-            return await self._encode_and_generate(req, p, request_id, calls)
-        except BaseException:  # client gone, deadline, or an error: images still queued are not encoded
-            for call in calls:
-                call.cancel()
-            raise
+        async def prepare() -> list[Prepared]:
+            return await asyncio.to_thread(self.prep.prompts, req)
 
-    async def _encode_and_generate(
-        self, req: ChatCompletionRequest, p: Prepared, request_id: str, calls: list[DeploymentResponse]
-    ):
-        refs = await self._encode(p, list(range(len(p.images))), calls)
-        for attempt in (1, 2):
-            try:
-                return await self._generate(req, p, refs, request_id)
-            except Exception as e:
-                cause = root_cause(e)
-                if not isinstance(cause, EncoderUnavailable):
-                    raise
-                if attempt == 2:
-                    self.counts["encoder_failures"] += 1
-                    raise Overloaded(
-                        "image encoding failed twice; the encoder tier is recovering", retry_after_s=2
-                    ) from e
-                logger.warning("%s: %s; retrying them once", request_id, cause.message)
-                self.counts["encoder_retries"] += len(cause.image_indices)
-                for i, ref in zip(cause.image_indices, await self._encode(p, cause.image_indices, calls), strict=True):
-                    refs[i] = ref
-        raise AssertionError("unreachable")
-
-    async def _generate(self, req: ChatCompletionRequest, p: Prepared, refs: list[Any], request_id: str):
-        """The n generations, up to their first chunks. An LLM replica lost before them: all once more (Serve's
-        router routes around a dead replica), waiting at most FAILOVER_ROUTE_S for a replica to take each, else 503."""
-        channel = self.hub.id if self.args.llm.token_channel else None
-        requests = [
-            GenerateRequest(
-                f"{request_id}-{i}",
-                p.prompt,
-                p.grids,
-                refs,
-                sampling_params(req, p.max_tokens, i, p.grammar, self.prep.sampling_defaults),
-                p.image_keys,
-                p.images if self.encoder is None else [],
-                p.routing_key or None,
-                channel,
+        prompts, head, events, log = await self._run(req, prepare, request_id, started)
+        if req.stream:
+            done = lambda choices: self._log(log, choices)  # noqa: E731
+            return StreamingResponse(
+                text_sse_stream(req, head, prompts, events, self.tokenizer, request_id, done),
+                media_type="text/event-stream",
             )
-            for i in range(req.n)
-        ]
-        for route_timeout_s in (None, FAILOVER_ROUTE_S):
-            call = self.llm.options(stream=True).generate.remote
-            streams = [
-                self._events(TokenStream(self.hub, call(r), r.request_id, route_timeout_s), req) for r in requests
-            ]
-            try:
-                return streams, list(await asyncio.gather(*(anext(s) for s in streams)))
-            except BaseException as e:
-                await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
-                if route_timeout_s is not None or not isinstance(root_cause(e), REPLICA_GONE):
-                    raise
-                logger.warning("%s: its LLM replica went away before the first token (%r); once more", request_id, e)
-                self.counts["llm_retries"] += 1
-        raise AssertionError("unreachable")
-
-    async def _events(self, gen: TokenStream, req: ChatCompletionRequest) -> AsyncIterator[TextDelta]:
-        """One choice's token chunks -> text deltas; a stop string ends it (and cancels its generation)."""
-        out = OutputProcessor(
-            self.tokenizer,
-            req.stop,
-            min_tokens=req.min_tokens,
-            include_stop=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens,
-        )
-        engine_done = False
-        try:
-            async for chunk in gen:
-                engine_done = chunk.finish_reason is not None
-                delta = out.feed(chunk)
-                yield delta
-                if delta.finish_reason is not None:
-                    return
-            raise RuntimeError("the generation stream ended without a finish reason")
-        finally:
-            # Frees the LLM's sequence when the client left or a stop string hit. NOT after the engine's own last
-            # chunk: cancelling a task that is returning races Ray's bookkeeping of its result (seen crashing
-            # the ingress's core worker when results go through plasma).
-            gen.close(cancel=not engine_done)
+        body, choices = await text_completion(req, head, prompts, events, self.tokenizer)
+        self._log(log, choices)
+        return JSONResponse(body.model_dump())
 
     def _log(self, log: dict, choices: list[ChoiceState]) -> None:
         finish = ",".join(str(c.finish_reason) for c in choices)

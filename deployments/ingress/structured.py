@@ -10,7 +10,7 @@ import json
 import xgrammar as xgr
 
 from schemas import InvalidRequest
-from schemas.openai import ChatCompletionRequest
+from schemas.requests import GenerationRequest
 
 
 @functools.lru_cache(maxsize=256)
@@ -41,7 +41,7 @@ def _reason(e: Exception) -> str:
     return str(e).strip().rsplit(": ", 1)[-1] if str(e).startswith("[") else str(e).strip()
 
 
-def response_grammar(req: ChatCompletionRequest) -> str | None:
+def response_grammar(req: GenerationRequest) -> str | None:
     """The grammar the request's answer must match, or None for free text."""
     fmt, vllm = req.response_format, req.structured_outputs
     if fmt is not None and fmt.type != "text":

@@ -75,24 +75,17 @@ class Engine:
         self.model, self.config = model, config
         self.image_token_id, self.merge_size, self.eos_token_ids = image_token_id, merge_size, frozenset(eos_token_ids)
         self.grammars = Grammars(load_tokenizer, model.config.vocab_size, self.eos_token_ids)
-        single_cuda = (
-            model.lm_head.weight.device.type == "cuda"
-            and getattr(model, "tp", None) is not None
-            and model.tp.world_size == 1
-        )  # a ParallelLM (several ranks) has no .tp: it runs eagerly
-        graphs = single_cuda if config.cuda_graphs is None else config.cuda_graphs and single_cuda
-        static = single_cuda if config.static_decode is None else config.static_decode
         self.runner = ModelRunner(
             model,
             config.num_blocks,
             config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
-            static_decode=static or graphs,
-            cuda_graphs=graphs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            static_decode=config.static_decode,
+            cuda_graphs=config.cuda_graphs,
             packed_weights=config.cpu_packed_weights,
         )
-        self._check_peak_step()
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         # written by the worker only
@@ -108,20 +101,6 @@ class Engine:
         self.dead: BaseException | None = None  # set when a tensor-parallel rank is lost: the replica must restart
         self._closing = False
         threading.Thread(target=self._loop, name="llm-engine", daemon=True).start()
-
-    def _check_peak_step(self) -> None:
-        """The largest step the scheduler may run, once: out of memory here is an error that names the settings."""
-        c, t = self.config, time.perf_counter()
-        try:
-            tokens = self.runner.peak_step(c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len)
-        except (torch.OutOfMemoryError, MemoryError) as e:
-            raise MemoryError(
-                f"one engine step of llm.max_num_batched_tokens={c.max_num_batched_tokens} tokens does not fit in "
-                f"memory beside the weights and the KV cache ({c.num_blocks} blocks of {c.block_size}): lower "
-                "llm.max_num_batched_tokens, or the KV cache (llm.gpu_memory_utilization, llm.cpu_kv_cache_gib, "
-                f"llm.kv_cache_tokens): {e}"
-            ) from e
-        logger.info("start-up step: %d tokens in %.0f ms", tokens, (time.perf_counter() - t) * 1e3)
 
     def stats(self) -> dict[str, float]:
         s = self.scheduler

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,8 @@ class Sampled:
 
 class ModelRunner:
     """`static_decode`: decode-only steps go through llm/engine/decode_step.py (its cache gets one more block, the null
-    block of padding rows); `cuda_graphs`: and replay captured graphs (cuda only)."""
+    block of padding rows); `cuda_graphs`: and replay captured graphs (cuda only); None: both on cuda with one rank.
+    Once the cache is allocated, the largest step runs once (`check_peak_step`)."""
 
     def __init__(
         self,
@@ -44,23 +46,42 @@ class ModelRunner:
         *,
         max_num_seqs: int,
         max_model_len: int,
-        static_decode: bool,
-        cuda_graphs: bool,
+        max_num_batched_tokens: int,
+        static_decode: bool | None = None,
+        cuda_graphs: bool | None = None,
         packed_weights: bool = False,
     ):
         self.model, self.block_size = model, block_size
         self.device = model.lm_head.weight.device
+        single_cuda = (
+            self.device.type == "cuda" and getattr(model, "tp", None) is not None and model.tp.world_size == 1
+        )  # a ParallelLM (several ranks) has no .tp: it runs eagerly
+        graphs = single_cuda if cuda_graphs is None else cuda_graphs and single_cuda
+        static = (single_cuda if static_decode is None else static_decode) or graphs
         if self.device.type == "cpu":
             cpu_kernels.load()  # decode attention in place; built once per machine, loaded in ~1 s after
             if packed_weights and isinstance(model, nn.Module):  # one rank (a ParallelLM's ranks keep torch's GEMM)
                 n = pack_linears(model)
                 if n:
                     logger.info("%d float32 linear weights packed for oneDNN", n)
-        self.cache = model.new_cache(num_blocks + static_decode, block_size)
+        self.cache = model.new_cache(num_blocks + static, block_size)
         self.cache_blocks = num_blocks  # the pool's; a static decode's extra one is its padding rows' null block
-        self.static = (
-            StaticDecode(model, self.cache, max_num_seqs, max_model_len, cuda_graphs) if static_decode else None
-        )
+        self.static = StaticDecode(model, self.cache, max_num_seqs, max_model_len, graphs) if static else None
+        self.check_peak_step(max_num_batched_tokens, max_num_seqs, max_model_len)
+
+    def check_peak_step(self, tokens: int, rows: int, max_model_len: int) -> None:
+        """`peak_step` once, at start: out of memory there is an error that names the settings to lower."""
+        t = time.perf_counter()
+        try:
+            ran = self.peak_step(tokens, rows, max_model_len)
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            raise MemoryError(
+                f"one engine step of llm.max_num_batched_tokens={tokens} tokens does not fit in memory beside the "
+                f"weights and the KV cache ({self.cache_blocks} blocks of {self.block_size}): lower "
+                "llm.max_num_batched_tokens, or the KV cache (llm.gpu_memory_utilization, llm.cpu_kv_cache_gib, "
+                f"llm.kv_cache_tokens): {e}"
+            ) from e
+        logger.info("start-up step: %d tokens in %.0f ms", ran, (time.perf_counter() - t) * 1e3)
 
     def peak_step(self, tokens: int, rows: int, max_model_len: int) -> int:
         """One forward of `tokens` prefill tokens (in chunks of at most max_model_len, as several sequences would

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from demo.scenes import make_item
-from tests.api_schema import assert_valid
+from tests.api_schema import assert_valid, errors
 from tests.deployments.parity import deployed
 from tests.helpers import LIMITS, data_url
 
@@ -121,6 +121,50 @@ def test_every_stream_chunk_validates(app, case):
     assert len({c["system_fingerprint"] for c in chunks}) == 1 and chunks[0]["system_fingerprint"].startswith("fp_")
 
 
+# Text completions: (request, a check that the case really produced its shape). The demo model ends a plain prompt
+# at once (it knows chat prompts only): ignore_eos makes it write.
+TEXT = {"prompt": "The colour of the circle is", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+TEXT_COMPLETIONS = {
+    "plain": (TEXT, lambda out: out["choices"][0]["text"] and out["choices"][0]["logprobs"] is None),
+    "prompts_n_logprobs": (
+        {**TEXT, "prompt": [[7, 8, 9], [10]], "n": 2, "temperature": 1.0, "seed": 4, "logprobs": 2},
+        lambda out: len(out["choices"]) == 4 and len(out["choices"][3]["logprobs"]["top_logprobs"][0]) >= 2,
+    ),
+    "echo_and_token_ids": (
+        {**TEXT, "echo": True, "return_token_ids": True},
+        lambda out: out["choices"][0]["text"].startswith(TEXT["prompt"]) and out["choices"][0]["prompt_token_ids"],
+    ),
+    "length": ({**TEXT, "max_tokens": 1}, lambda out: out["choices"][0]["finish_reason"] == "length"),
+}
+
+
+@pytest.mark.parametrize("case", TEXT_COMPLETIONS)
+def test_text_completions_validate(app, case):
+    body, produced = TEXT_COMPLETIONS[case]
+    r = app.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert_valid("CreateCompletionResponse", r.json())
+    assert produced(r.json()), r.json()["choices"]
+
+
+@pytest.mark.parametrize("case", ["plain", "prompts_n_logprobs", "echo_and_token_ids"])
+def test_every_text_completion_chunk_validates(app, case):
+    """Each chunk is a CreateCompletionResponse (OpenAI streams that object), except that a choice's chunks before
+    its last have finish_reason null, as OpenAI's own stream sends them and its schema does not list."""
+    body = {**TEXT_COMPLETIONS[case][0], "stream": True, "stream_options": {"include_usage": True}}
+    with app.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    for chunk in chunks:
+        problems = errors("CreateCompletionResponse", chunk)
+        unfinished = [f"$.choices[{i}].finish_reason" for i, c in enumerate(chunk["choices"]) if not c["finish_reason"]]
+        assert [p for p in problems if p.split(":")[0] not in unfinished] == [], chunk
+    finished = [c["index"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
+    assert sorted(finished) == list(range(len(finished))) and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
 def test_the_model_list_validates(app):
     r = app.get("/v1/models")
     assert r.status_code == 200, r.text
@@ -171,6 +215,8 @@ ERRORS = {  # (method, path, keyword arguments of httpx, status)
         400,
     ),
     "wrong_method": ("GET", "/v1/chat/completions", {}, 405),
+    "unsupported_parameter": ("POST", "/v1/completions", {"json": {"prompt": "hi", "suffix": "!"}}, 400),
+    "bad_tokenize": ("POST", "/tokenize", {"json": {"prompt": "hi", "messages": HI}}, 400),
     "body_too_large": (
         "POST",
         "/v1/chat/completions",

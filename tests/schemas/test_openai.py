@@ -1,4 +1,4 @@
-"""OpenAI request schema: tolerant of unknown fields, strict on types, with the field named."""
+"""OpenAI request schema: strict on types and on fields we do not honour, with the field named."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import pytest
 from deployments.ingress.http import parse
 from schemas import InvalidRequest
 from schemas.openai import ChatCompletionRequest, ImagePart
+from schemas.requests import NO_EFFECT
 
 
-def test_unknown_fields_tolerated_and_both_max_tokens_names():
+def test_no_effect_fields_tolerated_and_both_max_tokens_names():
     req = parse(
         ChatCompletionRequest,
         {
@@ -143,3 +144,31 @@ def test_a_null_where_a_value_is_required_is_still_a_400(body, param):
     with pytest.raises(InvalidRequest) as e:
         parse(ChatCompletionRequest, body)
     assert e.value.param == param and e.value.status == 400
+
+
+HI = [{"role": "user", "content": "hi"}]
+# OpenAI's and vLLM's chat fields that this server does not honour: each must be refused by name, not ignored.
+UNHONOURED = [
+    "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort", "verbosity",
+    "web_search_options", "best_of", "use_beam_search", "echo", "suffix", "prompt_logprobs", "chat_template",
+    "chat_template_kwargs", "add_generation_prompt", "allowed_token_ids", "bad_words", "length_penalty", "priority",
+    "truncate_prompt_tokens", "guided_decoding_backend", "mm_processor_kwargs", "no_such_field",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("field", UNHONOURED)
+def test_a_field_we_do_not_honour_is_a_400_naming_it(field):
+    with pytest.raises(InvalidRequest) as e:
+        parse(ChatCompletionRequest, {"messages": HI, field: 1})
+    assert (e.value.status, e.value.code, e.value.param) == (400, "unsupported_parameter", field)
+    assert e.value.message.startswith(f"{field}: unsupported parameter")
+
+
+def test_fields_without_effect_and_the_engines_sampling_fields_are_accepted():
+    """The no-effect fields (user, metadata, store, ...) and the sampling fields the engine honours pass; a null
+    for an unhonoured field is its absence."""
+    assert {"user", "metadata", "store", "service_tier"} <= NO_EFFECT
+    sampling = {"repetition_penalty": 1.1, "min_p": 0.1, "min_tokens": 1, "logit_bias": {"5": 1}}
+    sampling |= {"include_stop_str_in_output": True, "skip_special_tokens": False}
+    parse(ChatCompletionRequest, {"messages": HI, **dict.fromkeys(NO_EFFECT, 1), **sampling})
+    parse(ChatCompletionRequest, {"messages": HI, "functions": None, "guided_json": {"type": "object"}})

@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from deployments.ingress.http import parse
-from deployments.ingress.prepare import Preparer, sampling_params
+from deployments.ingress.prepare import Preparer
+from deployments.ingress.sampling import sampling_params
 from schemas import AppArgs, InvalidRequest, ModelSpec
 from schemas.openai import ChatCompletionRequest
 

@@ -1,0 +1,170 @@
+"""A prompt's generations, up to their first text deltas: its images encoded (those whose encoder replica went away
+once more), its choices started on the LLM tier (all once more when their replica went away first), and each
+choice's token chunks turned into text. Chat and text completions both start here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from transformers import PreTrainedTokenizerBase
+
+from deployments.ingress.channel import FAILOVER_ROUTE_S, ChannelHub, TokenStream
+from deployments.ingress.detokenize import TextDelta, TextRules
+from deployments.ingress.prepare import Prepared
+from schemas import (
+    REPLICA_GONE,
+    AppArgs,
+    EncoderUnavailable,
+    GenerateRequest,
+    Overloaded,
+    SamplingParams,
+    observe,
+    root_cause,
+)
+
+logger = logging.getLogger("ray.serve")
+
+Started = tuple[list[AsyncIterator[TextDelta]], list[TextDelta]]  # each choice's deltas, and its first delta
+
+
+class Generator:
+    def __init__(
+        self,
+        encoder: DeploymentHandle | None,
+        llm: DeploymentHandle,
+        hub: ChannelHub,
+        args: AppArgs,
+        tokenizer: PreTrainedTokenizerBase,
+    ):
+        self.encoder, self.llm, self.hub, self.args, self.tokenizer = encoder, llm, hub, args, tokenizer
+        self.counts = {"encoder_retries": 0, "encoder_failures": 0, "encoder_timeouts": 0, "llm_retries": 0}
+
+    async def start(
+        self, p: Prepared, params: list[SamplingParams], text: TextRules, request_id: str, first: int = 0
+    ) -> Started:
+        """Encode `p`'s images and start one generation per `params` (choices `first`, `first` + 1, ...), up to
+        their first deltas, so that an early error still gets its own status."""
+        if self.encoder is None or not p.images:  # colocated: the LLM replica gets the bytes and encodes them
+            return await self._generate(p, params, text, [], request_id, first)
+        calls: list[DeploymentResponse] = []
+        try:
+            return await self._encode_and_generate(p, params, text, request_id, first, calls)
+        except BaseException:  # client gone, deadline, or an error: images still queued are not encoded
+            for call in calls:
+                call.cancel()
+            raise
+
+    async def start_all(
+        self, prompts: list[Prepared], params: list[list[SamplingParams]], text: TextRules, request_id: str
+    ) -> Started:
+        """`start` for each prompt at once, its choices numbered after the earlier prompts'. If one fails (or the
+        request ends), the others are cancelled and the streams already started closed, cancelling them."""
+        if len(prompts) == 1:
+            return await self.start(prompts[0], params[0], text, request_id)
+        firsts = [sum(len(ps) for ps in params[:k]) for k in range(len(prompts))]
+        tasks = [
+            asyncio.ensure_future(self.start(p, ps, text, request_id, f))
+            for p, ps, f in zip(prompts, params, firsts, strict=True)
+        ]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            started = [t.result()[0] for t in tasks if not t.cancelled() and t.exception() is None]
+            await asyncio.gather(*(s.aclose() for streams in started for s in streams), return_exceptions=True)
+            raise
+        return [s for r in results for s in r[0]], [d for r in results for d in r[1]]
+
+    async def _encode(self, p: Prepared, indices: list[int], calls: list[DeploymentResponse]) -> list[Any]:
+        """One encoder call per image, concurrently; only ObjectRefs come back (the ingress never holds
+        embeddings). The calls are added to `calls`, to be cancelled if the request ends early."""
+        responses = [self.encoder.encode.remote(p.images[i], p.image_keys[i]) for i in indices]
+        calls += responses
+        refs = asyncio.gather(*(r._to_object_ref() for r in responses))
+        refs.add_done_callback(observe)  # a request that ends early leaves it failing unobserved
+        try:
+            return list(await asyncio.wait_for(refs, self.args.encoder.timeout_s))
+        except TimeoutError:
+            self.counts["encoder_timeouts"] += 1
+            raise Overloaded("no encoder replica took the images in time", retry_after_s=2) from None
+
+    async def _encode_and_generate(self, p, params, text, request_id, first, calls) -> Started:
+        refs = await self._encode(p, list(range(len(p.images))), calls)
+        for attempt in (1, 2):
+            try:
+                return await self._generate(p, params, text, refs, request_id, first)
+            except Exception as e:
+                cause = root_cause(e)
+                if not isinstance(cause, EncoderUnavailable):
+                    raise
+                if attempt == 2:
+                    self.counts["encoder_failures"] += 1
+                    raise Overloaded(
+                        "image encoding failed twice; the encoder tier is recovering", retry_after_s=2
+                    ) from e
+                logger.warning("%s: %s; retrying them once", request_id, cause.message)
+                self.counts["encoder_retries"] += len(cause.image_indices)
+                for i, ref in zip(cause.image_indices, await self._encode(p, cause.image_indices, calls), strict=True):
+                    refs[i] = ref
+        raise AssertionError("unreachable")
+
+    async def _generate(
+        self, p: Prepared, params: list[SamplingParams], text: TextRules, refs: list[Any], request_id: str, first: int
+    ) -> Started:
+        """The generations, up to their first chunks. An LLM replica lost before them: all once more (Serve's
+        router routes around a dead replica), waiting at most FAILOVER_ROUTE_S for a replica to take each, else 503."""
+        channel = self.hub.id if self.args.llm.token_channel else None
+        requests = [
+            GenerateRequest(
+                f"{request_id}-{first + i}",
+                p.prompt,
+                p.grids,
+                refs,
+                sampling,
+                p.image_keys,
+                p.images if self.encoder is None else [],
+                p.routing_key or None,
+                channel,
+            )
+            for i, sampling in enumerate(params)
+        ]
+        for route_timeout_s in (None, FAILOVER_ROUTE_S):
+            call = self.llm.options(stream=True).generate.remote
+            streams = [
+                self._events(TokenStream(self.hub, call(r), r.request_id, route_timeout_s), text) for r in requests
+            ]
+            try:
+                return streams, list(await asyncio.gather(*(anext(s) for s in streams)))
+            except BaseException as e:
+                await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+                if route_timeout_s is not None or not isinstance(root_cause(e), REPLICA_GONE):
+                    raise
+                logger.warning("%s: its LLM replica went away before the first token (%r); once more", request_id, e)
+                self.counts["llm_retries"] += 1
+        raise AssertionError("unreachable")
+
+    async def _events(self, gen: TokenStream, text: TextRules) -> AsyncIterator[TextDelta]:
+        """One choice's token chunks -> text deltas; a stop string ends it (and cancels its generation)."""
+        out, engine_done = text.processor(self.tokenizer), False
+        try:
+            async for chunk in gen:
+                engine_done = chunk.finish_reason is not None
+                delta = out.feed(chunk)
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+            raise RuntimeError("the generation stream ended without a finish reason")
+        finally:
+            # Frees the LLM's sequence when the client left or a stop string hit. NOT after the engine's own last
+            # chunk: cancelling a task that is returning races Ray's bookkeeping of its result (seen crashing
+            # the ingress's core worker when results go through plasma).
+            gen.close(cancel=not engine_done)
+
+
+__all__ = ["Generator", "Started"]
