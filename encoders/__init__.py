@@ -3,6 +3,7 @@
 
 from encoders.batching import ImageBatcher, Preprocessed
 from encoders.cache import EmbeddingLRU, embedding_key
+from encoders.cost import VisionCost
 from encoders.family import Family, ImageProcessing, ImageTokens, VisionEncoder
 from encoders.images import FORMATS, ImageInfo, data_url_format, decode_data_url, image_size, load_rgb, probe_image
 from encoders.llava import LlavaVisionEncoder
@@ -31,6 +32,7 @@ __all__ = [
     "Qwen2_5_VLVisionEncoder",
     "Qwen2VLImageProcessing",
     "Qwen2VLVisionEncoder",
+    "VisionCost",
     "VisionEncoder",
     "data_url_format",
     "decode_data_url",

@@ -16,6 +16,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from schemas.config import AppArgs, resolve_device, resolve_dtype, resolve_max_model_len
 
 if TYPE_CHECKING:
+    from encoders.cost import VisionCost
     from encoders.family import Family, ImageProcessing, ImageTokens
 
 
@@ -30,6 +31,7 @@ class ModelSpec:
     eos_token_ids: frozenset[int]
     device: str  # "cpu" or "cuda", resolved in this process
     dtype: torch.dtype
+    image_cost: VisionCost  # a grid's encoding cost in GFLOP (routing, autoscaling, metrics)
 
     @property
     def text_config(self) -> Any:
@@ -71,6 +73,7 @@ class ModelSpec:
             frozenset(eos_token_ids(model_dir, config)),
             dev,
             getattr(torch, resolve_dtype(dtype, dev)),
+            fam.cost(config),
         )
 
     @classmethod

@@ -21,6 +21,7 @@ class Prepared:
     images: list[bytes] = field(default_factory=list)
     image_keys: list[str] = field(default_factory=list)
     grids: list[tuple[int, int, int]] = field(default_factory=list)
+    costs: list[float] = field(default_factory=list)  # each image's encoding cost, GFLOP (encoders/cost.py)
     max_tokens: int = 0
     dropped_messages: int = 0
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each image kept
@@ -38,6 +39,7 @@ class _Image:
     key: str
     grid: tuple[int, int, int]
     num_tokens: int
+    cost: float
 
 
 def image_params(req: ChatCompletionRequest) -> list[tuple[int, str, str]]:
@@ -90,6 +92,7 @@ class Preparer:
         self.image_token_id = self.tokens.placeholder_id
         self.max_images = min(args.limits.max_images_per_request, spec.family.max_images_per_prompt or 1 << 30)
         self.processing = spec.processing
+        self.image_cost = spec.image_cost
         self.preprocessing_id = self.processing.fingerprint()
         config_bytes = (Path(args.model) / "config.json").read_bytes()
         self.model_id = hashlib.sha256(args.model.encode() + config_bytes).hexdigest()[:16]
@@ -132,14 +135,16 @@ class Preparer:
         key = embedding_key(
             hashlib.sha256(data).hexdigest(), info.width, info.height, info.mode, self.preprocessing_id, self.model_id
         )
+        grid = self.processing.grid_thw(info.width, info.height)
         return _Image(
             message,
             number,
             (info.width, info.height),
             data,
             key,
-            self.processing.grid_thw(info.width, info.height),
+            grid,
             self.processing.num_image_tokens(info.width, info.height),
+            self.image_cost.gflop(grid),
         )
 
     def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes]) -> Prepared:
@@ -177,6 +182,7 @@ class Preparer:
                 out.images.append(image.data)
                 out.image_keys.append(image.key)
                 out.grids.append(image.grid)
+                out.costs.append(image.cost)
                 out.image_sizes.append(image.size)
                 out.image_numbers.append(image.number)
         counts = [im.num_tokens for im in images if im.message < n_system or im.message >= start]
