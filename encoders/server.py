@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from deployments.ingress.encoder_router import CostRouter
 from encoders import EncoderRunner, VisionEncoder
 from schemas import AppArgs, ModelSpec
 from schemas.metrics import EncoderMetrics
@@ -23,10 +25,13 @@ from schemas.transfer import send_tensors_out_of_band
 logger = logging.getLogger("ray.serve")
 
 
+# NOTE: the router (it runs in the callers, the ingress replicas) is set here, as the LLM's: `serve deploy` imports a
+# class path named in the YAML on the client.
 @serve.deployment(
     name="Encoder",
     ray_actor_options={"num_cpus": 0.4},
     max_ongoing_requests=16,
+    request_router_config=RequestRouterConfig(request_router_class=CostRouter),
     # Tuned for reaction time, as serve_config.yaml (Ray's defaults: 30 s up, 600 s down, metrics every 10 s).
     autoscaling_config={
         "min_replicas": 1,
@@ -76,7 +81,8 @@ class Encoder:
         except Exception:
             logger.warning("could not cache %s", key[:16], exc_info=True)
 
-    async def encode(self, image: bytes, key: str | None = None) -> torch.Tensor:
+    async def encode(self, image: bytes, key: str | None = None, cost: float | None = None) -> torch.Tensor:
+        """`cost`: the image's encoding cost (encoders/cost.py), which the callers' router routes on."""
         # NOTE: returned, not ray.put: the caller owns the result, so it outlives this replica.
         try:
             if key is not None and self.cache is not None:

@@ -175,9 +175,10 @@ class Ingress:
         return JSONResponse(body.model_dump(), headers=headers)
 
     async def _encode(self, p: Prepared, indices: list[int], calls: list[DeploymentResponse]) -> list[Any]:
-        """One encoder call per image, concurrently; only ObjectRefs come back (the ingress never holds
-        embeddings). The calls are added to `calls`, to be cancelled if the request ends early."""
-        responses = [self.encoder.encode.remote(p.images[i], p.image_keys[i]) for i in indices]
+        """One encoder call per image, concurrently, each with its cost (the Encoder's router spreads them by it);
+        only ObjectRefs come back (the ingress never holds embeddings). The calls are added to `calls`, to be
+        cancelled if the request ends early."""
+        responses = [self.encoder.encode.remote(p.images[i], p.image_keys[i], cost=p.costs[i]) for i in indices]
         calls += responses
         refs = asyncio.gather(*(r._to_object_ref() for r in responses))
         refs.add_done_callback(observe)  # a request that ends early leaves it failing unobserved
