@@ -80,6 +80,7 @@ class ChatCompletionRequest(_Tolerant):
     tools: list[Tool] = Field(default_factory=list, max_length=128)
     tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
     parallel_tool_calls: bool = True
+    cache_salt: str | None = Field(None, min_length=1, max_length=256, description="vLLM's: scopes the caches")
 
     @model_validator(mode="before")
     @classmethod

@@ -28,6 +28,7 @@ class Prepared:
     image_numbers: list[int] = field(default_factory=list)  # its index among the request's images
     routing_key: str = ""  # the conversation's first turn: which LLM replica holds its prefix (ingress/router.py)
     grammar: str | None = None  # structured outputs: the grammar every choice must match (ingress/structured.py)
+    cache_scope: str = ""  # the tenant's scope of the embedding and prefix caches (encoders.cache_scope)
 
 
 @dataclass(slots=True)
@@ -122,7 +123,7 @@ class Preparer:
         if len(params) > self.max_images:
             raise InvalidRequest(f"more than {self.max_images} images in one request", param=params[self.max_images][1])
 
-    def _image(self, number: int, message: int, param: str, url: str, fetched: dict[str, bytes]) -> _Image:
+    def _image(self, number: int, message: int, param: str, url: str, fetched: dict[str, bytes], scope: str) -> _Image:
         try:
             if param in fetched:
                 data, declared = fetched[param], None
@@ -133,7 +134,13 @@ class Preparer:
             raise InvalidRequest(f"{param}: {e.message}", param=param, code=e.code, status=e.status) from e
         # One key for the embedding cache and for the prefix cache of the image's tokens.
         key = embedding_key(
-            hashlib.sha256(data).hexdigest(), info.width, info.height, info.mode, self.preprocessing_id, self.model_id
+            hashlib.sha256(data).hexdigest(),
+            info.width,
+            info.height,
+            info.mode,
+            self.preprocessing_id,
+            self.model_id,
+            scope,
         )
         grid = self.processing.grid_thw(info.width, info.height)
         return _Image(
@@ -147,12 +154,13 @@ class Preparer:
             self.image_cost.gflop(grid),
         )
 
-    def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes]) -> Prepared:
+    def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes], scope: str = "") -> Prepared:
         """Image headers, prompt ids and the output's grammar, after `check`; `fetched` holds the bytes of remote
-        images by JSON path."""
+        images by JSON path; `scope`: the tenant's cache scope (encoders.cache_scope), in every image's key."""
         # First: a schema xgrammar refuses costs no image work. check_tools refused a tool grammar with a format.
         grammar = tool_grammar(req) or response_grammar(req)
-        images = [self._image(n, i, param, url, fetched) for n, (i, param, url) in enumerate(image_params(req))]
+        params = enumerate(image_params(req))
+        images = [self._image(n, i, param, url, fetched, scope) for n, (i, param, url) in params]
         overflow = req.context_overflow or self.limits.context_overflow
         # Turns start after the leading system messages (whatever the first one's role: an assistant may open) and
         # at each later user message; dropping whole turns from the front drops their images with them and never
@@ -163,7 +171,7 @@ class Preparer:
         starts = [n_system] + [i for i, m in enumerate(req.messages) if i > n_system and m.role == "user"]
         first = self._build(req, images, n_system, starts[0])
         if self._fits(req, first) or overflow == "error" or len(starts) == 1:
-            return self._checked(req, first, grammar)
+            return self._checked(req, first, grammar, scope)
         lo, hi, best = 1, len(starts) - 1, None  # binary search: dropping more turns only shortens the prompt
         while lo <= hi:
             mid = (lo + hi) // 2
@@ -172,7 +180,7 @@ class Preparer:
                 best, hi = candidate, mid - 1
             else:
                 lo = mid + 1
-        return self._checked(req, best or self._build(req, images, n_system, starts[-1]), grammar)
+        return self._checked(req, best or self._build(req, images, n_system, starts[-1]), grammar, scope)
 
     def _build(self, req: ChatCompletionRequest, images: list[_Image], n_system: int, start: int) -> Prepared:
         kept: list[Message] = req.messages[:n_system] + req.messages[start:]
@@ -206,7 +214,7 @@ class Preparer:
     def _fits(self, req: ChatCompletionRequest, p: Prepared) -> bool:
         return p.max_tokens >= 1 and len(p.prompt) + p.max_tokens <= self.max_model_len
 
-    def _checked(self, req: ChatCompletionRequest, p: Prepared, grammar: str | None) -> Prepared:
+    def _checked(self, req: ChatCompletionRequest, p: Prepared, grammar: str | None, scope: str) -> Prepared:
         if not self._fits(req, p):
             asked = f" + max_tokens {p.max_tokens}" if req.requested_max_tokens else ""
             dropped = f" (after dropping the {p.dropped_messages} oldest messages)" if p.dropped_messages else ""
@@ -215,7 +223,7 @@ class Preparer:
                 param="messages",
                 code="context_length_exceeded",
             )
-        p.grammar = grammar
+        p.grammar, p.cache_scope = grammar, scope
         return p
 
 

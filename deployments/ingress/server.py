@@ -33,6 +33,7 @@ from deployments.ingress.responses import (
     with_deadline,
 )
 from deployments.ingress.tools import parses_tools
+from encoders import cache_scope
 from schemas import (
     REPLICA_GONE,
     AppArgs,
@@ -107,7 +108,7 @@ class Ingress:
             if handler is None:
                 raise InvalidRequest(f"no route {request.url.path}", status=404, code="not_found")
             if path not in ("/health", ""):  # health checks carry no key; the page asks for one and sends it
-                self.gate.check(request)
+                request.state.tenant = self.gate.check(request)  # the key's tenant scopes the caches
             if request.method != method and (request.method, method) != ("HEAD", "GET"):
                 raise InvalidRequest(f"{request.url.path} takes {method}, not {request.method}", status=405)
             response = await handler(request, request_id)
@@ -131,7 +132,8 @@ class Ingress:
             async with asyncio.timeout_at(deadline) as budget:
                 self.prep.check(req)
                 fetched = await self.fetcher.fetch_all([(param, url) for _, param, url in image_params(req)])
-                p = await asyncio.to_thread(self.prep.prepare, req, fetched)
+                scope = cache_scope(getattr(request.state, "tenant", None), req.cache_salt)
+                p = await asyncio.to_thread(self.prep.prepare, req, fetched, scope)
                 streams, firsts = await self._start(req, p, request_id)
         except TimeoutError:
             if not budget.expired():
@@ -238,6 +240,7 @@ class Ingress:
                 p.images if self.encoder is None else [],
                 p.routing_key or None,
                 channel,
+                p.cache_scope,
             )
             for i in range(req.n)
         ]

@@ -137,3 +137,11 @@ def test_a_null_where_a_value_is_required_is_still_a_400(body, param):
     with pytest.raises(InvalidRequest) as e:
         parse(ChatCompletionRequest, body)
     assert e.value.param == param and e.value.status == 400
+
+
+@pytest.mark.parametrize("salt", ["", 5, "s" * 257, ["a"]])
+def test_a_bad_cache_salt_is_a_400(salt):
+    with pytest.raises(InvalidRequest) as e:
+        parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "cache_salt": salt})
+    assert (e.value.param, e.value.status) == ("cache_salt", 400)
+    assert parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "cache_salt": "s"}).cache_salt

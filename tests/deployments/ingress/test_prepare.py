@@ -147,3 +147,12 @@ def test_each_kept_image_has_its_cost_from_its_header(prep):
     assert p.costs == [prep.image_cost.gflop(g) for g in p.grids] and 0 < p.costs[0] < p.costs[1]
     dropped = _prepare(prep, _conversation(6), context_overflow="drop_oldest_turns", max_tokens=8)
     assert len(dropped.costs) == len(dropped.images) == len(dropped.grids)
+
+
+def test_the_cache_scope_is_in_every_image_key(prep):
+    messages = [{"role": "user", "content": [_image(3), {"type": "text", "text": "what?"}]}]
+    shared, a, a2, b = (
+        prep.prepare(ChatCompletionRequest(messages=messages, max_tokens=4), {}, scope) for scope in ("", "a", "a", "b")
+    )
+    assert len({shared.image_keys[0], a.image_keys[0], b.image_keys[0]}) == 3 and a.image_keys == a2.image_keys
+    assert (shared.cache_scope, a.cache_scope) == ("", "a") and a.prompt == b.prompt
