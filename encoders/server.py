@@ -88,7 +88,7 @@ class Encoder:
         """`cost`: the image's encoding cost (encoders/cost.py), which the callers' router routes on and which counts
         here as pending until the call ends (a call without one counts nothing)."""
         # NOTE: returned, not ray.put: the caller owns the result, so it outlives this replica.
-        self.pending_cost += cost or 0.0
+        self._add_pending(cost or 0.0)
         try:
             if key is not None and self.cache is not None:
                 self.metrics.cache_queries.inc()
@@ -101,12 +101,18 @@ class Encoder:
             self.metrics.cancelled.inc()
             raise
         finally:
-            self.pending_cost -= cost or 0.0
+            self._add_pending(-(cost or 0.0))
         if key is not None and self.cache is not None:  # in the background: the caller does not wait for it
             task = asyncio.create_task(self._put(key, embeds))
             self._puts.add(task)
             task.add_done_callback(self._puts.discard)
         return embeds
+
+    def _add_pending(self, cost: float) -> None:
+        self.pending_cost += cost
+        self.metrics.pending_cost.set(max(0.0, self.pending_cost))
+        if cost > 0:  # NOTE: Ray counters refuse inc(0)
+            self.metrics.cost.inc(cost)
 
     async def stats(self) -> dict[str, int]:
         return {**self.runner.stats(), "cancelled": self.num_cancelled}
