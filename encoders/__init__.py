@@ -2,7 +2,8 @@
 `encoders.cache_server:EmbeddingCache`) are not imported here: the families load without Ray Serve."""
 
 from encoders.batching import ImageBatcher, Preprocessed
-from encoders.cache import EmbeddingLRU, embedding_key
+from encoders.cache import EmbeddingLRU, cache_scope, embedding_key
+from encoders.cost import VisionCost
 from encoders.family import Family, ImageProcessing, ImageTokens, VisionEncoder
 from encoders.images import FORMATS, ImageInfo, data_url_format, decode_data_url, image_size, load_rgb, probe_image
 from encoders.llava import LlavaVisionEncoder
@@ -31,7 +32,9 @@ __all__ = [
     "Qwen2_5_VLVisionEncoder",
     "Qwen2VLImageProcessing",
     "Qwen2VLVisionEncoder",
+    "VisionCost",
     "VisionEncoder",
+    "cache_scope",
     "data_url_format",
     "decode_data_url",
     "embedding_key",

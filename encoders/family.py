@@ -1,5 +1,6 @@
 """What a model family is: the image processing and vision encoder contracts (`Protocol`s), its image token ids,
-and the `Family` record the registry holds. The family modules and the registry import this; it imports neither."""
+its tower's cost, and the `Family` record the registry holds. The family modules and the registry import this; it
+imports neither."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any, Protocol
 
 import torch
 from PIL import Image
+
+from encoders.cost import VisionCost
 
 
 class ImageProcessing(Protocol):
@@ -60,6 +63,7 @@ class Family:
     processing: Callable[..., Any]  # a class with ImageProcessing's methods and from_pretrained(model_dir, config)
     encoder: Callable[..., VisionEncoder]  # (model_dir, device=, dtype=, config=) -> VisionEncoder
     image_tokens: Callable[[Any], ImageTokens]  # from the checkpoint's transformers config
+    cost: Callable[[Any], VisionCost]  # the tower's shape, from the same config: a grid's cost (encoders/cost.py)
     max_images_per_prompt: int | None = None  # the family's own limit, if it has one
     projector: str | None = None  # attribute path of the projector in the encoder object, to place it on its own
 

@@ -14,6 +14,7 @@ from transformers import AutoConfig
 from transformers.models.clip.modeling_clip import CLIPVisionModel
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
+from encoders.cost import VisionCost, linear_flops
 from encoders.family import ImageTokens
 from encoders.llava_processing import LlavaImageProcessing
 from schemas import load_components
@@ -31,6 +32,21 @@ def _feature_layers(vision_feature_layer: int | list[int], num_layers: int) -> l
     if not layers or not all(0 <= i <= num_layers for i in out):
         raise ValueError(f"vision_feature_layer {vision_feature_layer!r} is out of range for {num_layers} layers")
     return out
+
+
+def llava_cost(config: Any) -> VisionCost:
+    """CLIP's tower up to the deepest feature layer (the rest is never run), full attention over each crop's patches
+    and its CLS token, and the two-layer projector. Every LLaVA-1.5 image costs the same (one crop); LLaVA-NeXT's
+    grid counts its crops."""
+    vc = config.vision_config
+    layers = _feature_layers(config.vision_feature_layer, vc.num_hidden_layers)
+    d, inter, text = int(vc.hidden_size), int(vc.intermediate_size), int(config.text_config.hidden_size)
+    per_patch = (
+        linear_flops((3 * vc.patch_size**2, d))
+        + max(layers) * linear_flops((d, 3 * d), (d, d), (d, inter), (inter, d))
+        + linear_flops((d * len(layers), text), (text, text))
+    )
+    return VisionCost(per_patch, d, max(layers), extra_tokens=1)
 
 
 class LlavaVisionEncoder:
@@ -114,4 +130,4 @@ def _is_dropped(key: str, num_layers: int) -> bool:
     return key.startswith(prefix) and int(key[len(prefix) :].split(".", 1)[0]) >= num_layers
 
 
-__all__ = ["LlavaVisionEncoder", "llava_image_tokens"]
+__all__ = ["LlavaVisionEncoder", "llava_cost", "llava_image_tokens"]

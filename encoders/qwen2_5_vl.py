@@ -9,12 +9,30 @@ The image token ids (`image_token_id`, `vision_start/end_token_id`, `video_token
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VisionTransformerPretrainedModel,
     Qwen2_5_VLVisionRotaryEmbedding,
 )
 
-from encoders.qwen2_vl import Qwen2VLVisionEncoder
+from encoders.cost import VisionCost
+from encoders.qwen2_vl import Qwen2VLVisionEncoder, qwen_flops_per_patch
+
+
+def qwen2_5_vl_cost(config: Any) -> VisionCost:
+    """Qwen2.5-VL's ViT: full attention only in `fullatt_block_indexes`, the other layers within windows of
+    window_size px (8x8 patches as shipped), so its attention grows nearly linearly with the image; a SwiGLU MLP."""
+    vc = config.vision_config
+    d, inter, full = int(vc.hidden_size), int(vc.intermediate_size), len(vc.fullatt_block_indexes)
+    mlp = [(d, inter), (d, inter), (inter, d)]
+    return VisionCost(
+        qwen_flops_per_patch(vc, d, mlp, int(vc.out_hidden_size)),
+        d,
+        full_layers=full,
+        window_layers=int(vc.depth) - full,
+        window=(vc.window_size // vc.patch_size) ** 2,
+    )
 
 
 class Qwen2_5_VLVisionEncoder(Qwen2VLVisionEncoder):
@@ -29,4 +47,4 @@ class Qwen2_5_VLVisionEncoder(Qwen2VLVisionEncoder):
     out_width = "out_hidden_size"
 
 
-__all__ = ["Qwen2_5_VLVisionEncoder"]
+__all__ = ["Qwen2_5_VLVisionEncoder", "qwen2_5_vl_cost"]

@@ -18,6 +18,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
     Qwen2VLVisionRotaryEmbedding,
 )
 
+from encoders.cost import VisionCost, linear_flops
 from encoders.family import ImageTokens
 from schemas import InvalidRequest, load_components
 
@@ -134,6 +135,24 @@ def qwen2_vl_image_tokens(config: Any) -> ImageTokens:
     )
 
 
+def qwen_flops_per_patch(vc: Any, width: int, mlp: list[tuple[int, int]], out: int) -> float:
+    """Linear FLOPs per patch of a Qwen ViT: the Conv3d patch embedding, each layer's fused q/k/v, output projection
+    and MLP (`mlp`: its matrices), and the merger MLP (one row per merge_size**2 patches)."""
+    d, m2 = width, vc.spatial_merge_size**2
+    embed = linear_flops((vc.in_channels * vc.temporal_patch_size * vc.patch_size**2, d))
+    layers = vc.depth * linear_flops((d, 3 * d), (d, d), *mlp)
+    return embed + layers + linear_flops((d * m2, d * m2), (d * m2, out)) / m2
+
+
+def qwen2_vl_cost(config: Any) -> VisionCost:
+    """Qwen2-VL's ViT: full attention in every layer over an image's patches (a video's frame's), a GELU MLP of
+    embed_dim x mlp_ratio."""
+    vc = config.vision_config
+    d = int(vc.embed_dim)
+    mlp = int(d * vc.mlp_ratio)
+    return VisionCost(qwen_flops_per_patch(vc, d, [(d, mlp), (mlp, d)], int(vc.hidden_size)), d, int(vc.depth))
+
+
 class Qwen2VLVisionEncoder:
     """Qwen2-VL's ViT and patch merger, loaded alone from the checkpoint's `visual.*` weights."""
 
@@ -173,4 +192,11 @@ class Qwen2VLVisionEncoder:
         return self.forward([self.preprocess(im) for im in images])
 
 
-__all__ = ["Qwen2VLImageProcessing", "Qwen2VLVisionEncoder", "qwen2_vl_image_tokens", "smart_resize"]
+__all__ = [
+    "Qwen2VLImageProcessing",
+    "Qwen2VLVisionEncoder",
+    "qwen2_vl_cost",
+    "qwen2_vl_image_tokens",
+    "qwen_flops_per_patch",
+    "smart_resize",
+]

@@ -8,16 +8,17 @@ from pathlib import Path
 from transformers import AutoConfig
 
 from encoders.family import Family, ImageTokens
-from encoders.llava import LlavaVisionEncoder, llava_image_tokens
+from encoders.llava import LlavaVisionEncoder, llava_cost, llava_image_tokens
 from encoders.llava_next import LlavaNextImageProcessing, LlavaNextVisionEncoder
 from encoders.llava_processing import LlavaImageProcessing
-from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder
-from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, qwen2_vl_image_tokens
+from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder, qwen2_5_vl_cost
+from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, qwen2_vl_cost, qwen2_vl_image_tokens
 
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(
         processing=Qwen2VLImageProcessing,
         encoder=Qwen2VLVisionEncoder,
+        cost=qwen2_vl_cost,
         image_tokens=qwen2_vl_image_tokens,
         projector="vit.merger",
     ),
@@ -25,18 +26,21 @@ FAMILIES: dict[str, Family] = {
     "qwen2_5_vl": Family(
         processing=Qwen2VLImageProcessing,
         encoder=Qwen2_5_VLVisionEncoder,
+        cost=qwen2_5_vl_cost,
         image_tokens=qwen2_vl_image_tokens,
         projector="vit.merger",
     ),
     "llava": Family(
         processing=LlavaImageProcessing,
         encoder=LlavaVisionEncoder,
+        cost=llava_cost,
         image_tokens=llava_image_tokens,
         projector="projector",
     ),
     "llava_next": Family(
         processing=LlavaNextImageProcessing,
         encoder=LlavaNextVisionEncoder,
+        cost=llava_cost,
         image_tokens=llava_image_tokens,
         projector="projector",
     ),

@@ -13,9 +13,12 @@ from typing import Any
 
 import torch
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from deployments.ingress.encoder_router import CostRouter
 from encoders import EncoderRunner, VisionEncoder
+from encoders.autoscaling import PENDING_COST, POLICY_PATH, TARGET_COST
 from schemas import AppArgs, ModelSpec
 from schemas.metrics import EncoderMetrics
 from schemas.transfer import send_tensors_out_of_band
@@ -23,15 +26,19 @@ from schemas.transfer import send_tensors_out_of_band
 logger = logging.getLogger("ray.serve")
 
 
+# NOTE: the router (it runs in the callers, the ingress replicas) is set here, as the LLM's: `serve deploy` imports a
+# class path named in the YAML on the client.
 @serve.deployment(
     name="Encoder",
     ray_actor_options={"num_cpus": 0.4},
     max_ongoing_requests=16,
-    # Tuned for reaction time, as serve_config.yaml (Ray's defaults: 30 s up, 600 s down, metrics every 10 s).
+    request_router_config=RequestRouterConfig(request_router_class=CostRouter),
+    # On cost (encoders/autoscaling.py), tuned for reaction time, as serve_config.yaml (Ray's defaults: 30 s up,
+    # 600 s down, metrics every 10 s).
     autoscaling_config={
         "min_replicas": 1,
         "max_replicas": 2,
-        "target_ongoing_requests": 4,
+        "policy": {"policy_function": POLICY_PATH},
         "upscale_delay_s": 1,
         "downscale_delay_s": 30,
         "metrics_interval_s": 1,
@@ -53,6 +60,7 @@ class Encoder:
             spec, self.args.encoder, model_factory=model_factory, on_batch=self.metrics.on_batch
         )
         self.num_cancelled = 0
+        self.pending_cost = 0.0  # GFLOP of the images queued and running here (the autoscaling metric)
         self.cache = cache if self.args.encoder.cache_gib > 0 else None
         self._puts: set[asyncio.Task] = set()
         logger.info(
@@ -76,8 +84,11 @@ class Encoder:
         except Exception:
             logger.warning("could not cache %s", key[:16], exc_info=True)
 
-    async def encode(self, image: bytes, key: str | None = None) -> torch.Tensor:
+    async def encode(self, image: bytes, key: str | None = None, cost: float | None = None) -> torch.Tensor:
+        """`cost`: the image's encoding cost (encoders/cost.py), which the callers' router routes on and which counts
+        here as pending until the call ends (a call without one counts nothing)."""
         # NOTE: returned, not ray.put: the caller owns the result, so it outlives this replica.
+        self._add_pending(cost or 0.0)
         try:
             if key is not None and self.cache is not None:
                 self.metrics.cache_queries.inc()
@@ -89,11 +100,23 @@ class Encoder:
             self.num_cancelled += 1
             self.metrics.cancelled.inc()
             raise
+        finally:
+            self._add_pending(-(cost or 0.0))
         if key is not None and self.cache is not None:  # in the background: the caller does not wait for it
             task = asyncio.create_task(self._put(key, embeds))
             self._puts.add(task)
             task.add_done_callback(self._puts.discard)
         return embeds
 
+    def _add_pending(self, cost: float) -> None:
+        self.pending_cost += cost
+        self.metrics.pending_cost.set(max(0.0, self.pending_cost))
+        if cost > 0:  # NOTE: Ray counters refuse inc(0)
+            self.metrics.cost.inc(cost)
+
     async def stats(self) -> dict[str, int]:
         return {**self.runner.stats(), "cancelled": self.num_cancelled}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics, read by the cost policy (encoders/autoscaling.py)."""
+        return {PENDING_COST: max(0.0, self.pending_cost), TARGET_COST: self.args.encoder.target_cost_per_replica}

@@ -58,6 +58,9 @@ class GenerateRequest:
     # The calling ingress replica's id: its tokens come through that ingress's per-step channel to the replica
     # when one is open (deployments/ingress/channel.py); None: all through this call's own stream.
     channel: str | None = None
+    # The tenant's scope of the prefix cache (encoders.cache_scope): its blocks chain from a hash of it, so two
+    # scopes never share a block; "": the shared cache.
+    cache_scope: str = ""
 
     def __post_init__(self) -> None:
         assert len(self.image_grid_thw) == len(self.image_embeds) + len(self.images), "one grid per image"

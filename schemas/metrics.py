@@ -40,6 +40,9 @@ class EncoderMetrics:
         self.cache_queries = Counter("vlm_embedding_cache_queries_total", "Embedding cache lookups.")
         self.cache_hits = Counter("vlm_embedding_cache_hits_total", "Embedding cache lookups that found the image.")
         self.cancelled = Counter("vlm_encoder_cancelled_total", "Image encodings cancelled (client left).")
+        # The cost of encoder work (encoders/cost.py) as the router and the autoscaler see it.
+        self.pending_cost = Gauge("vlm_encoder_pending_cost_gflop", "GFLOP of images queued and running here.")
+        self.cost = Counter("vlm_encoder_cost_gflop_total", "GFLOP of the images that arrived (hits included).")
 
     def on_batch(self, num_images: int, seconds: float) -> None:
         self.latency.observe(seconds)

@@ -16,6 +16,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from schemas.config import AppArgs, resolve_device, resolve_dtype, resolve_max_model_len
 
 if TYPE_CHECKING:
+    from encoders.cost import VisionCost
     from encoders.family import Family, ImageProcessing, ImageTokens
 
 
@@ -33,6 +34,7 @@ class ModelSpec:
     sampling_defaults: dict[str, float]
     device: str  # "cpu" or "cuda", resolved in this process
     dtype: torch.dtype
+    image_cost: VisionCost  # a grid's encoding cost in GFLOP (routing, autoscaling, metrics)
 
     @property
     def text_config(self) -> Any:
@@ -80,6 +82,7 @@ class ModelSpec:
             sampling_defaults(generation) if generation_config == "auto" else {},
             dev,
             getattr(torch, resolve_dtype(dtype, dev)),
+            fam.cost(config),
         )
 
     @classmethod

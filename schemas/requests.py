@@ -97,6 +97,7 @@ class GenerationRequest(Strict, SamplingFields):
     return_token_ids: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension
+    cache_salt: str | None = Field(None, min_length=1, max_length=256, description="vLLM's: scopes the caches")
 
     @model_validator(mode="before")
     @classmethod

@@ -34,10 +34,11 @@ class Gate:
     def num_keys(self) -> int:
         return len(self._digests)
 
-    def check(self, request: Request) -> None:
-        """401 unless auth is off or the request carries one of the keys (compared in constant time)."""
+    def check(self, request: Request) -> str | None:
+        """401 unless auth is off or the request carries one of the keys (compared in constant time). Returns the
+        key's tenant (a hash of it: each key is one tenant, whose cache entries no other sees); None: auth off."""
         if not self._digests:
-            return
+            return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise InvalidRequest(
@@ -48,6 +49,7 @@ class Gate:
             ok |= hmac.compare_digest(digest, known)
         if not ok:
             raise InvalidRequest("invalid API key", status=401, code="invalid_api_key")
+        return hashlib.sha256(b"tenant\0" + digest).hexdigest()[:32]
 
     def cors_headers(self, request: Request) -> dict[str, str]:
         origin = request.headers.get("origin")

@@ -84,7 +84,8 @@ class Generator:
     async def _encode(self, p: Prepared, indices: list[int], calls: list[DeploymentResponse]) -> list[Any]:
         """One encoder call per image, concurrently; only ObjectRefs come back (the ingress never holds
         embeddings). The calls are added to `calls`, to be cancelled if the request ends early."""
-        responses = [self.encoder.encode.remote(p.images[i], p.image_keys[i]) for i in indices]
+        # each call names its cost: the Encoder's router (encoder_router.py) spreads images by it
+        responses = [self.encoder.encode.remote(p.images[i], p.image_keys[i], cost=p.costs[i]) for i in indices]
         calls += responses
         refs = asyncio.gather(*(r._to_object_ref() for r in responses))
         refs.add_done_callback(observe)  # a request that ends early leaves it failing unobserved
@@ -131,6 +132,7 @@ class Generator:
                 p.images if self.encoder is None else [],
                 p.routing_key or None,
                 channel,
+                p.cache_scope,
             )
             for i, sampling in enumerate(params)
         ]

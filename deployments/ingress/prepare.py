@@ -29,6 +29,7 @@ class Prepared:
     images: list[bytes] = field(default_factory=list)
     image_keys: list[str] = field(default_factory=list)
     grids: list[tuple[int, int, int]] = field(default_factory=list)
+    costs: list[float] = field(default_factory=list)  # each image's encoding cost, GFLOP (encoders/cost.py)
     max_tokens: int = 0
     dropped_messages: int = 0
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each image kept
@@ -36,6 +37,7 @@ class Prepared:
     routing_key: str = ""  # the conversation's first turn: which LLM replica holds its prefix (ingress/router.py)
     grammar: str | None = None  # structured outputs: the grammar every choice must match (ingress/structured.py)
     text: str = ""  # a text completion's prompt as text, for echo
+    cache_scope: str = ""  # the tenant's scope of the embedding and prefix caches (encoders.cache_scope)
 
 
 @dataclass(slots=True)
@@ -47,6 +49,7 @@ class _Image:
     key: str
     grid: tuple[int, int, int]
     num_tokens: int
+    cost: float
 
 
 def image_params(req: ChatCompletionRequest) -> list[tuple[int, str, str]]:
@@ -81,6 +84,7 @@ class Preparer:
         self.image_token_id = self.tokens.placeholder_id
         self.max_images = min(args.limits.max_images_per_request, spec.family.max_images_per_prompt or 1 << 30)
         self.processing = spec.processing
+        self.image_cost = spec.image_cost
         self.preprocessing_id = self.processing.fingerprint()
         config_bytes = (Path(args.model) / "config.json").read_bytes()
         self.model_id = hashlib.sha256(args.model.encode() + config_bytes).hexdigest()[:16]
@@ -131,7 +135,7 @@ class Preparer:
         if len(params) > self.max_images:
             raise InvalidRequest(f"more than {self.max_images} images in one request", param=params[self.max_images][1])
 
-    def _image(self, number: int, message: int, param: str, url: str, fetched: dict[str, bytes]) -> _Image:
+    def _image(self, number: int, message: int, param: str, url: str, fetched: dict[str, bytes], scope: str) -> _Image:
         try:
             if param in fetched:
                 data, declared = fetched[param], None
@@ -142,24 +146,33 @@ class Preparer:
             raise InvalidRequest(f"{param}: {e.message}", param=param, code=e.code, status=e.status) from e
         # One key for the embedding cache and for the prefix cache of the image's tokens.
         key = embedding_key(
-            hashlib.sha256(data).hexdigest(), info.width, info.height, info.mode, self.preprocessing_id, self.model_id
+            hashlib.sha256(data).hexdigest(),
+            info.width,
+            info.height,
+            info.mode,
+            self.preprocessing_id,
+            self.model_id,
+            scope,
         )
+        grid = self.processing.grid_thw(info.width, info.height)
         return _Image(
             message,
             number,
             (info.width, info.height),
             data,
             key,
-            self.processing.grid_thw(info.width, info.height),
+            grid,
             self.processing.num_image_tokens(info.width, info.height),
+            self.image_cost.gflop(grid),
         )
 
-    def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes]) -> Prepared:
+    def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes], scope: str = "") -> Prepared:
         """Image headers, prompt ids and the output's grammar, after `check`; `fetched` holds the bytes of remote
-        images by JSON path."""
+        images by JSON path; `scope`: the tenant's cache scope (encoders.cache_scope), in every image's key."""
         # First: a schema xgrammar refuses costs no image work. check_tools refused a tool grammar with a format.
         grammar = tool_grammar(req) or response_grammar(req)
-        images = [self._image(n, i, param, url, fetched) for n, (i, param, url) in enumerate(image_params(req))]
+        params = enumerate(image_params(req))
+        images = [self._image(n, i, param, url, fetched, scope) for n, (i, param, url) in params]
         overflow = req.context_overflow or self.limits.context_overflow
         # Turns start after the leading system messages (whatever the first one's role: an assistant may open) and
         # at each later user message; dropping whole turns from the front drops their images with them and never
@@ -170,7 +183,7 @@ class Preparer:
         starts = [n_system] + [i for i, m in enumerate(req.messages) if i > n_system and m.role == "user"]
         first = self._build(req, images, n_system, starts[0])
         if self._fits(req, first) or overflow == "error" or len(starts) == 1:
-            return self._checked(req, first, grammar)
+            return self._checked(req, first, grammar, scope)
         lo, hi, best = 1, len(starts) - 1, None  # binary search: dropping more turns only shortens the prompt
         while lo <= hi:
             mid = (lo + hi) // 2
@@ -179,7 +192,7 @@ class Preparer:
                 best, hi = candidate, mid - 1
             else:
                 lo = mid + 1
-        return self._checked(req, best or self._build(req, images, n_system, starts[-1]), grammar)
+        return self._checked(req, best or self._build(req, images, n_system, starts[-1]), grammar, scope)
 
     def _build(
         self, req: ChatCompletionRequest, images: list[_Image], n_system: int, start: int, generation_prompt=True
@@ -191,6 +204,7 @@ class Preparer:
                 out.images.append(image.data)
                 out.image_keys.append(image.key)
                 out.grids.append(image.grid)
+                out.costs.append(image.cost)
                 out.image_sizes.append(image.size)
                 out.image_numbers.append(image.number)
         counts = [im.num_tokens for im in images if im.message < n_system or im.message >= start]
@@ -219,7 +233,9 @@ class Preparer:
     def _fits(self, req: GenerationRequest, p: Prepared) -> bool:
         return p.max_tokens >= 1 and len(p.prompt) + p.max_tokens <= self.max_model_len
 
-    def _checked(self, req: GenerationRequest, p: Prepared, grammar: str | None, param: str = "messages") -> Prepared:
+    def _checked(
+        self, req: GenerationRequest, p: Prepared, grammar: str | None, scope: str, param: str = "messages"
+    ) -> Prepared:
         if self._fits(req, p) and req.min_tokens > p.max_tokens:  # max_tokens left out: the room left
             raise InvalidRequest(
                 f"min_tokens {req.min_tokens} is over the {p.max_tokens} tokens left in the context after the prompt",
@@ -233,10 +249,10 @@ class Preparer:
                 param=param,
                 code="context_length_exceeded",
             )
-        p.grammar = grammar
+        p.grammar, p.cache_scope = grammar, scope
         return p
 
-    def prompts(self, req: CompletionRequest) -> list[Prepared]:
+    def prompts(self, req: CompletionRequest, scope: str = "") -> list[Prepared]:
         """A text completion's prompts: strings tokenized as vLLM does (the tokenizer's BOS added), token ids
         checked against the vocabulary; none may carry an image's reserved tokens. Each must leave room."""
         self.check_generation(req, len(req.prompts))
@@ -254,7 +270,7 @@ class Preparer:
             check_reserved(self.tokenizer, ids, 0, *self.reserved, param)
             p = Prepared(prompt=ids, text=text)
             p.max_tokens = self._max_tokens(req, ids)
-            out.append(self._checked(req, p, grammar, param))
+            out.append(self._checked(req, p, grammar, scope, param))
         return out
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -55,11 +55,35 @@ def routing_key(request: PendingRequest | None) -> str | None:
     return getattr(request.args[0], "routing_key", None)
 
 
-class PrefixAffinityRouter(RequestRouter):
+class OwnCallMixin:
+    """A replica chosen for a call goes to that very call (mixed into both routers, before `RequestRouter`).
+
+    NOTE: Serve matches by `internal_request_id`, which every call made while one ingress request is handled
+    inherits: the n choices of one chat request share it, and so do the encoder calls of its images; only the first
+    is indexed under it, and the base class would leave the others waiting forever (the `n=3` request hung). Each
+    call has its own metadata object, so match that; Serve's own matching stays the fallback. Overrides a private
+    hook of Ray 2.60."""
+
+    def on_chosen(self, pending: PendingRequest, replica: RunningReplica) -> None:
+        """Called once a replica is chosen for `pending` (before it is sent there); a router's own bookkeeping."""
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        for pending in self._pending_requests_to_fulfill:
+            if pending.metadata is request_metadata and not pending.future.done():
+                self.on_chosen(pending, replica)
+                self._cancel_routing_task_for_pending_request(pending)
+                self._record_queue_wait_time(pending)
+                pending.future.set_result(replica)
+                self._remove_pending_request_from_indices(pending)
+                return
+        super()._fulfill_next_pending_request(replica, request_metadata)
+
+
+class PrefixAffinityRouter(OwnCallMixin, RequestRouter):
     """Serve's `request_router_class` for the LLM deployment (`request_router_kwargs`: `max_imbalance`).
 
     NOTE: no FIFOMixin: it hands a replica found for one request to whichever request is first in line, which
-    would send that one away from its own home. Each request here gets the replica chosen for it."""
+    would send that one away from its own home. Each request here gets the replica chosen for it (OwnCallMixin)."""
 
     def initialize_state(self, max_imbalance: int = 8) -> None:
         if max_imbalance < 1:
@@ -77,21 +101,5 @@ class PrefixAffinityRouter(RequestRouter):
         queue_lens = {r.replica_id: n for r in candidate_replicas if (n := cache.get(r.replica_id)) is not None}
         return rank_replicas(routing_key(pending_request), candidate_replicas, queue_lens, self.max_imbalance)
 
-    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
-        """Give the replica to the very request it was chosen for.
 
-        NOTE: Serve matches by `internal_request_id`, which every call made while one ingress request is handled
-        inherits: the n choices of one chat request share it, only the first is indexed under it, and the base
-        class would leave the others waiting forever (the `n=3` request hung). Each call has its own metadata
-        object, so match that; Serve's own matching stays the fallback. Overrides a private hook of Ray 2.60."""
-        for pending in self._pending_requests_to_fulfill:
-            if pending.metadata is request_metadata and not pending.future.done():
-                self._cancel_routing_task_for_pending_request(pending)
-                self._record_queue_wait_time(pending)
-                pending.future.set_result(replica)
-                self._remove_pending_request_from_indices(pending)
-                return
-        super()._fulfill_next_pending_request(replica, request_metadata)
-
-
-__all__ = ["PrefixAffinityRouter", "home_replica", "pinned_replica", "rank_replicas", "routing_key"]
+__all__ = ["OwnCallMixin", "PrefixAffinityRouter", "home_replica", "pinned_replica", "rank_replicas", "routing_key"]

@@ -38,6 +38,7 @@ from deployments.ingress.sampling import sampling_params
 from deployments.ingress.text_completions import text_completion, text_sse_stream
 from deployments.ingress.tokens import TokenRoutes
 from deployments.ingress.tools import parses_tools
+from encoders import cache_scope
 from schemas import AppArgs, InvalidRequest, ModelSpec, this_replica
 from schemas.completions import CompletionRequest
 from schemas.metrics import IngressMetrics
@@ -107,7 +108,7 @@ class Ingress:
             if handler is None:
                 raise InvalidRequest(f"no route {request.url.path}", status=404, code="not_found")
             if path not in ("/health", ""):  # health checks carry no key; the page asks for one and sends it
-                self.gate.check(request)
+                request.state.tenant = self.gate.check(request)  # the key's tenant scopes the caches
             if request.method != method and (request.method, method) != ("HEAD", "GET"):
                 raise InvalidRequest(f"{request.url.path} takes {method}, not {request.method}", status=405)
             response = await handler(request, request_id)
@@ -168,7 +169,8 @@ class Ingress:
         async def prepare() -> list[Prepared]:
             self.prep.check(req)
             fetched = await self.fetcher.fetch_all([(param, url) for _, param, url in image_params(req)])
-            return [await asyncio.to_thread(self.prep.prepare, req, fetched)]
+            scope = cache_scope(getattr(request.state, "tenant", None), req.cache_salt)
+            return [await asyncio.to_thread(self.prep.prepare, req, fetched, scope)]
 
         [p], head, events, log = await self._run(req, prepare, request_id, started)
         headers = {"X-Dropped-Messages": str(p.dropped_messages)} if p.dropped_messages else None
@@ -196,7 +198,8 @@ class Ingress:
         req = parse(CompletionRequest, await read_json(request, self.args.limits.max_request_bytes))
 
         async def prepare() -> list[Prepared]:
-            return await asyncio.to_thread(self.prep.prompts, req)
+            scope = cache_scope(getattr(request.state, "tenant", None), req.cache_salt)
+            return await asyncio.to_thread(self.prep.prompts, req, scope)
 
         prompts, head, events, log = await self._run(req, prepare, request_id, started)
         if req.stream:

@@ -1,7 +1,8 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, reference counts, and prefix reuse by content hash.
 
 A full block whose KV has been computed is registered under a hash of (the hash of the block before it, its
-token ids, and the content hashes of the images whose placeholders it holds), so a later sequence with the same
+token ids, and the content hashes of the images whose placeholders it holds; the first block's parent is the
+tenant's scope), so a later sequence with the same
 prefix (same text, same images) maps the same blocks instead of recomputing them. Blocks nobody references stay
 cached until they are needed: the least recently freed go first. (The paged layout and hash-chained prefix
 blocks follow vLLM's design; the code is ours.)
@@ -12,6 +13,12 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+
+
+def chain_root(scope: str) -> bytes:
+    """The parent of a sequence's first block: empty for the shared cache, else a hash of the tenant's scope, so that
+    the chains of two scopes have no block in common (the text alone would match)."""
+    return hashlib.blake2b(b"scope\0" + scope.encode(), digest_size=16).digest() if scope else b""
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int], image_keys: Sequence[str]) -> bytes:
@@ -93,4 +100,4 @@ class BlockPool:
             self._hash[block] = h
 
 
-__all__ = ["BlockPool", "block_hash"]
+__all__ = ["BlockPool", "block_hash", "chain_root"]

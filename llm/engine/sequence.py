@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from xgrammar import CompiledGrammar, GrammarMatcher
 
-from llm.engine.block_pool import block_hash
+from llm.engine.block_pool import block_hash, chain_root
 from llm.engine.grammar import new_matcher
 from llm.engine.logits import RowState
 from llm.engine.sampling import make_generator
@@ -38,6 +38,7 @@ class Sequence:
     cancelled: threading.Event = field(default_factory=threading.Event)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
+    chain_root: bytes = b""  # the first block's parent: the tenant's cache scope (block_pool.chain_root)
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached: int | None = None  # prompt tokens found in the prefix cache when first admitted
     logits_state: RowState | None = None  # its token history for the logits processors, from its first sampling
@@ -86,7 +87,7 @@ class Sequence:
     def prefix_hashes(self, block_size: int, n_tokens: int) -> list[bytes]:
         """Hashes of the full blocks among the first `n_tokens` tokens, chained from the start."""
         hashes = list(self.block_hashes[: n_tokens // block_size])
-        parent = hashes[-1] if hashes else b""
+        parent = hashes[-1] if hashes else self.chain_root
         for i in range(len(hashes), n_tokens // block_size):
             a, b = i * block_size, (i + 1) * block_size
             parent = block_hash(parent, self.token_ids[a:b], self._image_keys(a, b))
@@ -161,6 +162,7 @@ def make_sequence(
         stop_ids,
         make_generator(p, device),
         new_matcher(grammar) if grammar is not None else None,
+        chain_root=chain_root(inp.cache_scope),
     )
 
 

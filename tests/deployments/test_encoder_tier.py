@@ -62,6 +62,27 @@ def test_second_turn_reuses_first_turn_embeddings(client):
     assert after["bytes"] <= after["max_bytes"]
 
 
+def test_cache_salts_scope_both_caches(client):
+    """The same image and text under two cache_salts: the second is a miss in the embedding cache and finds no
+    prefix KV; the first salt again: a hit in both."""
+    image = make_image(96, 64, seed=21)
+
+    def ask(salt: str) -> int:
+        body = {"messages": openai_messages([("user", [image, "Salted?"])]), "max_tokens": 2, "cache_salt": salt}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    stats = [_cache_stats()]
+    cached = []
+    for salt in ("tenant-1", "tenant-2", "tenant-1"):
+        cached.append(ask(salt))
+        stats.append(_cache_stats())
+    deltas = [(b["misses"] - a["misses"], b["hits"] - a["hits"]) for a, b in zip(stats, stats[1:], strict=False)]
+    assert deltas == [(1, 0), (1, 0), (0, 1)], deltas
+    assert cached[0] == cached[1] == 0 < cached[2], cached
+
+
 @pytest.fixture(scope="module")
 def colocated(ray_serve, app_args):
     """A second app at /colo whose LLM replica encodes the images itself."""

@@ -32,6 +32,7 @@ COUNTS = [
     "vlm_encoder_latency_seconds_count",
     "vlm_encoder_batch_size_count",
     "vlm_images_encoded_total",
+    "vlm_encoder_cost_gflop_total",
     "vlm_embedding_cache_queries_total",
     "vlm_request_images_total",
     "vlm_prefix_cache_queries_total",

@@ -102,3 +102,36 @@ def test_block_pool_reference_counts_and_lru_eviction():
     assert pool.match_prefix([b"h0", b"h1"]) == [a[0]]
     with pytest.raises(MemoryError, match="2 KV blocks wanted, 1 free"):
         pool.allocate(2)
+
+
+def test_a_cache_scope_keeps_its_blocks_to_itself(checkpoint, reference, model, vision):
+    """The same prompt in two scopes (two tenants, or two cache_salts): no block in common, not even the text's;
+    the same scope again: every full block. Outputs are the reference's either way."""
+    engine = make_engine(model, reference, block_size=4, num_blocks=256)
+    base, ref = request_for(checkpoint, reference, vision, [(64, 48)], seed=6, prefix=list(range(3, 20)))
+
+    def scoped(request_id: str, scope: str) -> GenerateRequest:
+        b = base
+        return GenerateRequest(
+            request_id,
+            b.prompt_token_ids,
+            b.image_grid_thw,
+            b.image_embeds,
+            b.sampling,
+            b.image_keys,
+            cache_scope=scope,
+        )
+
+    def cached(request: GenerateRequest) -> tuple[int, list[int]]:
+        async def run():
+            chunks = [chunk async for chunk in engine.generate(request)]
+            return chunks[0].num_cached_tokens, [t for c in chunks for t in c.token_ids]
+
+        return asyncio.run(run())
+
+    full = (len(base.prompt_token_ids) - 1) // 4 * 4
+    assert cached(scoped("a1", "tenant-a"))[0] == 0
+    assert cached(scoped("b1", "tenant-b"))[0] == 0  # another scope: a miss, text blocks included
+    assert cached(scoped("s1", ""))[0] == 0  # nor the shared cache
+    hit, out = cached(scoped("a2", "tenant-a"))
+    assert hit == full and out == reference_generate(reference, ref, 12)  # the same scope keeps its hits

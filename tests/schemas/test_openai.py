@@ -172,3 +172,11 @@ def test_fields_without_effect_and_the_engines_sampling_fields_are_accepted():
     sampling |= {"include_stop_str_in_output": True, "skip_special_tokens": False}
     parse(ChatCompletionRequest, {"messages": HI, **dict.fromkeys(NO_EFFECT, 1), **sampling})
     parse(ChatCompletionRequest, {"messages": HI, "functions": None, "guided_json": {"type": "object"}})
+
+
+@pytest.mark.parametrize("salt", ["", 5, "s" * 257, ["a"]])
+def test_a_bad_cache_salt_is_a_400(salt):
+    with pytest.raises(InvalidRequest) as e:
+        parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "cache_salt": salt})
+    assert (e.value.param, e.value.status) == ("cache_salt", 400)
+    assert parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "cache_salt": "s"}).cache_salt

@@ -132,3 +132,21 @@ def test_preflight_echoes_the_headers_the_browser_asks_for(guarded):
     # A browser script may read the request id of an answer (and Retry-After of a 503).
     ok = guarded.get("/v1/models", headers={"Origin": ORIGIN, "Authorization": "Bearer key-one"})
     assert "x-request-id" in ok.headers["access-control-expose-headers"] and ok.headers["x-request-id"]
+
+
+def test_each_key_is_its_own_tenant():
+    """The tenant scopes the caches: two keys, two tenants; the same key, the same one; auth off: none."""
+    gate = Gate(AuthArgs(api_keys=["key-one", "key-two"]), environ={})
+
+    def tenant(key: str) -> str | None:
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/",
+            "headers": [(b"authorization", f"Bearer {key}".encode())],
+        }
+        return gate.check(Request(scope))
+
+    assert tenant("key-one") == tenant("key-one") != tenant("key-two")
+    assert "key-one" not in tenant("key-one")
+    assert Gate(AuthArgs(), environ={}).check(Request({"type": "http", "headers": []})) is None

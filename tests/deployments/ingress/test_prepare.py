@@ -137,3 +137,22 @@ def test_a_conversation_that_opens_with_the_assistant_keeps_that_message(prep):
     for overflow in ("error", "drop_oldest_turns"):
         p = _prepare(prep, messages, max_tokens=8, context_overflow=overflow)
         assert p.dropped_messages == 0 and "Send me a picture." in prep.tokenizer.decode(p.prompt)
+
+
+def test_each_kept_image_has_its_cost_from_its_header(prep):
+    """The cost the encoder tier routes and scales on, known before any pixel work: a bigger image costs more, and
+    an image dropped with its turn takes its cost with it."""
+    small, big = _image(1, width=56), _image(2, width=224)
+    p = _prepare(prep, [{"role": "user", "content": [small, big, {"type": "text", "text": "which?"}]}], max_tokens=4)
+    assert p.costs == [prep.image_cost.gflop(g) for g in p.grids] and 0 < p.costs[0] < p.costs[1]
+    dropped = _prepare(prep, _conversation(6), context_overflow="drop_oldest_turns", max_tokens=8)
+    assert len(dropped.costs) == len(dropped.images) == len(dropped.grids)
+
+
+def test_the_cache_scope_is_in_every_image_key(prep):
+    messages = [{"role": "user", "content": [_image(3), {"type": "text", "text": "what?"}]}]
+    shared, a, a2, b = (
+        prep.prepare(ChatCompletionRequest(messages=messages, max_tokens=4), {}, scope) for scope in ("", "a", "a", "b")
+    )
+    assert len({shared.image_keys[0], a.image_keys[0], b.image_keys[0]}) == 3 and a.image_keys == a2.image_keys
+    assert (shared.cache_scope, a.cache_scope) == ("", "a") and a.prompt == b.prompt

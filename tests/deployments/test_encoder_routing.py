@@ -1,0 +1,59 @@
+"""The Encoder deployment routes on cost in the running app: with a big image in flight on one replica, the images
+of the next request go to the other one (on request counts, about every second one would wait behind it)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import httpx
+import pytest
+from ray import serve
+
+from deployments.ingress import Ingress
+from encoders.server import Encoder
+from llm.server import LLM
+from tests.deployments.instruments import SlowEncoder, forwards_started
+from tests.helpers import data_url, make_image
+
+pytestmark = pytest.mark.e2e
+SMALL = {"num_cpus": 0.1}  # these apps share the session's logical CPUs with the others
+
+
+@pytest.fixture(scope="module")
+def routed(ray_serve, app_args, tmp_path_factory):
+    record_dir = str(tmp_path_factory.mktemp("forwards"))
+    args = {**app_args, "encoder": {"cache_gib": 0, "startup_check": False}}  # every image really encodes
+    slow = functools.partial(SlowEncoder, delay_s=1.5, record_dir=record_dir)
+    encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=2, autoscaling_config=None).bind(
+        args, None, model_factory=slow
+    )
+    llm = LLM.options(ray_actor_options=SMALL).bind(args)
+    serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name="routed", route_prefix="/routed")
+    yield f"{ray_serve}/routed", record_dir
+    serve.delete("routed")
+
+
+def _body(images: list) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+    return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "?"}]}], "max_tokens": 2}
+
+
+def test_small_images_go_around_a_big_one_in_flight(routed):
+    url, record_dir = routed
+
+    async def main() -> str:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            big = asyncio.create_task(client.post("/v1/chat/completions", json=_body([make_image(448, 448, seed=1)])))
+            while not (started := forwards_started(record_dir)):  # the big image's forward is running
+                assert not big.done(), big.result().text
+                await asyncio.sleep(0.02)
+            smalls = [make_image(56, 56, seed=10 + i) for i in range(4)]
+            r = await client.post("/v1/chat/completions", json=_body(smalls))
+            assert r.status_code == 200, r.text
+            assert (await big).status_code == 200
+            return next(iter(started))
+
+    big_replica = asyncio.run(main())
+    started = forwards_started(record_dir)
+    assert started[big_replica] == 1 and len(started) == 2, started  # the four small images all ran elsewhere

@@ -1,0 +1,86 @@
+"""The Encoder's cost policy: its decisions on synthetic metrics, and the parts of Serve's alpha autoscaling API it
+relies on (a policy named by import path, run with each replica's custom metrics, its upscale and downscale delays
+applied by Serve's own wrapper)."""
+
+from __future__ import annotations
+
+import pytest
+from ray.serve import autoscaling_policy as serve_policy
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from encoders.autoscaling import PENDING_COST, POLICY_PATH, TARGET_COST, cost_policy, desired_replicas
+
+ENCODER = DeploymentID(name="Encoder", app_name="vlm")
+REPLICAS = [ReplicaID(f"r{i}", ENCODER) for i in range(3)]
+
+
+def test_replicas_are_the_pending_cost_over_the_target():
+    targets = {r: 10.0 for r in REPLICAS[:2]}
+    assert desired_replicas({REPLICAS[0]: 25.0, REPLICAS[1]: 10.0}, targets, current=2) == 4  # ceil(35 / 10)
+    assert desired_replicas({REPLICAS[0]: 10.0, REPLICAS[1]: 0.0}, targets, current=2) == 1
+    assert desired_replicas({REPLICAS[0]: 0.0, REPLICAS[1]: 0.0}, targets, current=2) == 0  # Serve then keeps min
+    assert desired_replicas({}, {}, current=2) == 2  # no replica reported yet: stay
+
+
+def test_a_few_large_images_scale_where_counting_requests_would_not():
+    """Three 8-GFLOP images in flight on one replica: 3 requests, under Serve's `target_ongoing_requests: 4`, but
+    24 GFLOP against a 10 GFLOP target: three replicas. Fifty thumbnails of 0.01: one."""
+    target = {REPLICAS[0]: 10.0}
+    assert desired_replicas({REPLICAS[0]: 3 * 8.0}, target, current=1) == 3
+    assert desired_replicas({REPLICAS[0]: 50 * 0.01}, target, current=1) == 1
+
+
+def _context(pending: dict, current: int, target: int, state: dict, config: AutoscalingConfig) -> AutoscalingContext:
+    return AutoscalingContext(
+        deployment_id=ENCODER,
+        deployment_name="Encoder",
+        app_name="vlm",
+        current_num_replicas=current,
+        target_num_replicas=target,
+        running_replicas=REPLICAS[:current],
+        total_num_requests=float(len(pending)),
+        total_queued_requests=0.0,
+        aggregated_metrics={PENDING_COST: pending, TARGET_COST: {r: 10.0 for r in pending}},
+        raw_metrics={},
+        capacity_adjusted_min_replicas=config.min_replicas,
+        capacity_adjusted_max_replicas=config.max_replicas,
+        policy_state=state,
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=None,
+        config=config,
+    )
+
+
+def test_serve_resolves_the_policy_by_path_and_applies_its_delays(monkeypatch):
+    config = AutoscalingConfig(
+        min_replicas=1, max_replicas=4, upscale_delay_s=2, downscale_delay_s=5, policy={"policy_function": POLICY_PATH}
+    )
+    assert config.policy.get_policy()(_context({REPLICAS[0]: 35.0}, 1, 1, {}, config))[0] == 4  # by value, unpickled
+    policy = serve_policy._apply_autoscaling_config(cost_policy)  # what Serve's controller runs (Ray 2.60)
+    now = [1000.0]
+    monkeypatch.setattr(serve_policy.time, "time", lambda: now[0])
+
+    def decide(pending: dict, current: int, state: dict) -> tuple[int, dict]:
+        return policy(_context(pending, current, current, state, config))
+
+    busy = {REPLICAS[0]: 35.0}
+    replicas, state = decide(busy, 1, {})
+    assert replicas == 1  # over target, but not yet for upscale_delay_s
+    now[0] += 2.5
+    replicas, state = decide(busy, 1, state)
+    assert replicas == 4
+    idle = {r: 0.0 for r in REPLICAS[:3]}
+    replicas, state = decide(idle, 3, state)
+    assert replicas == 3  # idle, but not yet for downscale_delay_s
+    now[0] += 5.5
+    assert decide(idle, 3, state)[0] == 1  # not 0: Serve's wrapper scales to zero only from one replica
+
+
+@pytest.mark.parametrize("policy", [{"policy_function": POLICY_PATH}, None])
+def test_the_count_policy_stays_selectable(policy):
+    """Without `policy`, Serve's default (requests in flight against target_ongoing_requests)."""
+    extra = {"policy": policy} if policy else {}
+    config = AutoscalingConfig(min_replicas=1, max_replicas=2, target_ongoing_requests=4, **extra)
+    assert config.policy.is_default_policy_function() is (policy is None)
