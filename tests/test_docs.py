@@ -35,6 +35,7 @@ def test_readme_links_the_manual():
         "docs/operations.md",
         "docs/design.md",
         "docs/engine.md",
+        "docs/clients.md",
         "BENCHMARKS.md",
     } <= targets
 
