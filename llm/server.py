@@ -127,6 +127,8 @@ class LLM:
             merge_size=spec.merge_size,
             eos_token_ids=spec.eos_token_ids,
             load_tokenizer=lambda: AutoTokenizer.from_pretrained(self.args.model, config=spec.hf_config),
+            video_token_id=spec.image_tokens.video_placeholder_id,
+            tokens_per_second=getattr(getattr(spec.hf_config, "vision_config", None), "tokens_per_second", None),
         )
         self.metrics = LLMMetrics(self.engine.stats, self.engine.drain_timings)
         self.replica_id = this_replica() if llm_args.token_channel else None  # None: own streams only, no channels
@@ -136,7 +138,9 @@ class LLM:
         self._metrics_task: asyncio.Task | None = None
         self.vision = self.vision_cache = None
         if self.args.encoder.colocated:  # the encoder lives here, sharing this replica's device with the engine
-            self.vision = EncoderRunner(spec, self.args.encoder, on_batch=EncoderMetrics().on_batch)
+            self.vision = EncoderRunner(
+                spec, self.args.encoder, on_batch=EncoderMetrics().on_batch, video=self.args.video
+            )
             self.vision_cache = EmbeddingLRU(int(self.args.encoder.cache_gib * (1 << 30)))
         logger.info(
             "llm ready: %s on %s (%s, %s engine threads, %d tensor-parallel ranks), context %d, KV cache %d "

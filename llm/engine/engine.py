@@ -70,9 +70,11 @@ class Engine:
         merge_size: int,
         eos_token_ids: set[int],
         load_tokenizer: Callable[[], Any] | None = None,  # for structured outputs; None: grammars are refused
+        video_token_id: int | None = None,
+        tokens_per_second: float | None = None,  # Qwen2.5-VL's vision config's: videos' temporal positions
     ):
         self.model, self.config = model, config
-        self.image_token_id, self.merge_size, self.eos_token_ids = image_token_id, merge_size, frozenset(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.grammars = Grammars(load_tokenizer, model.config.vocab_size, self.eos_token_ids)
         single_cuda = (
             model.lm_head.weight.device.type == "cuda"
@@ -90,6 +92,12 @@ class Engine:
             static_decode=static or graphs,
             cuda_graphs=graphs,
         )
+        # make_sequence's settings: the context, the position rule, where images and videos are, when to stop
+        self._sequence_kwargs = dict(
+            max_model_len=config.max_model_len, mrope=model.config.mrope_section is not None, device=self.runner.device,
+            eos_token_ids=self.eos_token_ids, image_token_id=image_token_id, merge_size=merge_size,
+            video_token_id=video_token_id, tokens_per_second=tokens_per_second,
+        )  # fmt: skip
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         # written by the worker only
@@ -138,17 +146,7 @@ class Engine:
         is compiled here unless cached: `grammars.compile` it on a worker thread first to keep the loop free."""
         loop = asyncio.get_running_loop()
         grammar = self.grammars.compile(g) if (g := inp.sampling.grammar) is not None else None
-        seq = make_sequence(
-            inp,
-            next(self._ids),
-            max_model_len=self.config.max_model_len,
-            image_token_id=self.image_token_id,
-            merge_size=self.merge_size,
-            mrope=self.model.config.mrope_section is not None,
-            device=self.runner.device,
-            eos_token_ids=self.eos_token_ids,
-            grammar=grammar,
-        )
+        seq = make_sequence(inp, next(self._ids), grammar=grammar, **self._sequence_kwargs)
         if self.dead is not None:
             raise self._dead_error()
         if self._queued >= self.config.max_queued:
