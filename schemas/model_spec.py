@@ -30,6 +30,7 @@ class ModelSpec:
     eos_token_ids: frozenset[int]
     device: str  # "cpu" or "cuda", resolved in this process
     dtype: torch.dtype
+    video_processing: Any = None  # the family's video sampling (encoders/video_processing.py); None: no video
 
     @property
     def text_config(self) -> Any:
@@ -71,6 +72,7 @@ class ModelSpec:
             frozenset(eos_token_ids(model_dir, config)),
             dev,
             getattr(torch, resolve_dtype(dtype, dev)),
+            fam.video_processing.from_pretrained(model_dir) if fam.video_processing is not None else None,
         )
 
     @classmethod

@@ -11,9 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from schemas.messages import (  # re-exported: the request's message models live there
     ImagePart,
     Message,
+    MMProcessorKwargs,
     TextPart,
     Tool,
     ToolChoice,
+    VideoPart,
     _Tolerant,
 )
 
@@ -80,6 +82,7 @@ class ChatCompletionRequest(_Tolerant):
     tools: list[Tool] = Field(default_factory=list, max_length=128)
     tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
     parallel_tool_calls: bool = True
+    mm_processor_kwargs: MMProcessorKwargs | None = None  # vLLM's extension: video sampling (fps or nframes, pixels)
 
     @model_validator(mode="before")
     @classmethod
@@ -289,4 +292,5 @@ __all__ = [
     "TokenLogprobOut",
     "TopLogprob",
     "Usage",
+    "VideoPart",
 ]

@@ -10,17 +10,21 @@ from pathlib import Path
 from deployments.ingress.prompt import build_prompt, load_tokenizer, needs_typed_content, template_messages
 from deployments.ingress.structured import response_grammar
 from deployments.ingress.tools import check_tools, renders_tools, template_tools, tool_grammar
+from deployments.ingress.videos import VideoPreparer, video_params
 from encoders import data_url_format, decode_data_url, embedding_key, probe_image
+from encoders.video_decode import Video
 from schemas import AppArgs, InvalidRequest, ModelSpec, SamplingParams
-from schemas.openai import ChatCompletionRequest, ImagePart, Message
+from schemas.openai import ChatCompletionRequest, ImagePart, Message, TextPart
 
 
 @dataclass(slots=True)
 class Prepared:
     prompt: list[int] = field(default_factory=list)
-    images: list[bytes] = field(default_factory=list)
+    images: list[bytes | Video] = field(default_factory=list)  # images and videos, in prompt order
     image_keys: list[str] = field(default_factory=list)
     grids: list[tuple[int, int, int]] = field(default_factory=list)
+    second_per_grid_ts: list[float | None] = field(default_factory=list)  # a video's seconds per tubelet
+    num_videos: int = 0
     max_tokens: int = 0
     dropped_messages: int = 0
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each image kept
@@ -31,13 +35,21 @@ class Prepared:
 
 @dataclass(slots=True)
 class _Image:
+    """An image or a video of the request."""
+
     message: int
-    number: int
+    number: int  # its index among the request's images (videos: -1)
     size: tuple[int, int]
-    data: bytes
+    data: bytes | Video
     key: str
     grid: tuple[int, int, int]
     num_tokens: int
+    placeholder_id: int
+    second_per_grid_t: float | None = None  # videos only
+
+    @property
+    def is_video(self) -> bool:
+        return isinstance(self.data, Video)
 
 
 def image_params(req: ChatCompletionRequest) -> list[tuple[int, str, str]]:
@@ -97,6 +109,8 @@ class Preparer:
         self.typed_content = needs_typed_content(self.tokenizer)  # llava-hf's templates drop string contents
         self.renders_tools = renders_tools(self.tokenizer)
         self.max_model_len = spec.max_model_len
+        self.videos = VideoPreparer(args, spec.video_processing, self.model_id, args.model_name)
+        self.video_token_id = self.tokens.video_placeholder_id
 
     def check(self, req: ChatCompletionRequest) -> None:
         """The cheap checks, before any image is read or fetched."""
@@ -118,6 +132,7 @@ class Preparer:
         params = image_params(req)
         if len(params) > self.max_images:
             raise InvalidRequest(f"more than {self.max_images} images in one request", param=params[self.max_images][1])
+        self.videos.check(req)
 
     def _image(self, number: int, message: int, param: str, url: str, fetched: dict[str, bytes]) -> _Image:
         try:
@@ -140,7 +155,14 @@ class Preparer:
             key,
             self.processing.grid_thw(info.width, info.height),
             self.processing.num_image_tokens(info.width, info.height),
+            self.image_token_id,
         )
+
+    def _video(self, message: int, param: str, part, req: ChatCompletionRequest, fetched: dict) -> _Image:
+        v = self.videos.prepare(param, part, req, fetched)
+        plan = v.video.plan
+        return _Image(message, -1, v.size, v.video, v.key, plan.grid_thw, plan.num_tokens, self.video_token_id,
+                      plan.second_per_grid_t)  # fmt: skip
 
     def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes]) -> Prepared:
         """Image headers, prompt ids and the output's grammar, after `check`; `fetched` holds the bytes of remote
@@ -148,6 +170,8 @@ class Preparer:
         # First: a schema xgrammar refuses costs no image work. check_tools refused a tool grammar with a format.
         grammar = tool_grammar(req) or response_grammar(req)
         images = [self._image(n, i, param, url, fetched) for n, (i, param, url) in enumerate(image_params(req))]
+        videos = [self._video(i, param, part, req, fetched) for i, param, part in video_params(req)]
+        images = _in_prompt_order(req, images, videos)
         overflow = req.context_overflow or self.limits.context_overflow
         # Turns start after the leading system messages (whatever the first one's role: an assistant may open) and
         # at each later user message; dropping whole turns from the front drops their images with them and never
@@ -172,14 +196,17 @@ class Preparer:
     def _build(self, req: ChatCompletionRequest, images: list[_Image], n_system: int, start: int) -> Prepared:
         kept: list[Message] = req.messages[:n_system] + req.messages[start:]
         out = Prepared(dropped_messages=start - n_system)
-        for image in images:
-            if image.message < n_system or image.message >= start:
-                out.images.append(image.data)
-                out.image_keys.append(image.key)
-                out.grids.append(image.grid)
+        kept_items = [im for im in images if im.message < n_system or im.message >= start]
+        for image in kept_items:
+            out.images.append(image.data)
+            out.image_keys.append(image.key)
+            out.grids.append(image.grid)
+            out.second_per_grid_ts.append(image.second_per_grid_t)
+            out.num_videos += image.is_video
+            if not image.is_video:  # grounding boxes are in pixels of the images
                 out.image_sizes.append(image.size)
                 out.image_numbers.append(image.number)
-        counts = [im.num_tokens for im in images if im.message < n_system or im.message >= start]
+        counts = [im.num_tokens for im in kept_items]
         out.routing_key = first_turn_key(
             kept[: n_system + 1], [im.key for im in images if im.message < n_system or im.message == start]
         )
@@ -189,9 +216,10 @@ class Preparer:
             self.image_token_id,
             counts,
             self.tokens.per_image_ids,
-            self.tokens.forbidden_ids,
+            self.tokens.forbidden_ids + ((self.video_token_id,) if self.video_token_id is not None else ()),
             self.typed_content,
             template_tools(req),
+            [im.placeholder_id for im in kept_items],
         )
         room, cap = self.max_model_len - len(out.prompt), self.limits.default_max_tokens
         out.max_tokens = req.requested_max_tokens or (room if cap is None else min(cap, room))
@@ -211,6 +239,18 @@ class Preparer:
             )
         p.grammar = grammar
         return p
+
+
+def _in_prompt_order(req: ChatCompletionRequest, images: list[_Image], videos: list[_Image]) -> list[_Image]:
+    """Images and videos merged in the order their parts appear in the messages."""
+    it_images, it_videos = iter(images), iter(videos)
+    return [
+        next(it_images) if isinstance(part, ImagePart) else next(it_videos)
+        for m in req.messages
+        if isinstance(m.content, list)
+        for part in m.content
+        if not isinstance(part, TextPart)
+    ]
 
 
 __all__ = ["Prepared", "Preparer", "first_turn_key", "image_params", "sampling_params"]

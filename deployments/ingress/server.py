@@ -33,6 +33,7 @@ from deployments.ingress.responses import (
     with_deadline,
 )
 from deployments.ingress.tools import parses_tools
+from deployments.ingress.videos import video_urls
 from schemas import (
     REPLICA_GONE,
     AppArgs,
@@ -61,6 +62,7 @@ class Ingress:
         self.tokenizer, self.max_model_len = self.prep.tokenizer, self.prep.max_model_len
         self.grounding = GroundingTokens.of(self.tokenizer)  # None: this family's answers carry no boxes
         self.fetcher = ImageFetcher(self.args.image_urls, self.args.limits.max_image_bytes)
+        self.video_fetcher = ImageFetcher(self.args.image_urls, self.args.video.max_video_bytes)
         self.gate = Gate(self.args.auth)
         self.metrics = IngressMetrics()
         urls = self.args.image_urls
@@ -131,6 +133,7 @@ class Ingress:
             async with asyncio.timeout_at(deadline) as budget:
                 self.prep.check(req)
                 fetched = await self.fetcher.fetch_all([(param, url) for _, param, url in image_params(req)])
+                fetched |= await self.video_fetcher.fetch_all(video_urls(req))
                 p = await asyncio.to_thread(self.prep.prepare, req, fetched)
                 streams, firsts = await self._start(req, p, request_id)
         except TimeoutError:
@@ -146,8 +149,8 @@ class Ingress:
             "dropped": p.dropped_messages,
         }
         self.metrics.ttft.observe(log["ttft"])
-        if p.images:  # NOTE: Ray counters refuse inc(0)
-            self.metrics.images.inc(len(p.images))
+        if len(p.images) > p.num_videos:  # NOTE: Ray counters refuse inc(0)
+            self.metrics.images.inc(len(p.images) - p.num_videos)
         head = {
             "id": request_id,
             "created": int(time.time()),
@@ -237,6 +240,7 @@ class Ingress:
                 p.images if self.encoder is None else [],
                 p.routing_key or None,
                 channel,
+                p.second_per_grid_ts if p.num_videos else [],
             )
             for i in range(req.n)
         ]
