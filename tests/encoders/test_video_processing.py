@@ -6,29 +6,19 @@ layout is restated here from its `patchify`, and the resize is the image process
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from encoders.video_decode import decode_frames
 from encoders.video_processing import Qwen2VLVideoProcessing, SamplingRequest, VideoMeta
 from schemas import InvalidRequest, VideoArgs
 from tests.helpers import image_bytes, make_image
+from tests.video_reference import frame_size, patchify, qwen_nframes
 
 TOTAL_PIXELS = VideoArgs().total_pixels
-
-
-def qwen_nframes(total: int, video_fps: float, fps: float = 2.0, nframes: int | None = None) -> int:
-    """qwen-vl-utils' smart_nframes, restated from its description in issue 23 (FRAME_FACTOR 2, 4 to 768)."""
-    if nframes is not None:
-        return round(nframes / 2) * 2
-    n = total / video_fps * fps
-    n = min(max(n, 4), math.floor(min(768, total) / 2) * 2, total)
-    return math.floor(n / 2) * 2
 
 
 # (frames, source fps, width, height, fps or None, nframes or None)
@@ -56,21 +46,11 @@ def test_sampling_equals_qwen_vl_utils(total, video_fps, width, height, fps, nfr
     assert list(plan.indices) == np.round(np.linspace(0, total - 1, n, dtype=np.float32)).astype(int).tolist()
     assert plan.sample_fps == pytest.approx(n / total * video_fps)
     assert plan.second_per_grid_t == pytest.approx(2 / plan.sample_fps)
-    # Per-frame budget: max(min(768*28*28, total_pixels/n*2), 1.05*128*28*28); then transformers' smart_resize.
-    budget = max(min(768 * 28 * 28, TOTAL_PIXELS * 2 // n), int(128 * 28 * 28 * 1.05))
-    h, w = _transformers_smart_resize(height, width, 28, 128 * 28 * 28, budget)
+    w, h = frame_size(width, height, n)  # qwen-vl-utils' per-frame budget, then transformers' smart_resize
     assert (plan.width, plan.height) == (w, h)
     # Grid and tokens: transformers' get_num_of_video_patches, and one token per 2x2 patches.
     assert plan.grid_thw == (n // 2, h // 14, w // 14)
     assert plan.num_tokens == (n // 2) * (h // 14) * (w // 14) // 4
-
-
-def _transformers_smart_resize(height, width, factor, min_pixels, max_pixels):
-    # The rule of transformers' smart_resize, through the image processor that carries it.
-    proc = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
-    image = Image.new("RGB", (width, height))
-    _, gh, gw = proc(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
-    return gh * 14, gw * 14
 
 
 def test_known_plans():
@@ -103,24 +83,6 @@ def test_checkpoint_video_config_wins_and_its_absence_is_never_the_image_budget(
     assert (proc.min_pixels, proc.max_pixels, proc.fps) == (4 * 28 * 28, 16 * 28 * 28, 1.0)
 
 
-def _reference_rows(frames: list[Image.Image], size: tuple[int, int]) -> torch.Tensor:
-    """transformers' video rows: each frame resized (bicubic, the resize checked on images above) and normalized by
-    the image processor (its output for one frame holds it T times), then laid out as
-    Qwen2VLVideoProcessor.patchify: (t, T, C, gh/m, m, p, gw/m, m, p) permuted (t, gh/m, gw/m, m, m, C, T, p, p)."""
-    w, h = size
-    proc = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=w * h)  # the frame's own size: no resize
-    frames = [f.resize(size, resample=Image.Resampling.BICUBIC) for f in frames]
-    per_frame = [proc(images=[f], return_tensors="pt")["pixel_values"].view(-1, 3, 2, 14 * 14)[:, :, 0] for f in frames]
-    gh, gw = h // 14, w // 14
-    # per_frame rows are already in merge order; undo that to the plain (C, h, w) frame, then patchify as transformers
-    x = torch.stack(per_frame).view(len(frames), gh // 2, gw // 2, 2, 2, 3, 14, 14)  # (n, gh/m, gw/m, m, m, C, p, p)
-    x = x.permute(0, 5, 1, 3, 6, 2, 4, 7).reshape(len(frames), 3, h, w)  # (n, C, h, w)
-    t = len(frames) // 2
-    patches = x.reshape(1, t, 2, 3, gh // 2, 2, 14, gw // 2, 2, 14)
-    patches = patches.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)  # transformers' patchify permutation
-    return patches.reshape(t * gh * gw, 3 * 2 * 14 * 14)
-
-
 @pytest.mark.parametrize("size", [(64, 48), (300, 140), (17, 200), (640, 360)])
 def test_frame_preprocessing_equals_the_image_processor_on_images(size):
     """The re-implemented resize, checked on images: a video of one frame twice is that image to the image
@@ -144,5 +106,5 @@ def test_video_rows_follow_transformers_layout():
     assert plan.indices == (0, 1, 2, 3, 4, 4)
     pixel_values, grid = proc.preprocess(decode_frames([image_bytes(f) for f in frames], plan))
     assert grid == plan.grid_thw == (3, plan.height // 14, plan.width // 14)
-    expected = _reference_rows([frames[i] for i in plan.indices], (plan.width, plan.height))
+    expected = patchify([frames[i] for i in plan.indices], (plan.width, plan.height))
     torch.testing.assert_close(pixel_values, expected, rtol=0, atol=1e-5)
