@@ -92,11 +92,11 @@ class Engine:
             static_decode=static or graphs,
             cuda_graphs=graphs,
         )
-        # make_sequence's settings: the context, the position rule, where images and videos are, when to stop
+        # make_sequence's settings: the context, the position rule, where images and videos are
         self._sequence_kwargs = dict(
             max_model_len=config.max_model_len, mrope=model.config.mrope_section is not None, device=self.runner.device,
-            eos_token_ids=self.eos_token_ids, image_token_id=image_token_id, merge_size=merge_size,
-            video_token_id=video_token_id, tokens_per_second=tokens_per_second,
+            image_token_id=image_token_id, merge_size=merge_size, video_token_id=video_token_id,
+            tokens_per_second=tokens_per_second,
         )  # fmt: skip
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
@@ -146,7 +146,9 @@ class Engine:
         is compiled here unless cached: `grammars.compile` it on a worker thread first to keep the loop free."""
         loop = asyncio.get_running_loop()
         grammar = self.grammars.compile(g) if (g := inp.sampling.grammar) is not None else None
-        seq = make_sequence(inp, next(self._ids), grammar=grammar, **self._sequence_kwargs)
+        seq = make_sequence(
+            inp, next(self._ids), grammar=grammar, eos_token_ids=self.eos_token_ids, **self._sequence_kwargs
+        )
         if self.dead is not None:
             raise self._dead_error()
         if self._queued >= self.config.max_queued:
