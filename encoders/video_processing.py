@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +38,21 @@ class VideoPlan:
     grid_thw: tuple[int, int, int]  # (tubelets, patch rows, patch columns)
     num_tokens: int
     second_per_grid_t: float  # seconds per tubelet: Qwen2.5-VL's temporal positions
+
+    def chunks(self, max_patches: int) -> list[tuple[int, int]]:
+        """Tubelet ranges [a, b) of at most `max_patches` patches each (one tubelet at least), in order. Qwen's ViTs
+        attend within a frame's tubelet only (cu_seqlens per tubelet; Qwen2.5-VL's windows too) and place patches by
+        row and column alone, so encoding the chunks apart and concatenating equals encoding the whole video."""
+        t, h, w = self.grid_thw
+        step = max(1, max_patches // (h * w))
+        return [(a, min(a + step, t)) for a in range(0, t, step)]
+
+    def chunk(self, a: int, b: int) -> VideoPlan:
+        """The plan of tubelets [a, b): their frames, grid and tokens."""
+        t, h, w = self.grid_thw
+        per = len(self.indices) // t  # frames per tubelet (temporal_patch_size)
+        tokens = self.num_tokens * (b - a) // t
+        return replace(self, indices=self.indices[a * per : b * per], grid_thw=(b - a, h, w), num_tokens=tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -253,7 +254,10 @@ class LLM:
             embeds = await self._encode_here(request.images, request.image_keys)
         else:
             embeds = await self._fetch_embeds(request.image_embeds)
-        inp = dataclasses.replace(request, image_embeds=embeds, images=[])  # what the engine takes: the tensors
+        if request.embeds_per_item:  # a video's chunks, in order, are its embedding
+            at = list(itertools.accumulate(request.embeds_per_item, initial=0))
+            embeds = [torch.cat(embeds[a:b]) for a, b in itertools.pairwise(at)]
+        inp = dataclasses.replace(request, image_embeds=embeds, images=[], embeds_per_item=[])  # the tensors
         if (grammar := request.sampling.grammar) is not None:  # compiled off the event loop; `submit` finds it cached
             await asyncio.to_thread(self.engine.grammars.compile, grammar)
         box = self.channels.get(request.channel) if request.channel and self.replica_id else None

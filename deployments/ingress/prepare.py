@@ -25,6 +25,11 @@ class Prepared:
     grids: list[tuple[int, int, int]] = field(default_factory=list)
     second_per_grid_ts: list[float | None] = field(default_factory=list)  # a video's seconds per tubelet
     num_videos: int = 0
+    # The encoder calls: an image, a video, or a chunk of a video's tubelets each, with its embedding cache key;
+    # jobs_per_item[i]: how many of them make item i (the LLM concatenates them in order).
+    jobs: list[bytes | Video] = field(default_factory=list)
+    job_keys: list[str] = field(default_factory=list)
+    jobs_per_item: list[int] = field(default_factory=list)
     max_tokens: int = 0
     dropped_messages: int = 0
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each image kept
@@ -46,6 +51,7 @@ class _Image:
     num_tokens: int
     placeholder_id: int
     second_per_grid_t: float | None = None  # videos only
+    jobs: list[tuple[bytes | Video, str]] = field(default_factory=list)  # its encoder calls; empty: one, itself
 
     @property
     def is_video(self) -> bool:
@@ -162,7 +168,7 @@ class Preparer:
         v = self.videos.prepare(param, part, req, fetched)
         plan = v.video.plan
         return _Image(message, -1, v.size, v.video, v.key, plan.grid_thw, plan.num_tokens, self.video_token_id,
-                      plan.second_per_grid_t)  # fmt: skip
+                      plan.second_per_grid_t, v.chunks)  # fmt: skip
 
     def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes]) -> Prepared:
         """Image headers, prompt ids and the output's grammar, after `check`; `fetched` holds the bytes of remote
@@ -203,6 +209,10 @@ class Preparer:
             out.grids.append(image.grid)
             out.second_per_grid_ts.append(image.second_per_grid_t)
             out.num_videos += image.is_video
+            jobs = image.jobs or [(image.data, image.key)]
+            out.jobs += [data for data, _ in jobs]
+            out.job_keys += [key for _, key in jobs]
+            out.jobs_per_item.append(len(jobs))
             if not image.is_video:  # grounding boxes are in pixels of the images
                 out.image_sizes.append(image.size)
                 out.image_numbers.append(image.number)

@@ -178,9 +178,9 @@ class Ingress:
         return JSONResponse(body.model_dump(), headers=headers)
 
     async def _encode(self, p: Prepared, indices: list[int], calls: list[DeploymentResponse]) -> list[Any]:
-        """One encoder call per image, concurrently; only ObjectRefs come back (the ingress never holds
-        embeddings). The calls are added to `calls`, to be cancelled if the request ends early."""
-        responses = [self.encoder.encode.remote(p.images[i], p.image_keys[i]) for i in indices]
+        """One encoder call per image (and per chunk of a video), concurrently; only ObjectRefs come back (the
+        ingress never holds embeddings). The calls are added to `calls`, to be cancelled if the request ends early."""
+        responses = [self.encoder.encode.remote(p.jobs[i], p.job_keys[i]) for i in indices]
         calls += responses
         refs = asyncio.gather(*(r._to_object_ref() for r in responses))
         refs.add_done_callback(observe)  # a request that ends early leaves it failing unobserved
@@ -206,7 +206,7 @@ class Ingress:
     async def _encode_and_generate(
         self, req: ChatCompletionRequest, p: Prepared, request_id: str, calls: list[DeploymentResponse]
     ):
-        refs = await self._encode(p, list(range(len(p.images))), calls)
+        refs = await self._encode(p, list(range(len(p.jobs))), calls)
         for attempt in (1, 2):
             try:
                 return await self._generate(req, p, refs, request_id)
@@ -241,6 +241,7 @@ class Ingress:
                 p.routing_key or None,
                 channel,
                 p.second_per_grid_ts if p.num_videos else [],
+                p.jobs_per_item if len(p.jobs) > len(p.images) else [],
             )
             for i in range(req.n)
         ]

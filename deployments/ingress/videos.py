@@ -54,12 +54,16 @@ class PreparedVideo:
     video: Video
     key: str  # embedding and prefix cache key: content, sampling, preprocessing, model
     size: tuple[int, int]  # the source's (width, height)
+    chunks: list[tuple[Video, str]]  # the encoder calls: tubelet chunks, each with its embedding cache key
 
 
 class VideoPreparer:
     def __init__(self, args: AppArgs, processing: Qwen2VLVideoProcessing | None, model_id: str, model_name: str):
         self.args, self.video, self.processing = args, args.video, processing
         self.model_id, self.model_name = model_id, model_name
+        # A video over encoder.max_batch_patches goes to the encoder tier in chunks of tubelets, concurrently (one
+        # call each, so several replicas share it); colocated, the LLM replica encodes it whole.
+        self.max_chunk_patches = None if args.encoder.colocated else args.encoder.max_batch_patches
 
     def check(self, req: ChatCompletionRequest) -> None:
         """Before anything is fetched: the model takes video, and not too many."""
@@ -108,7 +112,12 @@ class VideoPreparer:
             digest = hashlib.sha256(data).hexdigest()
         self._check(plan)
         key = f"video:{digest}:{_plan_key(plan)}:{self.processing.fingerprint()}:{self.model_id}"
-        return PreparedVideo(Video(data, plan), key, (meta.width, meta.height))
+        ranges = plan.chunks(self.max_chunk_patches) if self.max_chunk_patches else [(0, plan.grid_thw[0])]
+        whole = len(ranges) == 1
+        chunks = [
+            (Video(data, plan if whole else plan.chunk(a, b)), key if whole else f"{key}@{a}-{b}") for a, b in ranges
+        ]
+        return PreparedVideo(Video(data, plan), key, (meta.width, meta.height), chunks)
 
     def _check(self, plan: VideoPlan) -> None:
         if len(plan.indices) > self.video.max_frames:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from ray import serve
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from demo.tiny_qwen2_5_vl import build_qwen2_5_vl_checkpoint
@@ -81,7 +82,8 @@ def served(request, tmp_path_factory):
         return
     checkpoint = build_qwen2_5_vl_checkpoint(tmp_path_factory.mktemp("q25v") / "qwen2.5-vl-tiny", seed=1)
     reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    args = request.getfixturevalue("app_args")
+    # NOTE: 96 patches a batch: this app's videos (3 tubelets of 48 patches) go to the encoders in two chunks
+    args = {**request.getfixturevalue("app_args"), "encoder": {"max_batch_patches": 96}}
     with deployed(request.getfixturevalue("ray_serve"), args, checkpoint, "qwen25v") as client:
         yield client, checkpoint, reference
 
@@ -106,3 +108,21 @@ def test_another_video_changes_the_tokens_and_they_still_equal_transformers(serv
     )
     assert served_generate(client, other)["choices"][0]["token_ids"] == reference_generate(checkpoint, reference,
                                                                                           other)[1]  # fmt: skip
+
+
+def test_a_video_over_the_batch_budget_is_encoded_in_chunks_and_still_equals_transformers(served):
+    """The Qwen2.5-VL app's encoders take at most 96 patches a batch: a new video of 3 tubelets of 48 patches goes
+    as two encoder calls (two more images encoded, no cache hit), and the answer is transformers' (the Qwen2-VL app,
+    16384 patches, encodes it whole: one call)."""
+    client, checkpoint, reference = served
+    app = "qwen25v" if isinstance(reference, Qwen2_5_VLForConditionalGeneration) else "vlm"
+
+    def encoded() -> int:
+        stats = serve.get_deployment_handle("Encoder", app_name=app).broadcast("stats").results(timeout_s=60)
+        return sum(int(s["images"]) for s in stats)
+
+    parts = [make_video(3, fps=8, width=160, height=120, seed=11), "And now?"]
+    before = encoded()
+    tokens = served_generate(client, parts)["choices"][0]["token_ids"]
+    assert encoded() - before == (2 if app == "qwen25v" else 1)
+    assert tokens == reference_generate(checkpoint, reference, parts)[1]

@@ -128,3 +128,18 @@ def test_context_overflow_drops_whole_videos(prep):
     p = big.prepare(req, {})
     assert p.dropped_messages > 0 and p.num_videos == len(p.images) == 4 - p.dropped_messages // 2
     assert p.prompt.count(big.video_token_id) == 8 * p.num_videos  # whole runs only
+
+
+def test_a_video_over_the_batch_budget_goes_in_chunks_of_tubelets(checkpoint):
+    def jobs(**encoder):
+        prep = Preparer(AppArgs(model=str(checkpoint), llm={"max_model_len": 160}, encoder=encoder))
+        image = {"type": "image_url", "image_url": {"url": data_url(make_image(56, 56))}}
+        return _prepare(prep, [image, _video_part(make_video(4, fps=8, width=64, height=48))], max_tokens=8)
+
+    whole, split, colocated = jobs(), jobs(max_batch_patches=16), jobs(max_batch_patches=16, colocated=True)
+    assert whole.grids[1] == (4, 4, 4) and whole.jobs_per_item == [1, 1]  # 4 tubelets of 16 patches
+    assert split.jobs_per_item == [1, 4] and split.grids == whole.grids and split.prompt == whole.prompt
+    assert [v.plan.indices for v in split.jobs[1:]] == [(0, 4), (9, 13), (18, 22), (27, 31)]
+    assert split.job_keys[1:] == [f"{whole.job_keys[1]}@{a}-{a + 1}" for a in range(4)]
+    assert split.image_keys == whole.image_keys  # the prefix cache keys the whole video
+    assert colocated.jobs_per_item == [1, 1]  # the LLM replica encodes it itself, whole
