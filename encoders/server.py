@@ -16,6 +16,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from encoders import EncoderRunner, VisionEncoder
+from encoders.video_decode import Video
 from schemas import AppArgs, ModelSpec
 from schemas.metrics import EncoderMetrics
 from schemas.transfer import send_tensors_out_of_band
@@ -50,7 +51,7 @@ class Encoder:
         spec = ModelSpec.from_args(self.args)
         self.metrics = EncoderMetrics()
         self.runner = EncoderRunner(
-            spec, self.args.encoder, model_factory=model_factory, on_batch=self.metrics.on_batch
+            spec, self.args.encoder, model_factory=model_factory, on_batch=self.metrics.on_batch, video=self.args.video
         )
         self.num_cancelled = 0
         self.cache = cache if self.args.encoder.cache_gib > 0 else None
@@ -76,7 +77,8 @@ class Encoder:
         except Exception:
             logger.warning("could not cache %s", key[:16], exc_info=True)
 
-    async def encode(self, image: bytes, key: str | None = None) -> torch.Tensor:
+    async def encode(self, image: bytes | Video, key: str | None = None) -> torch.Tensor:
+        """An image's bytes or a video (encoders.video_decode.Video) -> its (num_tokens, llm_hidden) embedding."""
         # NOTE: returned, not ray.put: the caller owns the result, so it outlives this replica.
         try:
             if key is not None and self.cache is not None:

@@ -33,6 +33,7 @@ class ModelSpec:
     sampling_defaults: dict[str, float]
     device: str  # "cpu" or "cuda", resolved in this process
     dtype: torch.dtype
+    video_processing: Any = None  # the family's video sampling (encoders/video_processing.py); None: no video
 
     @property
     def text_config(self) -> Any:
@@ -80,6 +81,7 @@ class ModelSpec:
             sampling_defaults(generation) if generation_config == "auto" else {},
             dev,
             getattr(torch, resolve_dtype(dtype, dev)),
+            fam.video_processing.from_pretrained(model_dir) if fam.video_processing is not None else None,
         )
 
     @classmethod
