@@ -48,11 +48,13 @@ class VisionEncoder(Protocol):
 @dataclass(frozen=True, slots=True)
 class ImageTokens:
     """A checkpoint's image token ids: the placeholder each image's run is made of, the markers its chat template
-    writes once per image around the run, and placeholders of inputs this server does not take (video)."""
+    writes once per image (and video) around the run, placeholders of inputs this server does not take, and the
+    placeholder of a video's run where the family takes video."""
 
     placeholder_id: int
     per_image_ids: tuple[int, ...] = ()
     forbidden_ids: tuple[int, ...] = ()
+    video_placeholder_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,7 @@ class Family:
     cost: Callable[[Any], VisionCost]  # the tower's shape, from the same config: a grid's cost (encoders/cost.py)
     max_images_per_prompt: int | None = None  # the family's own limit, if it has one
     projector: str | None = None  # attribute path of the projector in the encoder object, to place it on its own
+    video_processing: Callable[..., Any] | None = None  # from_pretrained(model_dir) -> video sampling; None: no video
 
 
 __all__ = ["Family", "ImageProcessing", "ImageTokens", "VisionEncoder"]

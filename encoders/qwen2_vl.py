@@ -129,9 +129,11 @@ class Qwen2VLImageProcessing:
 
 
 def qwen2_vl_image_tokens(config: Any) -> ImageTokens:
-    """`<|vision_start|><|image_pad|>...<|vision_end|>`; `<|video_pad|>` is a video's placeholder (not served)."""
+    """`<|vision_start|><|image_pad|>...<|vision_end|>`, and `<|video_pad|>` in the same markers for a video."""
     return ImageTokens(
-        config.image_token_id, (config.vision_start_token_id, config.vision_end_token_id), (config.video_token_id,)
+        config.image_token_id,
+        (config.vision_start_token_id, config.vision_end_token_id),
+        video_placeholder_id=config.video_token_id,
     )
 
 

@@ -13,6 +13,7 @@ from encoders.llava_next import LlavaNextImageProcessing, LlavaNextVisionEncoder
 from encoders.llava_processing import LlavaImageProcessing
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder, qwen2_5_vl_cost
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, qwen2_vl_cost, qwen2_vl_image_tokens
+from encoders.video_processing import Qwen2VLVideoProcessing
 
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(
@@ -21,6 +22,7 @@ FAMILIES: dict[str, Family] = {
         cost=qwen2_vl_cost,
         image_tokens=qwen2_vl_image_tokens,
         projector="vit.merger",
+        video_processing=Qwen2VLVideoProcessing,
     ),
     # Qwen2.5-VL: Qwen2-VL's preprocessing and image tokens, its own ViT (see encoders/qwen2_5_vl.py).
     "qwen2_5_vl": Family(
@@ -29,6 +31,7 @@ FAMILIES: dict[str, Family] = {
         cost=qwen2_5_vl_cost,
         image_tokens=qwen2_vl_image_tokens,
         projector="vit.merger",
+        video_processing=Qwen2VLVideoProcessing,
     ),
     "llava": Family(
         processing=LlavaImageProcessing,

@@ -16,7 +16,8 @@ from encoders.batching import ImageBatcher, Preprocessed
 from encoders.family import VisionEncoder
 from encoders.images import image_size, load_rgb
 from encoders.placement import check_worst_case, place_projector
-from schemas import EncoderArgs, resolve_device, resolve_dtype
+from encoders.video_decode import Video
+from schemas import EncoderArgs, VideoArgs, resolve_device, resolve_dtype
 from schemas.model_spec import ModelSpec
 
 
@@ -36,10 +37,13 @@ class EncoderRunner:
         *,
         model_factory: Callable[..., VisionEncoder] | None = None,
         on_batch: Callable[[int, float], None] | None = None,
+        video: VideoArgs | None = None,
     ):
-        """`model_factory(model_dir, device=, dtype=)` stands in for the family's encoder (tests)."""
+        """`model_factory(model_dir, device=, dtype=)` stands in for the family's encoder (tests); `video`: the
+        limits of video decoding (the defaults when None)."""
         model_dir, family = spec.model_dir, spec.family
-        self.processing = spec.processing
+        self.processing, self.video_processing = spec.processing, spec.video_processing
+        self.video = video or VideoArgs()
         vision = _part(opts.vision_device, opts.vision_dtype, (spec.device, spec.dtype))
         projector = _part(opts.projector_device, opts.projector_dtype, vision)
         if model_factory is not None:
@@ -76,8 +80,17 @@ class EncoderRunner:
             return self.encoder.preprocess(load_rgb(data, draft_size=self.processing.resized_size(*size)), size)
         return self.encoder.preprocess(load_rgb(data))
 
-    async def encode(self, data: bytes) -> torch.Tensor:
-        preprocessed = await asyncio.to_thread(self._preprocess, data)  # off the event loop
+    def _preprocess_video(self, video: Video) -> Preprocessed:
+        assert self.video_processing is not None, "the ingress sends videos only to families that take them"
+        frames = video.decode(self.video.decode_timeout_s, self.video.decode_memory_mib)  # (n, h, w, 3) uint8
+        pixel_values, grid = self.video_processing.preprocess(frames)
+        assert grid == video.plan.grid_thw, (grid, video.plan.grid_thw)  # the ingress counted its tokens with it
+        return pixel_values, grid
+
+    async def encode(self, data: bytes | Video) -> torch.Tensor:
+        """An image's bytes, or a video (decoded in a process of its own), -> its embedding rows."""
+        work = self._preprocess_video if isinstance(data, Video) else self._preprocess
+        preprocessed = await asyncio.to_thread(work, data)  # off the event loop
         return (await self.batcher.encode(preprocessed)).cpu()
 
     def stats(self) -> dict[str, int]:

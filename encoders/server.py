@@ -19,6 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments.ingress.encoder_router import CostRouter
 from encoders import EncoderRunner, VisionEncoder
 from encoders.autoscaling import PENDING_COST, POLICY_PATH, TARGET_COST
+from encoders.video_decode import Video
 from schemas import AppArgs, ModelSpec
 from schemas.metrics import EncoderMetrics
 from schemas.transfer import send_tensors_out_of_band
@@ -57,7 +58,7 @@ class Encoder:
         spec = ModelSpec.from_args(self.args)
         self.metrics = EncoderMetrics()
         self.runner = EncoderRunner(
-            spec, self.args.encoder, model_factory=model_factory, on_batch=self.metrics.on_batch
+            spec, self.args.encoder, model_factory=model_factory, on_batch=self.metrics.on_batch, video=self.args.video
         )
         self.num_cancelled = 0
         self.pending_cost = 0.0  # GFLOP of the images queued and running here (the autoscaling metric)
@@ -84,9 +85,10 @@ class Encoder:
         except Exception:
             logger.warning("could not cache %s", key[:16], exc_info=True)
 
-    async def encode(self, image: bytes, key: str | None = None, cost: float | None = None) -> torch.Tensor:
-        """`cost`: the image's encoding cost (encoders/cost.py), which the callers' router routes on and which counts
-        here as pending until the call ends (a call without one counts nothing)."""
+    async def encode(self, image: bytes | Video, key: str | None = None, cost: float | None = None) -> torch.Tensor:
+        """An image's bytes or a video (encoders.video_decode.Video) -> its (num_tokens, llm_hidden) embedding.
+        `cost`: its encoding cost (encoders/cost.py), which the callers' router routes on and which counts here as
+        pending until the call ends (a call without one counts nothing)."""
         # NOTE: returned, not ray.put: the caller owns the result, so it outlives this replica.
         self._add_pending(cost or 0.0)
         try:

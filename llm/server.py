@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -128,6 +129,8 @@ class LLM:
             merge_size=spec.merge_size,
             eos_token_ids=spec.eos_token_ids,
             load_tokenizer=lambda: AutoTokenizer.from_pretrained(self.args.model, config=spec.hf_config),
+            video_token_id=spec.image_tokens.video_placeholder_id,
+            tokens_per_second=getattr(getattr(spec.hf_config, "vision_config", None), "tokens_per_second", None),
         )
         self.metrics = LLMMetrics(self.engine.stats, self.engine.drain_timings)
         self.replica_id = this_replica() if llm_args.token_channel else None  # None: own streams only, no channels
@@ -137,7 +140,9 @@ class LLM:
         self._metrics_task: asyncio.Task | None = None
         self.vision = self.vision_cache = None
         if self.args.encoder.colocated:  # the encoder lives here, sharing this replica's device with the engine
-            self.vision = EncoderRunner(spec, self.args.encoder, on_batch=EncoderMetrics().on_batch)
+            self.vision = EncoderRunner(
+                spec, self.args.encoder, on_batch=EncoderMetrics().on_batch, video=self.args.video
+            )
             self.vision_cache = EmbeddingLRU(int(self.args.encoder.cache_gib * (1 << 30)))
         logger.info(
             "llm ready: %s on %s (%s, %s engine threads, %d tensor-parallel ranks), context %d, KV cache %d "
@@ -250,7 +255,10 @@ class LLM:
             embeds = await self._encode_here(request.images, request.image_keys)
         else:
             embeds = await self._fetch_embeds(request.image_embeds)
-        inp = dataclasses.replace(request, image_embeds=embeds, images=[])  # what the engine takes: the tensors
+        if request.embeds_per_item:  # a video's chunks, in order, are its embedding
+            at = list(itertools.accumulate(request.embeds_per_item, initial=0))
+            embeds = [torch.cat(embeds[a:b]) for a, b in itertools.pairwise(at)]
+        inp = dataclasses.replace(request, image_embeds=embeds, images=[], embeds_per_item=[])  # the tensors
         if (grammar := request.sampling.grammar) is not None:  # compiled off the event loop; `submit` finds it cached
             await asyncio.to_thread(self.engine.grammars.compile, grammar)
         box = self.channels.get(request.channel) if request.channel and self.replica_id else None

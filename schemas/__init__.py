@@ -1,17 +1,7 @@
 """Shared leaves: pydantic models at the edges (HTTP, config), the dataclasses the processes exchange, the errors that
 cross them, and the safetensors weight reader. (`schemas.metrics`, `schemas.transfer`: import them by name.)"""
 
-from schemas.config import (
-    AppArgs,
-    AuthArgs,
-    EncoderArgs,
-    ImageURLArgs,
-    Limits,
-    LLMArgs,
-    resolve_device,
-    resolve_dtype,
-    resolve_max_model_len,
-)
+from schemas.config import AppArgs, AuthArgs, EncoderArgs, ImageURLArgs, Limits, LLMArgs, VideoArgs
 from schemas.engine import (
     Batch,
     ChannelOpen,
@@ -34,6 +24,7 @@ from schemas.errors import (
     root_cause,
 )
 from schemas.model_spec import ModelSpec
+from schemas.resolve import resolve_device, resolve_dtype, resolve_max_model_len
 from schemas.weights import Component, load_components, split_key
 
 __all__ = [
@@ -52,6 +43,7 @@ __all__ = [
     "InvalidRequest",
     "Item",
     "LLMArgs",
+    "VideoArgs",
     "Limits",
     "ModelSpec",
     "Overloaded",

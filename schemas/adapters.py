@@ -1,8 +1,8 @@
 """Message content in the formats other multimodal servers accept, turned into OpenAI content parts before
 validation, so that every format ends in the same internal request:
 
-- Qwen-VL / MindIE list items without a `type`: `{"image": "<data: or allowed URL>"}` and `{"text": "..."}`
-  (DashScope's and MindIE's multimodal message format);
+- Qwen-VL / MindIE list items without a `type`: `{"image": "<data: or allowed URL>"}`, `{"video": "<URL>"}`,
+  `{"video": ["<frame URL>", ...]}` and `{"text": "..."}` (DashScope's and MindIE's multimodal message format);
 - text-generation-webui's inline images in a user message's text: `<img src="data:image/jpeg;base64,...">`, the
   exact tag its multimodal extension splits prompts on (extensions/multimodal/multimodal_embedder.py there).
 """
@@ -21,6 +21,10 @@ def _untyped(item: Any) -> Any:
         return item
     if set(item) == {"image"}:
         return {"type": "image_url", "image_url": {"url": item["image"]}}
+    if set(item) == {"video"} and isinstance(item["video"], list):
+        return {"type": "video_url", "frames": item["video"]}
+    if set(item) == {"video"}:
+        return {"type": "video_url", "video_url": {"url": item["video"]}}
     if set(item) == {"text"}:
         return {"type": "text", "text": item["text"]}
     return item

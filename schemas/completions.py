@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from schemas.messages import Message, Tool
+from schemas.messages import Message, MMProcessorKwargs, Tool
 from schemas.openai import Usage
 from schemas.requests import GenerationRequest, Strict, unsupported
 
@@ -79,7 +79,7 @@ class TextCompletion(BaseModel):
 
 class TokenizeRequest(Strict):
     """vLLM's /tokenize: a `prompt` (its ids as /v1/completions takes them), or chat `messages` (the ids that
-    /v1/chat/completions generates from, images expanded to their placeholder runs)."""
+    /v1/chat/completions generates from, images and videos expanded to their placeholder runs)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -87,12 +87,14 @@ class TokenizeRequest(Strict):
     messages: list[Message] | None = Field(None, min_length=1)
     tools: list[Tool] | None = Field(None, max_length=128)
     add_generation_prompt: bool | None = Field(None, description="messages only: default true")
+    mm_processor_kwargs: MMProcessorKwargs | None = None  # messages only: video sampling, as chat's
 
     @model_validator(mode="after")
     def _one_form(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
-        other = ("tools", "add_generation_prompt") if self.prompt is not None else ("add_special_tokens",)
+        chat_only = ("tools", "add_generation_prompt", "mm_processor_kwargs")
+        other = chat_only if self.prompt is not None else ("add_special_tokens",)
         for name in other:
             if getattr(self, name) is not None:
                 raise unsupported(name, f"{name} goes with {'messages' if self.prompt is not None else 'prompt'}")

@@ -179,6 +179,39 @@ class EncoderArgs(_Strict):
     )
 
 
+class VideoArgs(_Strict):
+    max_videos_per_request: int = Field(
+        1, ge=0, description="Most videos in one request, all turns together; 0 refuses video (a 400)."
+    )
+    max_video_bytes: int = Field(64 << 20, ge=1, description="Largest encoded video (after base64 decoding); a 413.")
+    containers: list[str] = Field(
+        default_factory=lambda: ["mp4", "webm"],
+        description='Containers accepted: "mp4" (MP4 and QuickTime), "webm" (WebM and Matroska).',
+    )
+    codecs: list[str] = Field(
+        default_factory=lambda: ["h264", "hevc", "vp8", "vp9", "av1", "mpeg4"],
+        description="Video codecs accepted (FFmpeg's names), read from the container before any decoding.",
+    )
+    max_width: int = Field(3840, ge=1, description="Widest source frame, from the container's header.")
+    max_height: int = Field(2160, ge=1, description="Tallest source frame, from the container's header.")
+    max_duration_s: float = Field(600.0, gt=0.0, description="Longest video, in seconds.")
+    max_source_frames: int = Field(100_000, ge=1, description="Most frames in the container (before sampling).")
+    max_frames: int = Field(
+        768, ge=4, le=768, description="Most frames sampled from one video (qwen-vl-utils' 768 is the ceiling)."
+    )
+    total_pixels: int = Field(
+        int(128000 * 28 * 28 * 0.9),
+        ge=28 * 28,
+        description="Pixel budget of one video's sampled frames: each frame gets at most total_pixels * 2 / frames "
+        "(qwen-vl-utils' VIDEO_TOTAL_PIXELS); a request's total_pixels may lower it.",
+    )
+    max_video_tokens: int = Field(16384, ge=1, description="Most placeholder tokens one video may take.")
+    decode_timeout_s: float = Field(60.0, gt=0.0, description="Wall-clock limit of one video's decoding process.")
+    decode_memory_mib: int = Field(
+        2048, ge=256, description="Address-space limit (RLIMIT_AS) of one video's decoding process, in MiB."
+    )
+
+
 class AuthArgs(_Strict):
     api_keys: list[str] = Field(
         default_factory=list, description="Accepted API keys (Authorization: Bearer <key>); none at all: no auth."
@@ -210,7 +243,10 @@ class AppArgs(_Strict):
     encoder: EncoderArgs = Field(default_factory=EncoderArgs, description="Encoder replica settings.")
     llm: LLMArgs = Field(default_factory=LLMArgs, description="Language-model replica settings.")
     auth: AuthArgs = Field(default_factory=AuthArgs, description="API keys and CORS at the ingress.")
-    image_urls: ImageURLArgs = Field(default_factory=ImageURLArgs, description="http(s) and file:// image URLs.")
+    image_urls: ImageURLArgs = Field(
+        default_factory=ImageURLArgs, description="http(s) and file:// image (and video) URLs."
+    )
+    video: VideoArgs = Field(default_factory=VideoArgs, description="Video input (Qwen2-VL, Qwen2.5-VL): its limits.")
     tensor_parallel_size: int | None = Field(
         None, ge=1, le=64, description="Shorthand for llm.tensor_parallel_size (the two may not disagree)."
     )
@@ -237,31 +273,4 @@ class AppArgs(_Strict):
         return self.served_model_name or Path(self.model).name
 
 
-def resolve_device(device: Device, has_gpu: bool) -> Literal["cpu", "cuda"]:
-    return ("cuda" if has_gpu else "cpu") if device == "auto" else device
-
-
-def resolve_dtype(dtype: DType, device: str) -> Literal["float32", "bfloat16", "float16"]:
-    return ("bfloat16" if device == "cuda" else "float32") if dtype == "auto" else dtype
-
-
-def resolve_max_model_len(configured: int | None, max_position_embeddings: int) -> int:
-    """The context length both the ingress (admission) and the LLM (cache size) use."""
-    if configured is not None and configured > max_position_embeddings:
-        raise ValueError(f"max_model_len={configured} exceeds the checkpoint's {max_position_embeddings} positions")
-    return configured if configured is not None else min(max_position_embeddings, 32768)
-
-
-__all__ = [
-    "AppArgs",
-    "AuthArgs",
-    "Device",
-    "DType",
-    "EncoderArgs",
-    "ImageURLArgs",
-    "LLMArgs",
-    "Limits",
-    "resolve_device",
-    "resolve_dtype",
-    "resolve_max_model_len",
-]
+__all__ = ["AppArgs", "AuthArgs", "Device", "DType", "EncoderArgs", "ImageURLArgs", "LLMArgs", "Limits", "VideoArgs"]

@@ -51,8 +51,9 @@ class GenerateRequest:
     sampling: SamplingParams
     # One content key per image (hash of its bytes and size): prefix-cache keys for its placeholder tokens.
     image_keys: list[str] = field(default_factory=list)
-    # Colocated mode only (`encoder.colocated`): the images' bytes, encoded by the LLM replica itself.
-    images: list[bytes] = field(default_factory=list)
+    # Colocated mode only (`encoder.colocated`): the images' bytes (a video: encoders.video_decode.Video), encoded by
+    # the LLM replica itself.
+    images: list[Any] = field(default_factory=list)
     # A hash of the conversation's first turn: the LLM request router sends every turn to the replica holding it.
     routing_key: str | None = None
     # The calling ingress replica's id: its tokens come through that ingress's per-step channel to the replica
@@ -61,11 +62,19 @@ class GenerateRequest:
     # The tenant's scope of the prefix cache (encoders.cache_scope): its blocks chain from a hash of it, so two
     # scopes never share a block; "": the shared cache.
     cache_scope: str = ""
+    # One per image or video (or empty: all images): a video's seconds per tubelet (temporal_patch_size / its
+    # sampled fps), None for an image. Qwen2.5-VL's temporal positions step by tokens_per_second times it.
+    second_per_grid_ts: list[float | None] = field(default_factory=list)
+    # One per image or video (or empty: one each): how many of `image_embeds` make it, in order (a video encoded in
+    # chunks of tubelets on several encoder replicas); the LLM replica concatenates them.
+    embeds_per_item: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        assert len(self.image_grid_thw) == len(self.image_embeds) + len(self.images), "one grid per image"
+        n = sum(self.embeds_per_item) if self.embeds_per_item else len(self.image_grid_thw)
+        assert n == len(self.image_embeds) + len(self.images), "one grid per image"
         assert not (self.image_embeds and self.images), "embeddings or bytes, not both"
         assert not self.image_keys or len(self.image_keys) == len(self.image_grid_thw), "one key per image"
+        assert not self.second_per_grid_ts or len(self.second_per_grid_ts) == len(self.image_grid_thw)
 
 
 @dataclass(slots=True)

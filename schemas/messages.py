@@ -37,7 +37,44 @@ class ImagePart(_Tolerant):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Tolerant):
+    url: str = Field(
+        description="A data: URL (base64) of an MP4/WebM/QuickTime video, data:video/jpeg;base64,<frame>,<frame>,... "
+        "(a list of frames), or an http(s)/file URL where the server allows."
+    )
+
+
+class VideoPart(_Tolerant):
+    type: Literal["video_url"]
+    video_url: VideoURL | None = None
+    frames: list[str] | None = Field(
+        None, min_length=1, description="A video as its frames (image URLs) in order: Qwen-VL's {'video': [...]}."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> VideoPart:
+        if (self.video_url is None) == (self.frames is None):
+            raise ValueError("a video part needs video_url (or, from a {'video': [...]} item, frames), not both")
+        return self
+
+
+class MMProcessorKwargs(_Tolerant):
+    """vLLM's per-request `mm_processor_kwargs`, the video sampling ones (qwen-vl-utils' keys)."""
+
+    fps: float | None = Field(None, gt=0.0, le=60.0, description="Frames sampled per second of video (default 2).")
+    nframes: int | None = Field(None, ge=2, description="Frames sampled from each video, instead of fps.")
+    min_pixels: int | None = Field(None, ge=1, description="Least pixels per sampled frame (clamped to the server's).")
+    max_pixels: int | None = Field(None, ge=1, description="Most pixels per sampled frame (clamped to the server's).")
+    total_pixels: int | None = Field(None, ge=1, description="Pixel budget of a video (clamped to the server's).")
+
+    @model_validator(mode="after")
+    def _fps_or_nframes(self) -> MMProcessorKwargs:
+        if self.fps is not None and self.nframes is not None:
+            raise ValueError("give fps or nframes, not both")
+        return self
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class FunctionCall(_Tolerant):
@@ -70,8 +107,8 @@ class Message(_Tolerant):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
         if isinstance(self.content, list) and self.role != "user":
-            if any(isinstance(p, ImagePart) for p in self.content):
-                raise ValueError(f"images are only accepted in user messages, not in a {self.role} message")
+            if any(isinstance(p, ImagePart | VideoPart) for p in self.content):
+                raise ValueError(f"images and videos are only accepted in user messages, not in a {self.role} message")
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"tool_calls are only accepted in assistant messages, not in a {self.role} message")
         if self.role == "tool" and self.tool_call_id is None:
@@ -111,10 +148,13 @@ __all__ = [
     "FunctionDef",
     "ImagePart",
     "ImageURL",
+    "MMProcessorKwargs",
     "Message",
     "NamedToolChoice",
     "TextPart",
     "Tool",
     "ToolCall",
     "ToolChoice",
+    "VideoPart",
+    "VideoURL",
 ]

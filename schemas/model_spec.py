@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from schemas.config import AppArgs, resolve_device, resolve_dtype, resolve_max_model_len
+from schemas.config import AppArgs
+from schemas.resolve import resolve_device, resolve_dtype, resolve_max_model_len
 
 if TYPE_CHECKING:
     from encoders.cost import VisionCost
@@ -35,6 +36,7 @@ class ModelSpec:
     device: str  # "cpu" or "cuda", resolved in this process
     dtype: torch.dtype
     image_cost: VisionCost  # a grid's encoding cost in GFLOP (routing, autoscaling, metrics)
+    video_processing: Any = None  # the family's video sampling (encoders/video_processing.py); None: no video
 
     @property
     def text_config(self) -> Any:
@@ -83,6 +85,7 @@ class ModelSpec:
             dev,
             getattr(torch, resolve_dtype(dtype, dev)),
             fam.cost(config),
+            fam.video_processing.from_pretrained(model_dir) if fam.video_processing is not None else None,
         )
 
     @classmethod

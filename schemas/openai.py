@@ -11,9 +11,11 @@ from pydantic import BaseModel, Field, model_validator
 from schemas.messages import (  # re-exported: the request's message models live there
     ImagePart,
     Message,
+    MMProcessorKwargs,
     TextPart,
     Tool,
     ToolChoice,
+    VideoPart,
 )
 from schemas.requests import (  # re-exported: the fields chat shares with text completions live there
     GenerationRequest,
@@ -35,6 +37,7 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] = Field(default_factory=list, max_length=128)
     tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
     parallel_tool_calls: bool = True
+    mm_processor_kwargs: MMProcessorKwargs | None = None  # vLLM's extension: video sampling (fps or nframes, pixels)
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -229,4 +232,5 @@ __all__ = [
     "TokenLogprobOut",
     "TopLogprob",
     "Usage",
+    "VideoPart",
 ]

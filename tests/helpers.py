@@ -34,6 +34,44 @@ def make_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Ima
     return image.convert(mode) if mode != "RGB" else image
 
 
+def make_video(
+    seconds: float,
+    fps: int = 8,
+    width: int = 64,
+    height: int = 48,
+    seed: int = 0,
+    fmt: str = "mp4",
+    codec: str = "mpeg4",
+) -> bytes:
+    """A small video made with PyAV: each frame make_image's gradients and noise, a bar that moves, its own seed."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(round(seconds * fps)):
+            pixels = np.asarray(make_image(width, height, seed=seed * 100_000 + i)).copy()
+            pixels[:, (i * 3) % width : (i * 3) % width + 3] = 255
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def video_frames(data: bytes) -> list[Image.Image]:
+    """Every frame of a video, decoded by PyAV to RGB (what the server's decoder sees)."""
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        return [frame.to_image() for frame in container.decode(container.streams.video[0])]
+
+
+def video_url(data: bytes, media_type: str = "video/mp4") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
 def image_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
     buf = io.BytesIO()
     image.save(buf, format=fmt)

@@ -1,5 +1,5 @@
 """`ImageFetcher`: http(s) and file:// image URLs fetched safely: vetted by `URLPolicy`, pinned to the vetted
-address, redirects checked again, a byte cap and a deadline."""
+address, redirects checked again, a byte cap and a deadline. `MediaFetcher`: a chat request's images and videos."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ from urllib.parse import unquote, urljoin
 
 import httpx
 
+from deployments.ingress.items import image_params
 from deployments.ingress.urls import Resolver, URLPolicy, url_error
+from deployments.ingress.videos import video_urls
 from schemas import ImageURLArgs, InvalidRequest
+from schemas.openai import ChatCompletionRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -180,6 +183,18 @@ class ImageFetcher:
         return self._http
 
 
+class MediaFetcher:
+    """A chat request's remote images and videos (and video frames), each kind under its own byte cap."""
+
+    def __init__(self, args: ImageURLArgs, max_image_bytes: int, max_video_bytes: int):
+        self.images, self.videos = ImageFetcher(args, max_image_bytes), ImageFetcher(args, max_video_bytes)
+
+    async def fetch_request(self, req: ChatCompletionRequest) -> dict[str, bytes]:
+        """Their bytes by JSON path."""
+        fetched = await self.images.fetch_all([(param, url) for _, param, url in image_params(req)])
+        return fetched | await self.videos.fetch_all(video_urls(req))
+
+
 def _failure(e: Exception, host: str, timeout_s: float) -> InvalidRequest:
     if isinstance(e, (TimeoutError, httpx.TimeoutException)):
         return url_error(f"fetching the image from {host} took over {timeout_s} s", "image_url_timeout", 504)
@@ -190,4 +205,4 @@ def _failure(e: Exception, host: str, timeout_s: float) -> InvalidRequest:
     return url_error(f"could not fetch the image from {host}", "image_url_fetch_failed", 502)
 
 
-__all__ = ["ImageFetcher", "Resolver"]
+__all__ = ["ImageFetcher", "MediaFetcher", "Resolver"]

@@ -1,4 +1,5 @@
-"""A prompt's generations, up to their first text deltas: its images encoded (those whose encoder replica went away
+"""A prompt's generations, up to their first text deltas: its images and videos encoded (a video over the encoder's
+batch in chunks of tubelets, one call each across the encoder replicas; those whose encoder replica went away
 once more), its choices started on the LLM tier (all once more when their replica went away first), and each
 choice's token chunks turned into text. Chat and text completions both start here."""
 
@@ -14,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from deployments.ingress.channel import FAILOVER_ROUTE_S, ChannelHub, TokenStream
 from deployments.ingress.detokenize import TextDelta, TextRules
-from deployments.ingress.prepare import Prepared
+from deployments.ingress.items import Prepared
 from schemas import (
     REPLICA_GONE,
     AppArgs,
@@ -82,10 +83,10 @@ class Generator:
         return [s for r in results for s in r[0]], [d for r in results for d in r[1]]
 
     async def _encode(self, p: Prepared, indices: list[int], calls: list[DeploymentResponse]) -> list[Any]:
-        """One encoder call per image, concurrently; only ObjectRefs come back (the ingress never holds
+        """One encoder call per image (and per chunk of a video), concurrently, each naming its cost (the Encoder's
+        router, encoder_router.py, spreads them by it); only ObjectRefs come back (the ingress never holds
         embeddings). The calls are added to `calls`, to be cancelled if the request ends early."""
-        # each call names its cost: the Encoder's router (encoder_router.py) spreads images by it
-        responses = [self.encoder.encode.remote(p.images[i], p.image_keys[i], cost=p.costs[i]) for i in indices]
+        responses = [self.encoder.encode.remote(p.jobs[i], p.job_keys[i], cost=p.job_costs[i]) for i in indices]
         calls += responses
         refs = asyncio.gather(*(r._to_object_ref() for r in responses))
         refs.add_done_callback(observe)  # a request that ends early leaves it failing unobserved
@@ -96,7 +97,7 @@ class Generator:
             raise Overloaded("no encoder replica took the images in time", retry_after_s=2) from None
 
     async def _encode_and_generate(self, p, params, text, request_id, first, calls) -> Started:
-        refs = await self._encode(p, list(range(len(p.images))), calls)
+        refs = await self._encode(p, list(range(len(p.jobs))), calls)
         for attempt in (1, 2):
             try:
                 return await self._generate(p, params, text, refs, request_id, first)
@@ -133,6 +134,8 @@ class Generator:
                 p.routing_key or None,
                 channel,
                 p.cache_scope,
+                p.second_per_grid_ts if p.num_videos else [],
+                p.jobs_per_item if len(p.jobs) > len(p.images) else [],
             )
             for i, sampling in enumerate(params)
         ]

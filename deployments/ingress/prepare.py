@@ -1,78 +1,21 @@
-"""Request -> prompt for the ingress: limits, image headers, prompt ids, and the context-overflow policy. CPU only."""
+"""Request -> prompt for the ingress: limits, image and video headers, prompt ids, and the context-overflow policy.
+CPU only."""
 
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from deployments.ingress.prompt import (
-    build_prompt,
-    check_reserved,
-    load_tokenizer,
-    needs_typed_content,
-    template_messages,
-)
+from deployments.ingress.items import Item, Prepared, first_turn_key, image_params, in_prompt_order, scoped_key
+from deployments.ingress.prompt import build_prompt, check_reserved, load_tokenizer, needs_typed_content
 from deployments.ingress.structured import response_grammar
 from deployments.ingress.tools import check_tools, renders_tools, template_tools, tool_grammar
+from deployments.ingress.videos import VideoPreparer, video_params
 from encoders import data_url_format, decode_data_url, embedding_key, probe_image
 from schemas import AppArgs, InvalidRequest, ModelSpec
 from schemas.completions import CompletionRequest
-from schemas.openai import ChatCompletionRequest, ImagePart, Message
+from schemas.openai import ChatCompletionRequest, Message
 from schemas.requests import GenerationRequest
-
-
-@dataclass(slots=True)
-class Prepared:
-    prompt: list[int] = field(default_factory=list)
-    images: list[bytes] = field(default_factory=list)
-    image_keys: list[str] = field(default_factory=list)
-    grids: list[tuple[int, int, int]] = field(default_factory=list)
-    costs: list[float] = field(default_factory=list)  # each image's encoding cost, GFLOP (encoders/cost.py)
-    max_tokens: int = 0
-    dropped_messages: int = 0
-    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each image kept
-    image_numbers: list[int] = field(default_factory=list)  # its index among the request's images
-    routing_key: str = ""  # the conversation's first turn: which LLM replica holds its prefix (ingress/router.py)
-    grammar: str | None = None  # structured outputs: the grammar every choice must match (ingress/structured.py)
-    text: str = ""  # a text completion's prompt as text, for echo
-    cache_scope: str = ""  # the tenant's scope of the embedding and prefix caches (encoders.cache_scope)
-
-
-@dataclass(slots=True)
-class _Image:
-    message: int
-    number: int
-    size: tuple[int, int]
-    data: bytes
-    key: str
-    grid: tuple[int, int, int]
-    num_tokens: int
-    cost: float
-
-
-def image_params(req: ChatCompletionRequest) -> list[tuple[int, str, str]]:
-    """(message index, JSON path, url) of every image in the request, in order."""
-    return [
-        (i, f"messages[{i}].content[{j}].image_url", part.image_url.url)
-        for i, m in enumerate(req.messages)
-        if isinstance(m.content, list)
-        for j, part in enumerate(m.content)
-        if isinstance(part, ImagePart)
-    ]
-
-
-def first_turn_key(first_turn: list[Message], image_keys: list[str]) -> str:
-    """A hash of the system messages and the first user turn, with its images' content keys: the same for every
-    later turn of the conversation (their prompts start with that turn's tokens), different for another one.
-
-    NOTE: hashing the messages stands for hashing the prefix's token ids (the chat template turns the same messages
-    into the same tokens in all families), without templating the first turn a second time."""
-    h = hashlib.blake2b(json.dumps(template_messages(first_turn), sort_keys=True).encode(), digest_size=16)
-    for key in image_keys:
-        h.update(key.encode())
-    return h.hexdigest()
 
 
 class Preparer:
@@ -95,8 +38,13 @@ class Preparer:
         self.sampling_defaults = spec.sampling_defaults  # generation_config.json's, read once with the spec
         # Ids that are tokens and have logits (as vLLM, the tokenizer's; Qwen pads its logits past them).
         self.vocab_size = min(len(self.tokenizer), spec.text_config.vocab_size)
-        # What a prompt may not carry: an image's placeholder and markers (without an image), video placeholders.
-        self.reserved = (self.image_token_id, *self.tokens.per_image_ids), self.tokens.forbidden_ids
+        self.videos = VideoPreparer(args, spec.video_processing, self.model_id, args.model_name)
+        self.video_token_id = self.tokens.video_placeholder_id
+        # What no prompt may type: video placeholders; what a text completion's may not carry: any of an image's
+        # or a video's tokens (it takes no media).
+        self.forbidden_ids = self.tokens.forbidden_ids + (() if self.video_token_id is None else (self.video_token_id,))
+        reserved = (self.image_token_id, *self.tokens.per_image_ids, *self.forbidden_ids)
+        self.reserved = {t: 0 for t in reserved}
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.args.model_name:
@@ -134,8 +82,9 @@ class Preparer:
         params = image_params(req)
         if len(params) > self.max_images:
             raise InvalidRequest(f"more than {self.max_images} images in one request", param=params[self.max_images][1])
+        self.videos.check(req)
 
-    def _image(self, number: int, message: int, param: str, url: str, fetched: dict[str, bytes], scope: str) -> _Image:
+    def _image(self, number: int, message: int, param: str, url: str, fetched: dict[str, bytes], scope: str) -> Item:
         try:
             if param in fetched:
                 data, declared = fetched[param], None
@@ -155,7 +104,7 @@ class Preparer:
             scope,
         )
         grid = self.processing.grid_thw(info.width, info.height)
-        return _Image(
+        return Item(
             message,
             number,
             (info.width, info.height),
@@ -163,16 +112,31 @@ class Preparer:
             key,
             grid,
             self.processing.num_image_tokens(info.width, info.height),
-            self.image_cost.gflop(grid),
+            self.image_token_id,
+            cost=self.image_cost.gflop(grid),
         )
+
+    def _video(self, message: int, param: str, part, req: ChatCompletionRequest, fetched: dict, scope: str) -> Item:
+        v = self.videos.prepare(param, part, req, fetched)
+        plan = v.video.plan
+        chunks = [(data, scoped_key(key, scope)) for data, key in v.chunks]
+        key, cost = scoped_key(v.key, scope), self.image_cost.gflop(plan.grid_thw)
+        return Item(message, -1, v.size, v.video, key, plan.grid_thw, plan.num_tokens, self.video_token_id,
+                    plan.second_per_grid_t, chunks, cost)  # fmt: skip
+
+    def _items(self, req: ChatCompletionRequest, fetched: dict[str, bytes], scope: str) -> list[Item]:
+        """The request's images and videos, probed and planned, in prompt order."""
+        params = enumerate(image_params(req))
+        images = [self._image(n, i, param, url, fetched, scope) for n, (i, param, url) in params]
+        videos = [self._video(i, param, part, req, fetched, scope) for i, param, part in video_params(req)]
+        return in_prompt_order(req, images, videos)
 
     def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes], scope: str = "") -> Prepared:
         """Image headers, prompt ids and the output's grammar, after `check`; `fetched` holds the bytes of remote
         images by JSON path; `scope`: the tenant's cache scope (encoders.cache_scope), in every image's key."""
         # First: a schema xgrammar refuses costs no image work. check_tools refused a tool grammar with a format.
         grammar = tool_grammar(req) or response_grammar(req)
-        params = enumerate(image_params(req))
-        images = [self._image(n, i, param, url, fetched, scope) for n, (i, param, url) in params]
+        images = self._items(req, fetched, scope)
         overflow = req.context_overflow or self.limits.context_overflow
         # Turns start after the leading system messages (whatever the first one's role: an assistant may open) and
         # at each later user message; dropping whole turns from the front drops their images with them and never
@@ -195,19 +159,26 @@ class Preparer:
         return self._checked(req, best or self._build(req, images, n_system, starts[-1]), grammar, scope)
 
     def _build(
-        self, req: ChatCompletionRequest, images: list[_Image], n_system: int, start: int, generation_prompt=True
+        self, req: ChatCompletionRequest, images: list[Item], n_system: int, start: int, generation_prompt=True
     ) -> Prepared:
         kept: list[Message] = req.messages[:n_system] + req.messages[start:]
         out = Prepared(dropped_messages=start - n_system)
-        for image in images:
-            if image.message < n_system or image.message >= start:
-                out.images.append(image.data)
-                out.image_keys.append(image.key)
-                out.grids.append(image.grid)
-                out.costs.append(image.cost)
+        kept_items = [im for im in images if im.message < n_system or im.message >= start]
+        for image in kept_items:
+            out.images.append(image.data)
+            out.image_keys.append(image.key)
+            out.grids.append(image.grid)
+            out.second_per_grid_ts.append(image.second_per_grid_t)
+            out.num_videos += image.is_video
+            jobs = image.jobs or [(image.data, image.key)]
+            out.jobs += [data for data, _ in jobs]
+            out.job_keys += [key for _, key in jobs]
+            out.job_costs += [image.cost / len(jobs)] * len(jobs)  # a video's chunks: equal shares of its tubelets
+            out.jobs_per_item.append(len(jobs))
+            if not image.is_video:  # grounding boxes are in pixels of the images
                 out.image_sizes.append(image.size)
                 out.image_numbers.append(image.number)
-        counts = [im.num_tokens for im in images if im.message < n_system or im.message >= start]
+        counts = [im.num_tokens for im in kept_items]
         out.routing_key = first_turn_key(
             kept[: n_system + 1], [im.key for im in images if im.message < n_system or im.message == start]
         )
@@ -217,10 +188,11 @@ class Preparer:
             self.image_token_id,
             counts,
             self.tokens.per_image_ids,
-            self.tokens.forbidden_ids,
+            self.forbidden_ids,
             self.typed_content,
             template_tools(req),
             generation_prompt,
+            [im.placeholder_id for im in kept_items],
         )
         out.max_tokens = self._max_tokens(req, out.prompt)
         return out
@@ -267,7 +239,7 @@ class Preparer:
                 ids, text = prompt, self.tokenizer.decode(prompt) if req.echo else ""
             if not ids:
                 raise InvalidRequest("the prompt is empty (no tokens)", param=param)
-            check_reserved(self.tokenizer, ids, 0, *self.reserved, param)
+            check_reserved(self.tokenizer, ids, self.reserved, "0 images", param)
             p = Prepared(prompt=ids, text=text)
             p.max_tokens = self._max_tokens(req, ids)
             out.append(self._checked(req, p, grammar, scope, param))
@@ -282,10 +254,9 @@ class Preparer:
             raise InvalidRequest(f"token id {bad[0]} is not in the vocabulary, 0 to {self.vocab_size - 1}", param=param)
 
     def tokenize_chat(self, req: ChatCompletionRequest, fetched: dict[str, bytes], generation_prompt: bool) -> list:
-        """The prompt ids that prepare() would give the whole conversation (images checked and expanded), whether
-        or not they fit the context: /tokenize's answer."""
-        images = [self._image(n, i, param, url, fetched) for n, (i, param, url) in enumerate(image_params(req))]
-        return self._build(req, images, 0, 0, generation_prompt).prompt
+        """The prompt ids that prepare() would give the whole conversation (images and videos checked and
+        expanded), whether or not they fit the context: /tokenize's answer."""
+        return self._build(req, self._items(req, fetched, ""), 0, 0, generation_prompt).prompt
 
 
 __all__ = ["Prepared", "Preparer", "first_turn_key", "image_params"]

@@ -11,7 +11,7 @@ from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from schemas import InvalidRequest
-from schemas.openai import ImagePart, Message
+from schemas.openai import ImagePart, Message, TextPart, VideoPart
 
 
 def load_tokenizer(model_dir: str | Path, config: Any = None) -> PreTrainedTokenizerBase:
@@ -50,8 +50,8 @@ def needs_typed_content(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 
 def template_messages(messages: list[Message], typed_content: bool = False) -> list[dict]:
-    """OpenAI messages -> the content format chat templates expect ({"type": "image"} stands for an image); with
-    `typed_content` (needs_typed_content), a string content as one text part."""
+    """OpenAI messages -> the content format chat templates expect ({"type": "image"} stands for an image,
+    {"type": "video"} for a video); with `typed_content` (needs_typed_content), a string content as one text part."""
     out = []
     for m in messages:
         role = "system" if m.role == "developer" else m.role
@@ -64,7 +64,12 @@ def template_messages(messages: list[Message], typed_content: bool = False) -> l
             out.append({"role": role, "content": m.content or ""})
         else:
             parts = [
-                {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text} for p in m.content
+                {"type": "image"}
+                if isinstance(p, ImagePart)
+                else {"type": "video"}
+                if isinstance(p, VideoPart)
+                else {"type": "text", "text": p.text}
+                for p in m.content
             ]
             out.append({"role": role, "content": parts})
     return out
@@ -74,7 +79,7 @@ def _tool_turn(m: Message) -> dict:
     """An agent loop's assistant message with calls, or a tool's result, as Qwen2.5's template (and vLLM) take
     them: the calls' arguments as objects (the template writes them with `tojson`), content as a string."""
     if isinstance(m.content, list):  # a tool's result may come as text parts
-        content = "".join(p.text for p in m.content if not isinstance(p, ImagePart))
+        content = "".join(p.text for p in m.content if isinstance(p, TextPart))
     else:
         content = m.content or ""
     if m.role == "tool":
@@ -93,21 +98,15 @@ def _tool_turn(m: Message) -> dict:
 
 
 def check_reserved(
-    tokenizer: PreTrainedTokenizerBase,
-    ids: list[int],
-    num_images: int,
-    per_image_ids: Iterable[int],
-    forbidden_ids: Iterable[int],
-    param: str,
-) -> None:
-    """A prompt holds each of `per_image_ids` (an image's placeholder and markers) once per image, and none of
-    `forbidden_ids` (video placeholders): another count means the client typed them."""
-    expected = {t: num_images for t in per_image_ids} | {t: 0 for t in forbidden_ids}
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], expected: dict[int, int], items: str, param: str
+):
+    """A prompt holds each reserved token (placeholders, markers) `expected[token]` times: another count means the
+    client typed them. `items`: what the counts are for ("2 images and 1 videos"), for the message."""
     for token_id, n in expected.items():
         if (found := ids.count(token_id)) != n:
             raise InvalidRequest(
-                f"the prompt has {found} {tokenizer.convert_ids_to_tokens(token_id)!r} tokens for "
-                f"{num_images} images: text must not contain that reserved token",
+                f"the prompt has {found} {tokenizer.convert_ids_to_tokens(token_id)!r} tokens for {items}: "
+                "text must not contain that reserved token",
                 param=param,
             )
 
@@ -122,12 +121,15 @@ def build_prompt(
     typed_content: bool = False,
     tools: list[dict] | None = None,
     add_generation_prompt: bool = True,
+    placeholder_ids: list[int] | None = None,
 ) -> list[int]:
-    """Render, tokenize, and expand the template's one placeholder per image to that image's run of tokens.
+    """Render, tokenize, and expand the template's one placeholder per image (or video) to its run of tokens.
 
-    The template writes the placeholder (and each of `per_image_ids`, such as vision start/end markers) once per
-    image and never any of `forbidden_ids` (video placeholders): any other count means the user typed them.
-    `typed_content`: the template's needs_typed_content; `tools`: the request's, for the template to show."""
+    `image_token_counts`: each item's tokens, in prompt order; `placeholder_ids`: each item's placeholder
+    (`image_token_id` for all when None; a video's is the family's video placeholder). The template writes each
+    item's placeholder (and each of `per_image_ids`, such as vision start/end markers) once per item and never any
+    of `forbidden_ids`: any other count means the user typed them. `typed_content`: the template's
+    needs_typed_content; `tools`: the request's, for the template to show."""
     try:
         text = tokenizer.apply_chat_template(
             template_messages(messages, typed_content),
@@ -141,13 +143,26 @@ def build_prompt(
     # `<s>` to the tokenizer; Qwen's tokenizer has none).
     bos = tokenizer.bos_token
     ids = tokenizer.encode(text, add_special_tokens=bool(bos) and not text.startswith(bos))
-    slots = [i for i, t in enumerate(ids) if t == image_token_id]
-    check_reserved(tokenizer, ids, len(image_token_counts), [image_token_id, *per_image_ids], forbidden_ids, "messages")
+    kinds = placeholder_ids if placeholder_ids is not None else [image_token_id] * len(image_token_counts)
+    n_items = len(image_token_counts)
+    expected = (
+        {t: 0 for t in forbidden_ids}
+        | {t: n_items for t in per_image_ids}
+        | {image_token_id: 0}
+        | {t: kinds.count(t) for t in kinds}
+    )
+    n_videos = n_items - kinds.count(image_token_id)
+    items = f"{n_items - n_videos} images" + (f" and {n_videos} videos" if n_videos else "")
+    check_reserved(tokenizer, ids, expected, items, "messages")
+    placeholders = set(kinds)
+    slots = [i for i, t in enumerate(ids) if t in placeholders]
+    if [ids[i] for i in slots] != kinds:  # NOTE: equal counts, another order: typed tokens swapped with parts
+        raise InvalidRequest("the prompt's image and video placeholders are out of order", param="messages")
     expanded: list[int] = []
     prev = 0
     for slot, count in zip(slots, image_token_counts, strict=True):
         expanded += ids[prev:slot]
-        expanded += [image_token_id] * count
+        expanded += [ids[slot]] * count
         prev = slot + 1
     expanded += ids[prev:]
     return expanded

@@ -1,5 +1,5 @@
-"""Ingress deployment: OpenAI-compatible HTTP; validates, tokenizes, fans images out, streams text back. Chat and
-text completions share one path: prepare the prompts, start their generations (generate.py), answer."""
+"""Ingress deployment: OpenAI-compatible HTTP; validates, tokenizes, fans images and videos out, streams text back.
+Chat and text completions share one path: prepare the prompts, start their generations (generate.py), answer."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from deployments.ingress.auth import Gate
 from deployments.ingress.channel import ChannelHub
 from deployments.ingress.detokenize import TextRules
-from deployments.ingress.fetch import ImageFetcher
+from deployments.ingress.fetch import MediaFetcher
 from deployments.ingress.generate import Generator
 from deployments.ingress.grounding import GroundingTokens, pixel_boxes
 from deployments.ingress.http import error_response, head_only, parse, read_json, route_path
 from deployments.ingress.info import InfoRoutes
-from deployments.ingress.prepare import Prepared, Preparer, image_params
+from deployments.ingress.prepare import Prepared, Preparer
 from deployments.ingress.responses import (
     ChoiceState,
     completion,
@@ -56,7 +56,8 @@ class Ingress:
         self.prep = Preparer(self.args, ModelSpec.from_args(self.args))  # the checkpoint's facts, read once here
         self.tokenizer, self.max_model_len = self.prep.tokenizer, self.prep.max_model_len
         self.grounding = GroundingTokens.of(self.tokenizer)  # None: this family's answers carry no boxes
-        self.fetcher = ImageFetcher(self.args.image_urls, self.args.limits.max_image_bytes)
+        limits = self.args.limits
+        self.fetcher = MediaFetcher(self.args.image_urls, limits.max_image_bytes, self.args.video.max_video_bytes)
         self.gate = Gate(self.args.auth)
         self.metrics = IngressMetrics()
         urls = self.args.image_urls
@@ -152,8 +153,8 @@ class Ingress:
             "dropped": sum(p.dropped_messages for p in prompts),
         }
         self.metrics.ttft.observe(log["ttft"])
-        if log["images"]:  # NOTE: Ray counters refuse inc(0)
-            self.metrics.images.inc(log["images"])
+        if n_images := sum(len(p.images) - p.num_videos for p in prompts):  # NOTE: Ray counters refuse inc(0)
+            self.metrics.images.inc(n_images)
         head = {
             "id": request_id,
             "created": int(time.time()),
@@ -168,9 +169,8 @@ class Ingress:
 
         async def prepare() -> list[Prepared]:
             self.prep.check(req)
-            fetched = await self.fetcher.fetch_all([(param, url) for _, param, url in image_params(req)])
             scope = cache_scope(getattr(request.state, "tenant", None), req.cache_salt)
-            return [await asyncio.to_thread(self.prep.prepare, req, fetched, scope)]
+            return [await asyncio.to_thread(self.prep.prepare, req, await self.fetcher.fetch_request(req), scope)]
 
         [p], head, events, log = await self._run(req, prepare, request_id, started)
         headers = {"X-Dropped-Messages": str(p.dropped_messages)} if p.dropped_messages else None

@@ -71,9 +71,11 @@ class Engine:
         merge_size: int,
         eos_token_ids: set[int],
         load_tokenizer: Callable[[], Any] | None = None,  # for structured outputs; None: grammars are refused
+        video_token_id: int | None = None,
+        tokens_per_second: float | None = None,  # Qwen2.5-VL's vision config's: videos' temporal positions
     ):
         self.model, self.config = model, config
-        self.image_token_id, self.merge_size, self.eos_token_ids = image_token_id, merge_size, frozenset(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.grammars = Grammars(load_tokenizer, model.config.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(
             model,
@@ -86,6 +88,12 @@ class Engine:
             cuda_graphs=config.cuda_graphs,
             packed_weights=config.cpu_packed_weights,
         )
+        # make_sequence's settings: context, decoder config (positions, vocabulary), where images and videos are
+        self._sequence_kwargs = dict(
+            max_model_len=config.max_model_len, lm_config=model.config, device=self.runner.device,
+            image_token_id=image_token_id, merge_size=merge_size, video_token_id=video_token_id,
+            tokens_per_second=tokens_per_second,
+        )  # fmt: skip
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         # written by the worker only
@@ -135,15 +143,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         grammar = self.grammars.compile(g) if (g := inp.sampling.grammar) is not None else None
         seq = make_sequence(
-            inp,
-            next(self._ids),
-            max_model_len=self.config.max_model_len,
-            image_token_id=self.image_token_id,
-            merge_size=self.merge_size,
-            lm_config=self.model.config,
-            device=self.runner.device,
-            eos_token_ids=self.eos_token_ids,
-            grammar=grammar,
+            inp, next(self._ids), grammar=grammar, eos_token_ids=self.eos_token_ids, **self._sequence_kwargs
         )
         if self.dead is not None:
             raise self._dead_error()

@@ -16,7 +16,7 @@ from llm.engine.block_pool import block_hash, chain_root
 from llm.engine.grammar import new_matcher
 from llm.engine.logits import RowState
 from llm.engine.sampling import make_generator
-from llm.model.positions import linear_positions, mrope_positions
+from llm.model.positions import linear_positions, mrope_positions, video_time_interval
 from schemas import GenerateRequest, InvalidRequest, SamplingParams
 
 
@@ -28,7 +28,7 @@ class Sequence:
     prompt_len: int
     prompt_positions: torch.Tensor  # (3, P) CPU: M-RoPE positions of the prompt
     rope_delta: int  # a generated token at index i sits at position i + rope_delta
-    is_multimodal: torch.Tensor  # (P,) bool CPU: image placeholder positions of the prompt
+    is_multimodal: torch.Tensor  # (P,) bool CPU: image and video placeholder positions of the prompt
     image_embeds: torch.Tensor | None  # (num placeholders, D) on the model's device, in prompt order
     image_spans: list[tuple[int, int, str]]  # per image: placeholder run [start, end) and its content key
     params: SamplingParams
@@ -106,9 +106,12 @@ def make_sequence(
     device: torch.device,
     eos_token_ids: frozenset[int] = frozenset(),
     grammar: CompiledGrammar | None = None,
+    video_token_id: int | None = None,
+    tokens_per_second: float | None = None,
 ) -> Sequence:
     """The request's checks (context length, logit_bias's tokens, embedding rows against placeholders and grids),
-    then its state."""
+    then its state. Videos' placeholders are `video_token_id`; `tokens_per_second`: Qwen2.5-VL's temporal position
+    rule."""
     n_prompt, n_max = len(inp.prompt_token_ids), inp.sampling.max_tokens
     bias, vocab_size, mrope = inp.sampling.logit_bias, lm_config.vocab_size, lm_config.mrope_section is not None
     if bias and not (0 <= min(bias) and max(bias) < vocab_size):  # the ingress checked: a second line of defence
@@ -123,6 +126,8 @@ def make_sequence(
         )
     ids = torch.tensor(inp.prompt_token_ids, dtype=torch.long)  # (P,)
     is_mm = ids == image_token_id
+    if video_token_id is not None:
+        is_mm |= ids == video_token_id
     counts = [int(e.shape[0]) for e in inp.image_embeds]  # tokens per image: its embedding rows
     if mrope:  # M-RoPE positions follow the grid: the rows must too
         for i, (grid, n) in enumerate(zip(inp.image_grid_thw, counts, strict=True)):
@@ -142,8 +147,13 @@ def make_sequence(
         spans.append((starts[k], starts[k] + n, key))
         k += n
     # NOTE: after the checks above, which are the LLM side's one check of the images against the prompt
+    intervals = [None if s is None else video_time_interval(s, tokens_per_second) for s in inp.second_per_grid_ts]
     positions, rope_delta = (
-        mrope_positions(ids, image_token_id, inp.image_grid_thw, merge_size) if mrope else linear_positions(ids)
+        mrope_positions(
+            ids, image_token_id, inp.image_grid_thw, merge_size, video_token_id=video_token_id, time_intervals=intervals
+        )
+        if mrope
+        else linear_positions(ids)
     )  # 1-D RoPE LMs (LLaVA's Llama)
     image_embeds = torch.cat(inp.image_embeds) if inp.image_embeds else None
     p = inp.sampling

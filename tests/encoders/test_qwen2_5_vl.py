@@ -63,7 +63,9 @@ def test_registry_picks_the_family_from_config_json(ckpt):
     tokens, tokenizer = image_tokens_of(ckpt), AutoTokenizer.from_pretrained(ckpt)
     assert tokens.placeholder_id == tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert tokens.per_image_ids == tuple(tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"]))
-    assert tokens.forbidden_ids == (tokenizer.convert_tokens_to_ids("<|video_pad|>"),)
+    assert tokens.forbidden_ids == () and tokens.video_placeholder_id == tokenizer.convert_tokens_to_ids(
+        "<|video_pad|>"
+    )
 
 
 @pytest.mark.parametrize(("width", "height"), SIZES)

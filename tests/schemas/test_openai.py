@@ -6,6 +6,7 @@ import pytest
 
 from deployments.ingress.http import parse
 from schemas import InvalidRequest
+from schemas.completions import CompletionRequest
 from schemas.openai import ChatCompletionRequest, ImagePart
 from schemas.requests import NO_EFFECT
 
@@ -152,7 +153,7 @@ UNHONOURED = [
     "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort", "verbosity",
     "web_search_options", "best_of", "use_beam_search", "echo", "suffix", "prompt_logprobs", "chat_template",
     "chat_template_kwargs", "add_generation_prompt", "allowed_token_ids", "bad_words", "length_penalty", "priority",
-    "truncate_prompt_tokens", "guided_decoding_backend", "mm_processor_kwargs", "no_such_field",
+    "truncate_prompt_tokens", "guided_decoding_backend", "no_such_field",
 ]  # fmt: skip
 
 
@@ -180,3 +181,12 @@ def test_a_bad_cache_salt_is_a_400(salt):
         parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "cache_salt": salt})
     assert (e.value.param, e.value.status) == ("cache_salt", 400)
     assert parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "cache_salt": "s"}).cache_salt
+
+
+def test_mm_processor_kwargs_is_honoured_in_chat_and_refused_in_text_completions():
+    """Video sampling (vLLM's mm_processor_kwargs) goes with chat's videos; a text completion takes no media."""
+    req = parse(ChatCompletionRequest, {"messages": HI, "mm_processor_kwargs": {"fps": 1.0, "max_pixels": 3136}})
+    assert req.mm_processor_kwargs.fps == 1.0
+    with pytest.raises(InvalidRequest) as e:
+        parse(CompletionRequest, {"prompt": "hi", "mm_processor_kwargs": {"fps": 1.0}})
+    assert (e.value.code, e.value.param) == ("unsupported_parameter", "mm_processor_kwargs")

@@ -144,9 +144,9 @@ def test_each_kept_image_has_its_cost_from_its_header(prep):
     an image dropped with its turn takes its cost with it."""
     small, big = _image(1, width=56), _image(2, width=224)
     p = _prepare(prep, [{"role": "user", "content": [small, big, {"type": "text", "text": "which?"}]}], max_tokens=4)
-    assert p.costs == [prep.image_cost.gflop(g) for g in p.grids] and 0 < p.costs[0] < p.costs[1]
+    assert p.job_costs == [prep.image_cost.gflop(g) for g in p.grids] and 0 < p.job_costs[0] < p.job_costs[1]
     dropped = _prepare(prep, _conversation(6), context_overflow="drop_oldest_turns", max_tokens=8)
-    assert len(dropped.costs) == len(dropped.images) == len(dropped.grids)
+    assert len(dropped.job_costs) == len(dropped.images) == len(dropped.grids)
 
 
 def test_the_cache_scope_is_in_every_image_key(prep):

@@ -1,0 +1,128 @@
+"""Video through the deployed app: greedy tokens equal transformers' generate on the same checkpoint, for Qwen2-VL
+and Qwen2.5-VL, with one video, and a video then an image; the reference gets the same frames
+(tests/video_reference.py: qwen-vl-utils' sampling, PyAV's frames, transformers' preprocessing)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from ray import serve
+from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+from demo.tiny_qwen2_5_vl import build_qwen2_5_vl_checkpoint
+from tests.deployments.parity import MAX_TOKENS, deployed
+from tests.helpers import data_url, make_image, make_video, video_url
+from tests.video_reference import reference_video
+
+pytestmark = pytest.mark.e2e
+
+KW = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16}  # 160x120 frames: 112x84, 12 tokens a tubelet
+VIDEO = make_video(3, fps=8, width=160, height=120, seed=7)  # 24 frames: 6 sampled, 3 tubelets, 36 tokens
+CASES = {
+    "one_video": [VIDEO, "What happens in the video?"],
+    "video_then_image": [VIDEO, make_image(120, 80, seed=1), "Is the picture in the video?"],
+}
+
+
+def reference_generate(checkpoint, reference, parts: list) -> tuple[list[int], list[int]]:
+    """transformers: chat template, placeholder runs, mm_token_type_ids (image 1, video 2), generate."""
+    tokenizer, processor = AutoTokenizer.from_pretrained(checkpoint), AutoImageProcessor.from_pretrained(checkpoint)
+    cfg = reference.config
+    content, kwargs, counts = [], {}, []
+    for part in parts:
+        if isinstance(part, str):
+            content.append({"type": "text", "text": part})
+        elif isinstance(part, bytes):
+            content.append({"type": "video"})
+            pixels, grid, second_per_grid_t = reference_video(part, **KW)
+            kwargs |= {"pixel_values_videos": pixels, "video_grid_thw": torch.tensor([grid])}
+            if isinstance(reference, Qwen2_5_VLForConditionalGeneration):  # as the processor's BatchFeature: float32
+                kwargs["second_per_grid_ts"] = torch.tensor([second_per_grid_t])
+            counts.append(grid[0] * grid[1] * grid[2] // 4)
+        else:
+            content.append({"type": "image"})
+            processed = processor(images=[part], return_tensors="pt")
+            kwargs |= {"pixel_values": processed["pixel_values"], "image_grid_thw": processed["image_grid_thw"]}
+            counts.append(int(processed["image_grid_thw"].prod()) // 4)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)  # fmt: skip
+    it = iter(counts)
+    ids = [t for tok in tokenizer.encode(text) for t in
+           ([tok] * next(it) if tok in (cfg.image_token_id, cfg.video_token_id) else [tok])]  # fmt: skip
+    input_ids = torch.tensor([ids])
+    types = (input_ids == cfg.image_token_id).int() + 2 * (input_ids == cfg.video_token_id).int()
+    with torch.no_grad():
+        out = reference.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_token_type_ids=types,
+            do_sample=False, max_new_tokens=MAX_TOKENS, **kwargs,
+        )  # fmt: skip
+    return ids, out[0, len(ids) :].tolist()
+
+
+def served_generate(client: httpx.Client, parts: list) -> dict:
+    content = [
+        {"type": "text", "text": p} if isinstance(p, str)
+        else {"type": "video_url", "video_url": {"url": video_url(p)}} if isinstance(p, bytes)
+        else {"type": "image_url", "image_url": {"url": data_url(p)}}
+        for p in parts
+    ]  # fmt: skip
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True, "mm_processor_kwargs": KW}  # fmt: skip
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def served(request, tmp_path_factory):
+    if request.param == "qwen2_vl":  # the session's app and checkpoint (tests/conftest.py)
+        with httpx.Client(base_url=request.getfixturevalue("base_url"), timeout=120) as client:
+            yield client, request.getfixturevalue("checkpoint"), request.getfixturevalue("reference")
+        return
+    checkpoint = build_qwen2_5_vl_checkpoint(tmp_path_factory.mktemp("q25v") / "qwen2.5-vl-tiny", seed=1)
+    reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    # NOTE: 96 patches a batch: this app's videos (3 tubelets of 48 patches) go to the encoders in two chunks
+    args = {**request.getfixturevalue("app_args"), "encoder": {"max_batch_patches": 96}}
+    with deployed(request.getfixturevalue("ray_serve"), args, checkpoint, "qwen25v") as client:
+        yield client, checkpoint, reference
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_equals_transformers(case, served):
+    client, checkpoint, reference = served
+    ref_prompt, ref_tokens = reference_generate(checkpoint, reference, CASES[case])
+    out = served_generate(client, CASES[case])
+    assert out["prompt_token_ids"] == ref_prompt
+    assert out["choices"][0]["token_ids"] == ref_tokens
+    assert out["usage"]["prompt_tokens"] == len(ref_prompt)
+
+
+def test_another_video_changes_the_tokens_and_they_still_equal_transformers(served):
+    """Equal tokens alone would pass with the video ignored on both sides: the tokens must follow the video."""
+    client, checkpoint, reference = served
+    other = [make_video(3, fps=8, width=160, height=120, seed=8), CASES["one_video"][1]]
+    assert (
+        served_generate(client, other)["choices"][0]["token_ids"]
+        != (served_generate(client, CASES["one_video"])["choices"][0]["token_ids"])
+    )
+    assert served_generate(client, other)["choices"][0]["token_ids"] == reference_generate(checkpoint, reference,
+                                                                                          other)[1]  # fmt: skip
+
+
+def test_a_video_over_the_batch_budget_is_encoded_in_chunks_and_still_equals_transformers(served):
+    """The Qwen2.5-VL app's encoders take at most 96 patches a batch: a new video of 3 tubelets of 48 patches goes
+    as two encoder calls (two more images encoded, no cache hit), and the answer is transformers' (the Qwen2-VL app,
+    16384 patches, encodes it whole: one call)."""
+    client, checkpoint, reference = served
+    app = "qwen25v" if isinstance(reference, Qwen2_5_VLForConditionalGeneration) else "vlm"
+
+    def encoded() -> int:
+        stats = serve.get_deployment_handle("Encoder", app_name=app).broadcast("stats").results(timeout_s=60)
+        return sum(int(s["images"]) for s in stats)
+
+    parts = [make_video(3, fps=8, width=160, height=120, seed=11), "And now?"]
+    before = encoded()
+    tokens = served_generate(client, parts)["choices"][0]["token_ids"]
+    assert encoded() - before == (2 if app == "qwen25v" else 1)
+    assert tokens == reference_generate(checkpoint, reference, parts)[1]
