@@ -51,7 +51,12 @@ class Encoder:
         spec = ModelSpec.from_args(self.args)
         self.metrics = EncoderMetrics()
         self.runner = EncoderRunner(
-            spec, self.args.encoder, model_factory=model_factory, on_batch=self.metrics.on_batch, video=self.args.video
+            spec,
+            self.args.encoder,
+            model_factory=model_factory,
+            on_batch=self.metrics.on_batch,
+            video=self.args.video,
+            on_video=self.metrics.video_decode.observe,
         )
         self.num_cancelled = 0
         self.cache = cache if self.args.encoder.cache_gib > 0 else None

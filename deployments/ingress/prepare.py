@@ -30,6 +30,7 @@ class Prepared:
     jobs: list[bytes | Video] = field(default_factory=list)
     job_keys: list[str] = field(default_factory=list)
     jobs_per_item: list[int] = field(default_factory=list)
+    video_stats: list[tuple[int, int, float]] = field(default_factory=list)  # (frames, tokens, probe s) received
     max_tokens: int = 0
     dropped_messages: int = 0
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each image kept
@@ -52,6 +53,7 @@ class _Image:
     placeholder_id: int
     second_per_grid_t: float | None = None  # videos only
     jobs: list[tuple[bytes | Video, str]] = field(default_factory=list)  # its encoder calls; empty: one, itself
+    probe_s: float = 0.0  # a video's container read
 
     @property
     def is_video(self) -> bool:
@@ -168,7 +170,7 @@ class Preparer:
         v = self.videos.prepare(param, part, req, fetched)
         plan = v.video.plan
         return _Image(message, -1, v.size, v.video, v.key, plan.grid_thw, plan.num_tokens, self.video_token_id,
-                      plan.second_per_grid_t, v.chunks)  # fmt: skip
+                      plan.second_per_grid_t, v.chunks, v.probe_s)  # fmt: skip
 
     def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes]) -> Prepared:
         """Image headers, prompt ids and the output's grammar, after `check`; `fetched` holds the bytes of remote
@@ -188,7 +190,7 @@ class Preparer:
         starts = [n_system] + [i for i, m in enumerate(req.messages) if i > n_system and m.role == "user"]
         first = self._build(req, images, n_system, starts[0])
         if self._fits(req, first) or overflow == "error" or len(starts) == 1:
-            return self._checked(req, first, grammar)
+            return self._checked(req, first, grammar, videos)
         lo, hi, best = 1, len(starts) - 1, None  # binary search: dropping more turns only shortens the prompt
         while lo <= hi:
             mid = (lo + hi) // 2
@@ -197,7 +199,7 @@ class Preparer:
                 best, hi = candidate, mid - 1
             else:
                 lo = mid + 1
-        return self._checked(req, best or self._build(req, images, n_system, starts[-1]), grammar)
+        return self._checked(req, best or self._build(req, images, n_system, starts[-1]), grammar, videos)
 
     def _build(self, req: ChatCompletionRequest, images: list[_Image], n_system: int, start: int) -> Prepared:
         kept: list[Message] = req.messages[:n_system] + req.messages[start:]
@@ -238,7 +240,8 @@ class Preparer:
     def _fits(self, req: ChatCompletionRequest, p: Prepared) -> bool:
         return p.max_tokens >= 1 and len(p.prompt) + p.max_tokens <= self.max_model_len
 
-    def _checked(self, req: ChatCompletionRequest, p: Prepared, grammar: str | None) -> Prepared:
+    def _checked(self, req: ChatCompletionRequest, p: Prepared, grammar: str | None, videos: list) -> Prepared:
+        p.video_stats = [(len(v.data.plan.indices), v.num_tokens, v.probe_s) for v in videos]
         if not self._fits(req, p):
             asked = f" + max_tokens {p.max_tokens}" if req.requested_max_tokens else ""
             dropped = f" (after dropping the {p.dropped_messages} oldest messages)" if p.dropped_messages else ""

@@ -151,6 +151,7 @@ class Ingress:
         self.metrics.ttft.observe(log["ttft"])
         if len(p.images) > p.num_videos:  # NOTE: Ray counters refuse inc(0)
             self.metrics.images.inc(len(p.images) - p.num_videos)
+        self.metrics.on_videos(p.video_stats)
         head = {
             "id": request_id,
             "created": int(time.time()),
