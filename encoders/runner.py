@@ -5,6 +5,7 @@ Used by the Encoder deployment, and by the LLM replica itself in colocated mode 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,12 +39,13 @@ class EncoderRunner:
         model_factory: Callable[..., VisionEncoder] | None = None,
         on_batch: Callable[[int, float], None] | None = None,
         video: VideoArgs | None = None,
+        on_video: Callable[[float], None] | None = None,
     ):
         """`model_factory(model_dir, device=, dtype=)` stands in for the family's encoder (tests); `video`: the
-        limits of video decoding (the defaults when None)."""
+        limits of video decoding (the defaults when None); `on_video(seconds)`: after each video's decoding."""
         model_dir, family = spec.model_dir, spec.family
         self.processing, self.video_processing = spec.processing, spec.video_processing
-        self.video = video or VideoArgs()
+        self.video, self.on_video = video or VideoArgs(), on_video
         vision = _part(opts.vision_device, opts.vision_dtype, (spec.device, spec.dtype))
         projector = _part(opts.projector_device, opts.projector_dtype, vision)
         if model_factory is not None:
@@ -82,7 +84,10 @@ class EncoderRunner:
 
     def _preprocess_video(self, video: Video) -> Preprocessed:
         assert self.video_processing is not None, "the ingress sends videos only to families that take them"
+        started = time.monotonic()
         frames = video.decode(self.video.decode_timeout_s, self.video.decode_memory_mib)  # (n, h, w, 3) uint8
+        if self.on_video is not None:
+            self.on_video(time.monotonic() - started)
         pixel_values, grid = self.video_processing.preprocess(frames)
         assert grid == video.plan.grid_thw, (grid, video.plan.grid_thw)  # the ingress counted its tokens with it
         return pixel_values, grid

@@ -58,7 +58,12 @@ class Encoder:
         spec = ModelSpec.from_args(self.args)
         self.metrics = EncoderMetrics()
         self.runner = EncoderRunner(
-            spec, self.args.encoder, model_factory=model_factory, on_batch=self.metrics.on_batch, video=self.args.video
+            spec,
+            self.args.encoder,
+            model_factory=model_factory,
+            on_batch=self.metrics.on_batch,
+            video=self.args.video,
+            on_video=self.metrics.video_decode.observe,
         )
         self.num_cancelled = 0
         self.pending_cost = 0.0  # GFLOP of the images queued and running here (the autoscaling metric)

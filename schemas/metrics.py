@@ -30,6 +30,20 @@ class IngressMetrics:
             "vlm_requests_total", "Requests answered, by HTTP status (errors: 4xx, 5xx).", tag_keys=("status",)
         )
         self.images = Counter("vlm_request_images_total", "Images received in requests.")
+        self.videos = Counter("vlm_request_videos_total", "Videos received in requests.")
+        self.video_frames = Counter("vlm_video_frames_sampled_total", "Frames sampled from the requests' videos.")
+        self.video_tokens = Counter("vlm_video_tokens_total", "Prompt tokens of the requests' videos.")
+        self.video_probe = Histogram(
+            "vlm_video_probe_seconds", "Reading a video's container at the ingress.", boundaries=LATENCY_S
+        )
+
+    def on_videos(self, stats: list[tuple[int, int, float]]) -> None:
+        """(sampled frames, tokens, probe seconds) of each video of a request."""
+        for frames, tokens, probe_s in stats:
+            self.videos.inc()
+            self.video_frames.inc(frames)
+            self.video_tokens.inc(tokens)
+            self.video_probe.observe(probe_s)
 
 
 class EncoderMetrics:
@@ -43,6 +57,9 @@ class EncoderMetrics:
         # The cost of encoder work (encoders/cost.py) as the router and the autoscaler see it.
         self.pending_cost = Gauge("vlm_encoder_pending_cost_gflop", "GFLOP of images queued and running here.")
         self.cost = Counter("vlm_encoder_cost_gflop_total", "GFLOP of the images that arrived (hits included).")
+        self.video_decode = Histogram(
+            "vlm_video_decode_seconds", "Decoding a video's (or chunk's) sampled frames.", boundaries=LATENCY_S
+        )
 
     def on_batch(self, num_images: int, seconds: float) -> None:
         self.latency.observe(seconds)

@@ -26,6 +26,7 @@ class Prepared:
     job_keys: list[str] = field(default_factory=list)
     jobs_per_item: list[int] = field(default_factory=list)
     job_costs: list[float] = field(default_factory=list)  # each call's encoding cost, GFLOP (encoders/cost.py)
+    video_stats: list[tuple[int, int, float]] = field(default_factory=list)  # (frames, tokens, probe s) received
     max_tokens: int = 0
     dropped_messages: int = 0
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each image kept
@@ -51,6 +52,7 @@ class Item:
     second_per_grid_t: float | None = None  # videos only
     jobs: list[tuple[bytes | Video, str]] = field(default_factory=list)  # its encoder calls; empty: one, itself
     cost: float = 0.0  # its encoding cost, GFLOP (encoders/cost.py)
+    probe_s: float = 0.0  # a video's container read
 
     @property
     def is_video(self) -> bool:

@@ -122,7 +122,7 @@ class Preparer:
         chunks = [(data, scoped_key(key, scope)) for data, key in v.chunks]
         key, cost = scoped_key(v.key, scope), self.image_cost.gflop(plan.grid_thw)
         return Item(message, -1, v.size, v.video, key, plan.grid_thw, plan.num_tokens, self.video_token_id,
-                    plan.second_per_grid_t, chunks, cost)  # fmt: skip
+                    plan.second_per_grid_t, chunks, cost, v.probe_s)  # fmt: skip
 
     def _items(self, req: ChatCompletionRequest, fetched: dict[str, bytes], scope: str) -> list[Item]:
         """The request's images and videos, probed and planned, in prompt order."""
@@ -147,7 +147,7 @@ class Preparer:
         starts = [n_system] + [i for i, m in enumerate(req.messages) if i > n_system and m.role == "user"]
         first = self._build(req, images, n_system, starts[0])
         if self._fits(req, first) or overflow == "error" or len(starts) == 1:
-            return self._checked(req, first, grammar, scope)
+            return self._with_video_stats(self._checked(req, first, grammar, scope), images)
         lo, hi, best = 1, len(starts) - 1, None  # binary search: dropping more turns only shortens the prompt
         while lo <= hi:
             mid = (lo + hi) // 2
@@ -156,7 +156,8 @@ class Preparer:
                 best, hi = candidate, mid - 1
             else:
                 lo = mid + 1
-        return self._checked(req, best or self._build(req, images, n_system, starts[-1]), grammar, scope)
+        p = best or self._build(req, images, n_system, starts[-1])
+        return self._with_video_stats(self._checked(req, p, grammar, scope), images)
 
     def _build(
         self, req: ChatCompletionRequest, images: list[Item], n_system: int, start: int, generation_prompt=True
@@ -201,6 +202,12 @@ class Preparer:
         """The request's, else the room left in the context (as vLLM), capped by limits.default_max_tokens."""
         room, cap = self.max_model_len - len(prompt), self.limits.default_max_tokens
         return req.requested_max_tokens or (room if cap is None else min(cap, room))
+
+    @staticmethod
+    def _with_video_stats(p: Prepared, items: list[Item]) -> Prepared:
+        """The request's videos (kept or not) for the metrics: (frames sampled, tokens, probe seconds) each."""
+        p.video_stats = [(len(v.data.plan.indices), v.num_tokens, v.probe_s) for v in items if v.is_video]
+        return p
 
     def _fits(self, req: GenerationRequest, p: Prepared) -> bool:
         return p.max_tokens >= 1 and len(p.prompt) + p.max_tokens <= self.max_model_len

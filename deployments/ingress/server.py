@@ -155,6 +155,8 @@ class Ingress:
         self.metrics.ttft.observe(log["ttft"])
         if n_images := sum(len(p.images) - p.num_videos for p in prompts):  # NOTE: Ray counters refuse inc(0)
             self.metrics.images.inc(n_images)
+        for p in prompts:
+            self.metrics.on_videos(p.video_stats)
         head = {
             "id": request_id,
             "created": int(time.time()),

@@ -4,6 +4,7 @@ clamped to the server's, and each video's probe, plan and limits, before any dec
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 
 from encoders.images import decode_data_url
@@ -55,6 +56,7 @@ class PreparedVideo:
     key: str  # embedding and prefix cache key: content, sampling, preprocessing, model
     size: tuple[int, int]  # the source's (width, height)
     chunks: list[tuple[Video, str]]  # the encoder calls: tubelet chunks, each with its embedding cache key
+    probe_s: float = 0.0  # seconds to read the container (0 for a frame list)
 
 
 class VideoPreparer:
@@ -105,8 +107,11 @@ class VideoPreparer:
             meta = VideoMeta(len(data), sampling.fps or self.processing.fps, width, height)
             plan = self.processing.frame_list_plan(meta, sampling, self.video.total_pixels)
             digest = hashlib.sha256(b"".join(hashlib.sha256(f).digest() for f in data)).hexdigest()
+            probe_s = 0.0
         else:
+            started = time.monotonic()
             info = probe_video(data, self.video, limits, kind)
+            probe_s = time.monotonic() - started
             meta = VideoMeta(info.num_frames, info.fps, info.width, info.height)
             plan = self.processing.plan(meta, sampling, self.video.total_pixels)
             digest = hashlib.sha256(data).hexdigest()
@@ -117,7 +122,7 @@ class VideoPreparer:
         chunks = [
             (Video(data, plan if whole else plan.chunk(a, b)), key if whole else f"{key}@{a}-{b}") for a, b in ranges
         ]
-        return PreparedVideo(Video(data, plan), key, (meta.width, meta.height), chunks)
+        return PreparedVideo(Video(data, plan), key, (meta.width, meta.height), chunks, probe_s)
 
     def _check(self, plan: VideoPlan) -> None:
         if len(plan.indices) > self.video.max_frames:

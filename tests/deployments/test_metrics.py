@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import data_url, make_image
+from tests.helpers import data_url, make_image, make_video, video_url
 
 pytestmark = pytest.mark.e2e
 
@@ -68,3 +68,24 @@ def test_requests_show_in_the_metrics(client, metrics_port):
     for gauge in ("vlm_num_requests_running", "vlm_num_requests_waiting", "vlm_kv_cache_usage_perc"):
         assert f"ray_{gauge}" in names
     assert 0.0 <= _total(after, "vlm_kv_cache_usage_perc") <= 1.0
+
+
+def test_videos_show_in_the_metrics(client, metrics_port):
+    """A video of 24 frames at 8 fps: 6 frames sampled (12 tokens each pair at these pixel bounds), probed once,
+    decoded once (a new video each run: no cache hit)."""
+    names = ["vlm_request_videos_total", "vlm_video_frames_sampled_total", "vlm_video_tokens_total",
+             "vlm_video_probe_seconds_count", "vlm_video_decode_seconds_count"]  # fmt: skip
+    video = make_video(3, fps=8, width=160, height=120, seed=int(time.time()) % 10_000)
+    part = {"type": "video_url", "video_url": {"url": video_url(video)}}
+    body = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}], "max_tokens": 2,
+            "mm_processor_kwargs": {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16}}  # fmt: skip
+    before = _scrape(metrics_port)
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    deadline, grown = time.monotonic() + 30, {}
+    while time.monotonic() < deadline:
+        after = _scrape(metrics_port)
+        grown = {name: _total(after, name) - _total(before, name) for name in names}
+        if all(v > 0 for v in grown.values()):
+            break
+        time.sleep(0.5)
+    assert grown == dict(zip(names, [1, 6, 36, 1, 1])), grown

@@ -19,17 +19,42 @@ pytestmark = pytest.mark.e2e
 
 KW = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16}  # 160x120 frames: 112x84, 12 tokens a tubelet
 VIDEO = make_video(3, fps=8, width=160, height=120, seed=7)  # 24 frames: 6 sampled, 3 tubelets, 36 tokens
-CASES = {
+CASES = {  # a user message's parts, or a conversation of (role, parts)
     "one_video": [VIDEO, "What happens in the video?"],
     "video_then_image": [VIDEO, make_image(120, 80, seed=1), "Is the picture in the video?"],
+    "two_turns": [("user", [VIDEO, "What happens?"]), ("assistant", ["A bar moves right."]), ("user", ["Why?"])],
 }
 
 
-def reference_generate(checkpoint, reference, parts: list) -> tuple[list[int], list[int]]:
-    """transformers: chat template, placeholder runs, mm_token_type_ids (image 1, video 2), generate."""
+def _turns(case: list) -> list[tuple[str, list]]:
+    return case if isinstance(case[0], tuple) else [("user", case)]
+
+
+def reference_generate(checkpoint, reference, case: list) -> tuple[list[int], list[int]]:
+    """transformers: chat template, placeholder runs, mm_token_type_ids (image 1, video 2), generate (a case has at
+    most one video and one image)."""
     tokenizer, processor = AutoTokenizer.from_pretrained(checkpoint), AutoImageProcessor.from_pretrained(checkpoint)
     cfg = reference.config
-    content, kwargs, counts = [], {}, []
+    messages, kwargs, counts = [], {}, []
+    for role, parts in _turns(case):
+        messages.append({"role": role, "content": _reference_content(parts, processor, reference, kwargs, counts)})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    it = iter(counts)
+    ids = [t for tok in tokenizer.encode(text) for t in
+           ([tok] * next(it) if tok in (cfg.image_token_id, cfg.video_token_id) else [tok])]  # fmt: skip
+    input_ids = torch.tensor([ids])
+    types = (input_ids == cfg.image_token_id).int() + 2 * (input_ids == cfg.video_token_id).int()
+    with torch.no_grad():
+        out = reference.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_token_type_ids=types,
+            do_sample=False, max_new_tokens=MAX_TOKENS, **kwargs,
+        )  # fmt: skip
+    return ids, out[0, len(ids) :].tolist()
+
+
+def _reference_content(parts: list, processor, reference, kwargs: dict, counts: list) -> list[dict]:
+    """One message's parts for the template; each video's and image's inputs into kwargs, their token counts."""
+    content = []
     for part in parts:
         if isinstance(part, str):
             content.append({"type": "text", "text": part})
@@ -45,29 +70,20 @@ def reference_generate(checkpoint, reference, parts: list) -> tuple[list[int], l
             processed = processor(images=[part], return_tensors="pt")
             kwargs |= {"pixel_values": processed["pixel_values"], "image_grid_thw": processed["image_grid_thw"]}
             counts.append(int(processed["image_grid_thw"].prod()) // 4)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)  # fmt: skip
-    it = iter(counts)
-    ids = [t for tok in tokenizer.encode(text) for t in
-           ([tok] * next(it) if tok in (cfg.image_token_id, cfg.video_token_id) else [tok])]  # fmt: skip
-    input_ids = torch.tensor([ids])
-    types = (input_ids == cfg.image_token_id).int() + 2 * (input_ids == cfg.video_token_id).int()
-    with torch.no_grad():
-        out = reference.generate(
-            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_token_type_ids=types,
-            do_sample=False, max_new_tokens=MAX_TOKENS, **kwargs,
-        )  # fmt: skip
-    return ids, out[0, len(ids) :].tolist()
+    return content
 
 
-def served_generate(client: httpx.Client, parts: list) -> dict:
-    content = [
-        {"type": "text", "text": p} if isinstance(p, str)
-        else {"type": "video_url", "video_url": {"url": video_url(p)}} if isinstance(p, bytes)
-        else {"type": "image_url", "image_url": {"url": data_url(p)}}
-        for p in parts
+def served_generate(client: httpx.Client, case: list) -> dict:
+    messages = [
+        {"role": role, "content": [
+            {"type": "text", "text": p} if isinstance(p, str)
+            else {"type": "video_url", "video_url": {"url": video_url(p)}} if isinstance(p, bytes)
+            else {"type": "image_url", "image_url": {"url": data_url(p)}}
+            for p in parts
+        ]}
+        for role, parts in _turns(case)
     ]  # fmt: skip
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS, "temperature": 0,
+    body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True, "mm_processor_kwargs": KW}  # fmt: skip
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
