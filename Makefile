@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install image browser checkpoint serve serve-env lint test test-fast docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer soak clean
+.PHONY: install image browser checkpoint serve serve-env lint test test-fast docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer bench-structured soak clean
 
 install: $(STAMP)
 
@@ -120,6 +120,10 @@ $(VLLM_STAMP): bench/vllm_shim.py
 
 bench-peer: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.peer $(BENCH_ARGS)
+
+# Structured outputs under load (bench/structured.py): c=32, all free against half under a json_schema.
+bench-structured: $(STAMP)
+	$(PY) -m bench.structured $(BENCH_ARGS)
 
 # A bounded soak (bench/soak.py): thousands of good, bad, cancelled and streaming requests, then no 5xx, bounded
 # replica memory and object store growth, no KV blocks held. `make soak SOAK_ARGS="--requests 300"`: a short one.
