@@ -204,11 +204,16 @@ class _InstrumentedLM(Qwen2LM):
 
 
 class FaultyLM(_InstrumentedLM):
-    """Fails when decoding reaches cache position 40 (mid-stream), or on prefill of 100+ tokens (before any token)."""
+    """Fails when decoding reaches cache position 40 (mid-stream), or on prefill of 100+ tokens (before any token);
+    not in the replica's start-up step (its first forward, ModelRunner.check_peak_step), which must pass to serve."""
 
     fail_at, fail_prefill_from = 40, 100
+    started = False
 
     def forward(self, inputs_embeds, positions, cache, meta):
+        if not self.started:
+            self.started = True
+            return super().forward(inputs_embeds, positions, cache, meta)
         decode_at = positions.shape[1] == 1 and int(positions[0, 0]) == self.fail_at
         if decode_at or positions.shape[1] >= self.fail_prefill_from:
             raise RuntimeError("injected fault")
