@@ -1,15 +1,20 @@
 """The engine on one GPU (`python -m bench.gpu_decode`, needs CUDA): a correctness check, then decode speed of a
-Qwen2-VL-2B-shaped random checkpoint in bfloat16 against the memory-bandwidth limit.
+Qwen2-VL-2B-shaped random checkpoint in bfloat16 against the memory-bandwidth limit, then kernel launches per step.
 
-1. Tiny checkpoint: greedy tokens of our engine on cuda float32, eager and with CUDA graphs (the static decode
-   step), equal those on cpu float32 (mixed prompt lengths, so decode groups and prefill chunks both run), and cuda
-   bfloat16 generates.
+1. Tiny checkpoint: greedy tokens of our engine on cuda float32 (eager; the static decode step run eagerly; and
+   replayed as CUDA graphs) equal those on cpu float32 (mixed prompt lengths, so decode groups and prefill chunks
+   both run), and cuda bfloat16 with graphs generates.
 2. A random checkpoint of Qwen2-VL-2B's language-model shape (hidden 1536, 28 layers, 12 heads on 2 KV heads,
    FFN 8960; our 1k-token vocabulary, so no 150k-row embedding or lm_head), bfloat16 on cuda. B concurrent
-   text requests (128 prompt tokens, `--output-len` tokens with ignore_eos) through the Engine, with CUDA graphs
-   off (eager, the step as before) and on. Decode reads every weight and the batch's KV once per step, so the limit
+   text requests (128 prompt tokens, `--output-len` tokens with ignore_eos) through the Engine, eager (the step
+   before issue 19) and with CUDA graphs. Decode reads every weight and the batch's KV once per step, so the limit
    is steps/s = HBM bandwidth / (weight bytes + mean KV bytes of a step); the bandwidth is measured here (a
    device-to-device copy, bytes read + written). Prints a markdown table.
+3. The torch profiler over the same engine: kernel launches (cudaLaunchKernel and kin, cudaGraphLaunch), kernels
+   run and their GPU time per decode step, eager and with graphs (a run of 1 + K tokens minus a run of 1 token,
+   over K).
+
+`--device cpu --shape tiny` runs the same code on CPU (a check of the script; graphs are cuda only).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import asyncio
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -27,11 +33,19 @@ from demo.build_tiny import build_checkpoint
 from llm import Engine, EngineConfig, Qwen2LM
 from schemas import GenerateRequest, SamplingParams
 
-SHAPE_2B = dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960,
-                vision_embed_dim=32, vision_depth=1, vision_heads=2, init_std=0.02)  # fmt: skip
+SHAPES = {
+    "2b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960,
+               vision_embed_dim=32, vision_depth=1, vision_heads=2, init_std=0.02),
+    "tiny": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
+                 vision_embed_dim=32, vision_depth=1, vision_heads=2, init_std=0.02),
+}  # fmt: skip
+MODES = {"eager": (False, False), "static": (True, False), "graphs": (True, True)}  # (static_decode, cuda_graphs)
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+PROMPT = 128
 
 
-def _engine(model: Qwen2LM, blocks: int, max_seqs: int, graphs: bool = False) -> Engine:
+def _engine(model: Qwen2LM, blocks: int, max_seqs: int, mode: str) -> Engine:
+    static, graphs = MODES[mode]
     config = EngineConfig(
         max_model_len=2048,
         num_blocks=blocks,
@@ -40,6 +54,7 @@ def _engine(model: Qwen2LM, blocks: int, max_seqs: int, graphs: bool = False) ->
         max_num_batched_tokens=8192,
         max_queued=4096,
         stream_interval_s=0.0,
+        static_decode=static,
         cuda_graphs=graphs,
     )
     return Engine(model, config, image_token_id=-1, merge_size=2, eos_token_ids=set())
@@ -56,90 +71,154 @@ async def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> lis
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
-def check(tmp: Path) -> None:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _prompts(g: torch.Generator, n: int, length: int = PROMPT) -> list[list[int]]:
+    return [torch.randint(3, 900, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def check(tmp: Path, device: str) -> None:
     ckpt = build_checkpoint(tmp / "tiny", init_std=0.5)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 900, (n,), generator=g).tolist() for n in (5, 40, 130, 300, 17, 77)]
+    runs = [(device, torch.float32, m) for m in (("eager", "static", "graphs") if device == "cuda" else ("static",))]
     outs = {}
-    for device, dtype, graphs in (
-        ("cpu", torch.float32, False),
-        ("cuda", torch.float32, False),
-        ("cuda", torch.float32, True),
-        ("cuda", torch.bfloat16, True),
-    ):
-        model = Qwen2LM.from_pretrained(ckpt, device=device, dtype=dtype)
-        outs[(device, dtype, graphs)] = asyncio.run(_run(_engine(model, 256, 8, graphs), prompts, 24))
-    cpu = outs[("cpu", torch.float32, False)]
-    same = cpu == outs[("cuda", torch.float32, False)] == outs[("cuda", torch.float32, True)]
-    print(
-        f"check: cuda float32 greedy tokens (eager, and CUDA graphs) == cpu float32: {same}; cuda bfloat16 with "
-        f"graphs generated {sum(map(len, outs[('cuda', torch.bfloat16, True)]))} tokens"
-    )
-    if not same:
-        raise SystemExit("cuda and cpu disagree")
+    for dev, dtype, mode in [("cpu", torch.float32, "eager"), *runs, (device, torch.bfloat16, runs[-1][2])]:
+        model = Qwen2LM.from_pretrained(ckpt, device=dev, dtype=dtype)
+        outs[(dev, dtype, mode)] = asyncio.run(_run(_engine(model, 256, 8, mode), prompts, 24))
+    cpu = outs[("cpu", torch.float32, "eager")]
+    for dev, dtype, mode in runs:
+        same = outs[(dev, dtype, mode)] == cpu
+        print(f"check: {dev} float32 {mode}: greedy tokens == cpu float32 eager: {same}", flush=True)
+        if not same:
+            raise SystemExit(f"{dev} {mode} and cpu disagree")
+    bf16 = outs[(device, torch.bfloat16, runs[-1][2])]
+    print(f"check: {device} bfloat16 {runs[-1][2]} generated {sum(map(len, bf16))} tokens", flush=True)
 
 
-def bandwidth_gbs() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB
+def bandwidth_gbs(device: str) -> float:
+    x = torch.empty(1 << (30 if device == "cuda" else 26), dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     for _ in range(3):
         y.copy_(x)
-    torch.cuda.synchronize()
+    _sync(device)
     t = time.perf_counter()
     for _ in range(20):
         y.copy_(x)
-    torch.cuda.synchronize()
+    _sync(device)
     return 2 * x.numel() * 20 / (time.perf_counter() - t) / 1e9
 
 
-def decode(tmp: Path, batches: list[int], output_len: int) -> None:
-    ckpt = build_checkpoint(tmp / "2b", **SHAPE_2B)
-    model = Qwen2LM.from_pretrained(ckpt, device="cuda", dtype=torch.bfloat16)
+def _blocks(b: int, output_len: int) -> int:
+    return max(b * (PROMPT + output_len) // 16 + 2 * b, 2048 // 16) + 16
+
+
+def decode(model: Qwen2LM, device: str, batches: list[int], output_len: int, modes: list[str]) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_tokens.weight")
-    bw = bandwidth_gbs()
-    kv_per_step = lambda b: b * (128 + output_len / 2) * model.kv_bytes_per_token()  # noqa: E731 mean context
+    bw = bandwidth_gbs(device)
+    kv_per_step = lambda b: b * (PROMPT + output_len / 2) * model.kv_bytes_per_token()  # noqa: E731 mean context
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(
-        f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; weights read per step "
-        f"{weight_bytes / 1e9:.2f} GB (bf16, without the embedding table) + the batch's KV; copy bandwidth "
-        f"{bw:.0f} GB/s\n"
-    )
-    print(
-        "| batch | CUDA graphs | output tok/s | steps/s | ms/step | bandwidth limit steps/s | share of it |\n"
-        "| --- | --- | --- | --- | --- | --- | --- |"
+        f"\n{name}, torch {torch.__version__}; weights read per step {weight_bytes / 1e9:.2f} GB (without the "
+        f"embedding table) + the batch's KV; copy bandwidth {bw:.0f} GB/s; {PROMPT} prompt + {output_len} output "
+        f"tokens per request\n\n"
+        "| batch | step | output tok/s | steps/s | ms/step | bandwidth limit steps/s | share of it |\n"
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        flush=True,
     )
     g = torch.Generator().manual_seed(1)
-    for b, graphs in ((b, graphs) for b in batches for graphs in (False, True)):
+    for b, mode in ((b, mode) for b in batches for mode in modes):
         limit = bw * 1e9 / (weight_bytes + kv_per_step(b))
-        engine = _engine(
-            model, blocks=max(b * (128 + output_len) // 16 + 2 * b, 2048 // 16) + 16, max_seqs=b, graphs=graphs
-        )
-        prompts = [torch.randint(3, 900, (128,), generator=g).tolist() for _ in range(b)]
-        asyncio.run(_run(engine, prompts[:1], 8))  # warm-up
+        t0 = time.perf_counter()
+        engine = _engine(model, _blocks(b, output_len), b, mode)
+        start_s = time.perf_counter() - t0
+        asyncio.run(_run(engine, _prompts(g, 1), 8))  # warm-up
         steps0 = engine.counts["steps"]
-        torch.cuda.synchronize()
+        _sync(device)
         t = time.perf_counter()
-        outs = asyncio.run(_run(engine, prompts, output_len))
-        torch.cuda.synchronize()
+        outs = asyncio.run(_run(engine, _prompts(g, b), output_len))
+        _sync(device)
         wall = time.perf_counter() - t
         steps = engine.counts["steps"] - steps0
+        engine.close()
+        started = f" engine start {start_s:.1f} s" if mode == "graphs" else ""
         print(
-            f"| {b} | {'on' if graphs else 'off'} | {sum(map(len, outs)) / wall:.0f} | {steps / wall:.0f} | "
-            f"{1000 * wall / steps:.1f} | {limit:.0f} | {steps / wall / limit:.1%} |"
+            f"| {b} | {mode} | {sum(map(len, outs)) / wall:.0f} | {steps / wall:.1f} | {1000 * wall / steps:.2f} | "
+            f"{limit:.0f} | {steps / wall / limit:.1%} |{started}",
+            flush=True,
         )
+
+
+def launches(model: Qwen2LM, device: str, b: int, modes: list[str], k: int = 16) -> None:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    print(
+        f"\nper decode step at batch {b} (torch profiler; a run of {1 + k} tokens minus one of 1, over {k}):\n\n"
+        "| step | launches | kernels run | GPU busy ms | wall ms |\n| --- | --- | --- | --- | --- |",
+        flush=True,
+    )
+    g = torch.Generator().manual_seed(2)
+    for mode in modes:
+        engine = _engine(model, _blocks(b, 64), b, mode)
+        asyncio.run(_run(engine, _prompts(g, b), 8))  # warm-up (fresh prompts each run: no prefix-cache hits)
+        seen = []
+        for tokens in (1, 1 + k):
+            with profile(activities=activities) as prof:
+                t = time.perf_counter()
+                asyncio.run(_run(engine, _prompts(g, b), tokens))
+                _sync(device)
+                wall = time.perf_counter() - t
+            events = prof.events()
+            kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+            busy = sum(e.time_range.elapsed_us() for e in kernels) / 1000
+            seen.append((sum(e.name in LAUNCHES for e in events), len(kernels), busy, 1000 * wall))
+        engine.close()
+        per = [(after - before) / k for before, after in zip(*seen, strict=True)]
+        print(f"| {mode} | {per[0]:.0f} | {per[1]:.0f} | {per[2]:.2f} | {per[3]:.2f} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_decode", description=__doc__.splitlines()[0])
-    p.add_argument("--batches", default="1,8,32,64")
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="2b")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--profile-batch", type=int, default=8)
+    p.add_argument("--parts", default="check,decode,launches")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA device")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA device (or --device cpu --shape tiny)")
         return 2
+    modes = ["eager", "graphs"] if args.device == "cuda" else ["eager", "static"]
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    failed = 0
     with tempfile.TemporaryDirectory() as tmp:
-        check(Path(tmp))
-        decode(Path(tmp), [int(b) for b in args.batches.split(",")], args.output_len)
-    return 0
+        model = None
+        for part in args.parts.split(","):
+            try:  # NOTE: each part on its own: one that fails still lets the others report (one GPU lease, one run)
+                t0 = time.perf_counter()
+                if part == "check":
+                    check(Path(tmp), args.device)
+                else:
+                    if model is None:
+                        ckpt = build_checkpoint(Path(tmp) / args.shape, **SHAPES[args.shape])
+                        model = Qwen2LM.from_pretrained(ckpt, device=args.device, dtype=dtype)
+                        print(f"{args.shape} checkpoint built and loaded in {time.perf_counter() - t0:.0f} s")
+                    if part == "decode":
+                        decode(model, args.device, [int(b) for b in args.batches.split(",")], args.output_len, modes)
+                    else:
+                        launches(model, args.device, args.profile_batch, modes)
+                print(f"[{part}: {time.perf_counter() - t0:.0f} s]", flush=True)
+            except Exception:
+                failed += 1
+                traceback.print_exc()
+                print(f"[{part}: FAILED]", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -185,6 +185,7 @@ def build_checkpoint(
     out_dir: str | Path, *, seed: int = 0, init_std: float = 1.0, layout: str = "hub",
     hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
     intermediate_size: int = 128, vision_embed_dim: int = 32, vision_depth: int = 2, vision_heads: int = 2,
+    vision_mlp_ratio: int = 2,
     min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 256, tie_word_embeddings: bool = False,
 ) -> Path:  # fmt: skip
     """Write config, random weights, tokenizer, generation and image-processor configs into out_dir."""
@@ -210,7 +211,7 @@ def build_checkpoint(
         bos_token_id=eot, eos_token_id=im_end, pad_token_id=eot,  # Qwen's configs name <|endoftext|> bos too
     )  # fmt: skip
     vision_config = dict(
-        depth=vision_depth, embed_dim=vision_embed_dim, num_heads=vision_heads, mlp_ratio=2,
+        depth=vision_depth, embed_dim=vision_embed_dim, num_heads=vision_heads, mlp_ratio=vision_mlp_ratio,
         hidden_size=hidden_size,  # the merger projects merged patches into the LM's width
         patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
     )  # fmt: skip

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
-from ray.exceptions import (
-    ActorUnavailableError,
-    NodeDiedError,
-    ObjectLostError,
-    RayActorError,
-    RayTaskError,
-    WorkerCrashedError,
-)
+try:
+    from ray.exceptions import (
+        ActorUnavailableError,
+        NodeDiedError,
+        ObjectLostError,
+        RayActorError,
+        RayTaskError,
+        WorkerCrashedError,
+    )
 
-# Errors that mean "the replica (or its node) that had this work went away", not "this request is bad": the work
-# can be done again elsewhere (RayActorError covers ActorDiedError).
-REPLICA_GONE = (RayActorError, ActorUnavailableError, WorkerCrashedError, ObjectLostError, NodeDiedError)
+    # Errors that mean "the replica (or its node) that had this work went away", not "this request is bad": the
+    # work can be done again elsewhere (RayActorError covers ActorDiedError).
+    REPLICA_GONE: tuple[type[BaseException], ...] = (
+        RayActorError,
+        ActorUnavailableError,
+        WorkerCrashedError,
+        ObjectLostError,
+        NodeDiedError,
+    )
+except ImportError:  # NOTE: the engine runs without Ray too (bench/gpu_decode.py on a bare GPU machine): no replica
+    RayTaskError = None  # to lose, no wrapper to unwrap.
+    REPLICA_GONE = ()
 
 
 class InvalidRequest(ValueError):
@@ -56,7 +66,7 @@ class ChannelLost(Overloaded):
 
 def root_cause(e: BaseException) -> BaseException:
     """The error a replica raised, out of Ray's wrappers."""
-    while isinstance(e, RayTaskError) and e.cause is not None and e.cause is not e:
+    while RayTaskError is not None and isinstance(e, RayTaskError) and e.cause is not None and e.cause is not e:
         e = e.cause
     return e
 

@@ -6,14 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import httpx
 import pytest
-import ray
 import torch
-from ray import serve
 
 from demo.build_tiny import build_checkpoint
-from deployments import build_app
 from tests.helpers import LIMITS, free_port, make_image
 
 
@@ -55,6 +51,9 @@ def metrics_port() -> int:
 
 @pytest.fixture(scope="session")
 def ray_serve(metrics_port):
+    import ray  # NOTE: here, not at the top: the engine's tests (`-m gpu` on a bare GPU machine) run without Ray
+    from ray import serve
+
     port = free_port()
     # NOTE: Serve's proxy readiness checks (5 s / 10 s) kill the proxy on a loaded 2-core CI machine; the
     # controller inherits these from the driver's environment at ray.init.
@@ -102,12 +101,18 @@ def app_args(checkpoint, image_root) -> dict:
 
 @pytest.fixture(scope="session")
 def base_url(ray_serve, app_args) -> str:
+    from ray import serve
+
+    from deployments import build_app
+
     serve.run(build_app(app_args), name="vlm", route_prefix="/")
     return ray_serve
 
 
 @pytest.fixture
 def client(base_url):
+    import httpx
+
     with httpx.Client(base_url=base_url, timeout=60) as c:
         yield c
 
