@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 import tempfile
 import time
@@ -39,13 +40,15 @@ SHAPES = {
     "tiny": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
                  vision_embed_dim=32, vision_depth=1, vision_heads=2, init_std=0.02),
 }  # fmt: skip
-MODES = {"eager": (False, False), "static": (True, False), "graphs": (True, True)}  # (static_decode, cuda_graphs)
+# mode: (static_decode, cuda_graphs, compile_decode)
+MODES = {"eager": (False, False, False), "static": (True, False, False), "graphs": (True, True, False),
+         "compiled": (True, True, True)}  # fmt: skip
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 PROMPT = 128
 
 
 def _engine(model: Qwen2LM, blocks: int, max_seqs: int, mode: str) -> Engine:
-    static, graphs = MODES[mode]
+    static, graphs, compiled = MODES[mode]
     config = EngineConfig(
         max_model_len=2048,
         num_blocks=blocks,
@@ -56,6 +59,7 @@ def _engine(model: Qwen2LM, blocks: int, max_seqs: int, mode: str) -> Engine:
         stream_interval_s=0.0,
         static_decode=static,
         cuda_graphs=graphs,
+        compile_decode=compiled,
     )
     return Engine(model, config, image_token_id=-1, merge_size=2, eos_token_ids=set())
 
@@ -84,7 +88,8 @@ def check(tmp: Path, device: str) -> None:
     ckpt = build_checkpoint(tmp / "tiny", init_std=0.5)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 900, (n,), generator=g).tolist() for n in (5, 40, 130, 300, 17, 77)]
-    runs = [(device, torch.float32, m) for m in (("eager", "static", "graphs") if device == "cuda" else ("static",))]
+    cuda = ("eager", "static", "graphs", "compiled")
+    runs = [(device, torch.float32, m) for m in (cuda if device == "cuda" else ("static",))]
     outs = {}
     for dev, dtype, mode in [("cpu", torch.float32, "eager"), *runs, (device, torch.bfloat16, runs[-1][2])]:
         model = Qwen2LM.from_pretrained(ckpt, device=dev, dtype=dtype)
@@ -116,7 +121,8 @@ def _blocks(b: int, output_len: int) -> int:
     return max(b * (PROMPT + output_len) // 16 + 2 * b, 2048 // 16) + 16
 
 
-def decode(model: Qwen2LM, device: str, batches: list[int], output_len: int, modes: list[str]) -> None:
+def decode(model: Qwen2LM, device: str, batches: list[int], output_len: int, modes: list[str]) -> dict:
+    """One engine per mode (max_num_seqs the largest batch), every batch through it; returns the engines."""
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_tokens.weight")
     bw = bandwidth_gbs(device)
     kv_per_step = lambda b: b * (PROMPT + output_len / 2) * model.kv_bytes_per_token()  # noqa: E731 mean context
@@ -129,30 +135,30 @@ def decode(model: Qwen2LM, device: str, batches: list[int], output_len: int, mod
         "| --- | --- | --- | --- | --- | --- | --- |",
         flush=True,
     )
-    g = torch.Generator().manual_seed(1)
-    for b, mode in ((b, mode) for b in batches for mode in modes):
-        limit = bw * 1e9 / (weight_bytes + kv_per_step(b))
+    g, engines = torch.Generator().manual_seed(1), {}
+    for mode in modes:
         t0 = time.perf_counter()
-        engine = _engine(model, _blocks(b, output_len), b, mode)
-        start_s = time.perf_counter() - t0
+        engines[mode] = engine = _engine(model, _blocks(max(batches), output_len), max(batches), mode)
+        print(f"({mode}: engine started in {time.perf_counter() - t0:.1f} s)", flush=True)
         asyncio.run(_run(engine, _prompts(g, 1), 8))  # warm-up
-        steps0 = engine.counts["steps"]
-        _sync(device)
-        t = time.perf_counter()
-        outs = asyncio.run(_run(engine, _prompts(g, b), output_len))
-        _sync(device)
-        wall = time.perf_counter() - t
-        steps = engine.counts["steps"] - steps0
-        engine.close()
-        started = f" engine start {start_s:.1f} s" if mode == "graphs" else ""
-        print(
-            f"| {b} | {mode} | {sum(map(len, outs)) / wall:.0f} | {steps / wall:.1f} | {1000 * wall / steps:.2f} | "
-            f"{limit:.0f} | {steps / wall / limit:.1%} |{started}",
-            flush=True,
-        )
+        for b in batches:
+            limit = bw * 1e9 / (weight_bytes + kv_per_step(b))
+            steps0 = engine.counts["steps"]
+            _sync(device)
+            t = time.perf_counter()
+            outs = asyncio.run(_run(engine, _prompts(g, b), output_len))
+            _sync(device)
+            wall = time.perf_counter() - t
+            steps = engine.counts["steps"] - steps0
+            print(
+                f"| {b} | {mode} | {sum(map(len, outs)) / wall:.0f} | {steps / wall:.1f} | {1000 * wall / steps:.2f} "
+                f"| {limit:.0f} | {steps / wall / limit:.1%} |",
+                flush=True,
+            )
+    return engines
 
 
-def launches(model: Qwen2LM, device: str, b: int, modes: list[str], k: int = 16) -> None:
+def launches(engines: dict, device: str, b: int, k: int = 16) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -163,9 +169,7 @@ def launches(model: Qwen2LM, device: str, b: int, modes: list[str], k: int = 16)
         flush=True,
     )
     g = torch.Generator().manual_seed(2)
-    for mode in modes:
-        engine = _engine(model, _blocks(b, 64), b, mode)
-        asyncio.run(_run(engine, _prompts(g, b), 8))  # warm-up (fresh prompts each run: no prefix-cache hits)
+    for mode, engine in engines.items():  # fresh prompts each run: no prefix-cache hits
         seen = []
         for tokens in (1, 1 + k):
             with profile(activities=activities) as prof:
@@ -177,7 +181,6 @@ def launches(model: Qwen2LM, device: str, b: int, modes: list[str], k: int = 16)
             kernels = [e for e in events if e.device_type == DeviceType.CUDA]
             busy = sum(e.time_range.elapsed_us() for e in kernels) / 1000
             seen.append((sum(e.name in LAUNCHES for e in events), len(kernels), busy, 1000 * wall))
-        engine.close()
         per = [(after - before) / k for before, after in zip(*seen, strict=True)]
         print(f"| {mode} | {per[0]:.0f} | {per[1]:.0f} | {per[2]:.2f} | {per[3]:.2f} |", flush=True)
 
@@ -190,13 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--profile-batch", type=int, default=8)
     p.add_argument("--parts", default="check,decode,launches")
+    p.add_argument("--modes", help="of the decode table; default eager,graphs,compiled (cpu: eager,static)")
     args = p.parse_args(argv)
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("llm.engine.decode_step").setLevel(logging.INFO)  # compile and capture times
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA device (or --device cpu --shape tiny)")
         return 2
-    modes = ["eager", "graphs"] if args.device == "cuda" else ["eager", "static"]
+    modes = (args.modes or ("eager,graphs,compiled" if args.device == "cuda" else "eager,static")).split(",")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    failed = 0
+    failed, engines = 0, {}
     with tempfile.TemporaryDirectory() as tmp:
         model = None
         for part in args.parts.split(","):
@@ -210,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
                         model = Qwen2LM.from_pretrained(ckpt, device=args.device, dtype=dtype)
                         print(f"{args.shape} checkpoint built and loaded in {time.perf_counter() - t0:.0f} s")
                     if part == "decode":
-                        decode(model, args.device, [int(b) for b in args.batches.split(",")], args.output_len, modes)
+                        batches = [int(b) for b in args.batches.split(",")]
+                        engines = decode(model, args.device, batches, args.output_len, modes)
                     else:
-                        launches(model, args.device, args.profile_batch, modes)
+                        launches(engines, args.device, args.profile_batch)
                 print(f"[{part}: {time.perf_counter() - t0:.0f} s]", flush=True)
             except Exception:
                 failed += 1

@@ -120,6 +120,7 @@ class LLM:
             cpu_threads=cpu_threads,
             cpu_threads_max=cpu_threads_max,
             cuda_graphs=llm_args.cuda_graphs,
+            compile_decode=llm_args.compile_decode,
             cpu_packed_weights=llm_args.cpu_packed_weights,
         )
         self.engine = Engine(

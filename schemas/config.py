@@ -133,6 +133,12 @@ class LLMArgs(_Strict):
         "batch bucket (false: the same static step, eager); default: on for cuda, off on cpu (where the eager step "
         "reads only the blocks a batch uses).",
     )
+    compile_decode: bool = Field(
+        False,
+        description="The static decode step (on cuda by default; see cuda_graphs) through torch.compile before any "
+        "graph is captured: Inductor fuses the elementwise ops between the GEMMs. Compiling takes time at replica "
+        "start (logged); a step that cannot be compiled runs eagerly, said in the log.",
+    )
     tensor_parallel_size: int = Field(
         1,
         ge=1,

@@ -55,6 +55,7 @@ class EngineConfig:
     cpu_threads_max: int | None = None  # above cpu_threads: the worker takes up to this many while the node is idle
     static_decode: bool | None = None  # decode-only steps through decode_step.py; None: on cuda with one rank
     cuda_graphs: bool | None = None  # replay them as CUDA graphs; None: on cuda with one rank
+    compile_decode: bool = False  # the static step through torch.compile (decode_step.py)
     cpu_packed_weights: bool = True  # float32 on CPU, one rank: GEMMs on oneDNN-packed copies (layers.pack_linears)
 
     def __post_init__(self) -> None:
@@ -86,6 +87,7 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             static_decode=config.static_decode,
             cuda_graphs=config.cuda_graphs,
+            compile_decode=config.compile_decode,
             packed_weights=config.cpu_packed_weights,
         )
         # make_sequence's settings: context, decoder config (positions, vocabulary), where images and videos are

@@ -49,6 +49,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         static_decode: bool | None = None,
         cuda_graphs: bool | None = None,
+        compile_decode: bool = False,
         packed_weights: bool = False,
     ):
         self.model, self.block_size = model, block_size
@@ -66,7 +67,9 @@ class ModelRunner:
                     logger.info("%d float32 linear weights packed for oneDNN", n)
         self.cache = model.new_cache(num_blocks + static, block_size)
         self.cache_blocks = num_blocks  # the pool's; a static decode's extra one is its padding rows' null block
-        self.static = StaticDecode(model, self.cache, max_num_seqs, max_model_len, graphs) if static else None
+        self.static = (
+            StaticDecode(model, self.cache, max_num_seqs, max_model_len, graphs, compile_decode) if static else None
+        )
         self.check_peak_step(max_num_batched_tokens, max_num_seqs, max_model_len)
 
     def check_peak_step(self, tokens: int, rows: int, max_model_len: int) -> None:

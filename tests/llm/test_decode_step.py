@@ -141,3 +141,17 @@ def test_ops_per_layer_in_a_decode_step(model):
     finally:
         model.layers = layers
     assert counts[0] - counts[1] <= (12 if cpu_kernels.available() else 20), counts
+
+
+@pytest.mark.slow
+def test_the_compiled_step_equals_the_eager_step_across_buckets(model):
+    """`llm.compile_decode`: one compile for every bucket (symbolic rows), the same logits as the eager step."""
+    starts = sorted(_contexts(9, seed=4))
+    with torch.inference_mode():
+        cache, blocks = _filled(model, starts, seed=4)
+        static = StaticDecode(model, cache, max_num_seqs=16, max_model_len=MAX_LEN, cuda_graphs=False, compiled=True)
+        assert static.step is not static.forward  # compiled, not fallen back to eager
+        for n in (1, 3, 9):
+            cache.kv.nan_to_num_(0.0)  # the step's keys of an earlier round stay: both steps see the same cache
+            rows = static.prepare(list(range(5, 5 + n)), starts[:n], blocks[:n], [s + 1 for s in starts[:n]])
+            torch.testing.assert_close(static.run(n, rows), static.forward(rows)[:n], rtol=1e-4, atol=1e-3)
