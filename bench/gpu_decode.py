@@ -84,12 +84,11 @@ def _prompts(g: torch.Generator, n: int, length: int = PROMPT) -> list[list[int]
     return [torch.randint(3, 900, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def check(tmp: Path, device: str) -> None:
+def check(tmp: Path, device: str, modes: tuple[str, ...] = tuple(MODES)) -> None:
     ckpt = build_checkpoint(tmp / "tiny", init_std=0.5)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 900, (n,), generator=g).tolist() for n in (5, 40, 130, 300, 17, 77)]
-    cuda = ("eager", "static", "graphs", "compiled")
-    runs = [(device, torch.float32, m) for m in (cuda if device == "cuda" else ("static",))]
+    runs = [(device, torch.float32, m) for m in (modes if device == "cuda" else ("static",))]
     outs = {}
     for dev, dtype, mode in [("cpu", torch.float32, "eager"), *runs, (device, torch.bfloat16, runs[-1][2])]:
         model = Qwen2LM.from_pretrained(ckpt, device=dev, dtype=dtype)
@@ -193,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--profile-batch", type=int, default=8)
     p.add_argument("--parts", default="check,decode,launches")
+    p.add_argument("--check-modes", default=",".join(MODES), help="of the check (cuda)")
     p.add_argument("--modes", help="of the decode table; default eager,graphs,compiled (cpu: eager,static)")
     args = p.parse_args(argv)
     logging.basicConfig(format="%(name)s: %(message)s")
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             try:  # NOTE: each part on its own: one that fails still lets the others report (one GPU lease, one run)
                 t0 = time.perf_counter()
                 if part == "check":
-                    check(Path(tmp), args.device)
+                    check(Path(tmp), args.device, tuple(args.check_modes.split(",")))
                 else:
                     if model is None:
                         ckpt = build_checkpoint(Path(tmp) / args.shape, **SHAPES[args.shape])

@@ -93,8 +93,8 @@ if triton is not None:
                 q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                 mask=is_head[:, None] & is_dim[None, :],
                 other=0.0,
-            )
-            q = q.to(tl.float32) * scale  # (GROUP_P2, HEAD_DIM_P2); padding rows are 0: their scores stay finite
+            )  # (GROUP_P2, HEAD_DIM_P2); padding rows are 0: their scores stay finite
+            q = (q.to(tl.float32) * scale).to(tl.float32)  # cast again: Inductor passes `scale` as a float64
 
             m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
             l_i = tl.full([GROUP_P2], 0.0, tl.float32)  # tl.full, not tl.zeros: a builtin, no jit call to interpret
