@@ -108,20 +108,16 @@ class LLM:
             gpu_memory_utilization=llm_args.gpu_memory_utilization,
             cpu_kv_cache_gib=llm_args.cpu_kv_cache_gib,
         )
+        same = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "cuda_graphs")
+        same += ("compile_decode", "cpu_packed_weights")  # the settings of the same name in both
         engine_config = EngineConfig(
             max_model_len=max_model_len,
             num_blocks=num_blocks,
-            block_size=llm_args.block_size,
-            max_num_seqs=llm_args.max_num_seqs,
-            max_num_batched_tokens=llm_args.max_num_batched_tokens,
             max_queued=llm_args.max_queued_requests,
-            enable_prefix_caching=llm_args.enable_prefix_caching,
             stream_interval_s=llm_args.stream_interval_ms / 1000,
             cpu_threads=cpu_threads,
             cpu_threads_max=cpu_threads_max,
-            cuda_graphs=llm_args.cuda_graphs,
-            compile_decode=llm_args.compile_decode,
-            cpu_packed_weights=llm_args.cpu_packed_weights,
+            **{name: getattr(llm_args, name) for name in same},
         )
         self.engine = Engine(
             model,
