@@ -5,6 +5,7 @@ that process, for the ingress's container probe too."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -59,13 +60,14 @@ def run_worker(header: dict, data: bytes, timeout_s: float, what: str, failed: s
             proc.kill()
             proc.communicate()
             raise InvalidRequest(f"video {what} took over the limit of {timeout_s:g} s") from None
-    if proc.returncode != 0:
+    if (rc := proc.returncode) != 0:
         lines = err.decode(errors="replace").strip().splitlines()
-        why = (
-            lines[-1][:200]
-            if proc.returncode == 2 and lines
-            else f"the {what} process ended with code {proc.returncode}"
-        )
+        if rc == 2 and lines:
+            why = lines[-1][:200]
+        elif rc < 0:  # a crash in FFmpeg (SIGSEGV...), or the kernel's OOM killer
+            why = f"the {what} process was killed by {signal.Signals(-rc).name}"
+        else:
+            why = f"the {what} process ended with code {rc}"
         raise InvalidRequest(f"{failed}: {why}")
     return out
 
