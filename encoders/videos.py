@@ -1,14 +1,14 @@
 """Video bytes from requests: data: URLs (a container, or vLLM's list of JPEG frames) and the container probe that
-reads duration, frame count, fps, size and codec with PyAV, demuxing packets but decoding no pixel."""
+reads duration, frame count, fps, size and codec with PyAV in a limited process of its own (video_worker.py),
+demuxing packets, decoding no more than FFmpeg's stream probing does."""
 
 from __future__ import annotations
 
-import io
+import json
 from dataclasses import dataclass
 
-import av
-
 from encoders.images import decode_base64, probe_image
+from encoders.video_decode import run_worker
 from schemas import InvalidRequest, Limits, VideoArgs
 
 # A data: URL's media type -> the container it must hold (the names of VideoArgs.containers).
@@ -59,23 +59,23 @@ def decode_video_data_url(url: str, max_bytes: int) -> tuple[str, bytes | list[b
 
 def probe_video(data: bytes, args: VideoArgs, limits: Limits, declared: str | None = None) -> VideoInfo:
     """The container's facts, checked against `args` (and the aspect-ratio limit), before any decoding; `declared`:
-    the container a data: URL named."""
-    try:
-        with av.open(io.BytesIO(data), mode="r", metadata_errors="ignore") as container:
-            name = _CONTAINERS.get(container.format.name)
-            if name is None or name not in args.containers:
-                raise InvalidRequest(
-                    f"video container {container.format.name[:64]!r} is not accepted; accepted: {args.containers}"
-                )
-            if declared is not None and name != declared:
-                raise InvalidRequest(f"video data URL declares a {declared} video, but its bytes are {name}")
-            if not container.streams.video:
-                raise InvalidRequest("video has no video stream")
-            stream = container.streams.video[0]
-            info = _stream_info(container, stream, name, args, limits)
-            num_frames = _count_frames(container, stream, args.max_source_frames)
-    except av.FFmpegError as e:
-        raise InvalidRequest(f"video is not a readable container ({type(e).__name__})") from e
+    the container a data: URL named. FFmpeg reads the untrusted bytes in a process of its own (video_worker.py),
+    under `args.probe_timeout_s` and `args.probe_memory_mib`: a crash, a hang or a runaway allocation there is this
+    request's 400, never the caller's."""
+    if len(data) > args.max_video_bytes:  # the callers cut the bytes at this already: the probe's own bound
+        raise InvalidRequest(f"video is {len(data)} bytes, over the limit of {args.max_video_bytes}", status=413)
+    header = {"probe": True, "max_packets": args.max_source_frames, "memory_mib": args.probe_memory_mib}
+    out = run_worker(header, data, args.probe_timeout_s, "probing", "video is not a readable container")
+    facts = json.loads(out)
+    name = _CONTAINERS.get(facts["format"])
+    if name is None or name not in args.containers:
+        raise InvalidRequest(f"video container {facts['format'][:64]!r} is not accepted; accepted: {args.containers}")
+    if declared is not None and name != declared:
+        raise InvalidRequest(f"video data URL declares a {declared} video, but its bytes are {name}")
+    if (video := facts["video"]) is None:
+        raise InvalidRequest("video has no video stream")
+    info = _stream_info(video, facts["duration"], name, args, limits)
+    num_frames = video["packets"]
     if num_frames == 0:
         raise InvalidRequest("video has no frames")
     if num_frames > args.max_source_frames:
@@ -86,11 +86,11 @@ def probe_video(data: bytes, args: VideoArgs, limits: Limits, declared: str | No
     return VideoInfo(info.container, info.codec, info.width, info.height, num_frames, info.fps, duration)
 
 
-def _stream_info(container, stream, name: str, args: VideoArgs, limits: Limits) -> VideoInfo:
-    codec = stream.codec_context.name
+def _stream_info(video: dict, container_duration: int | None, name: str, args: VideoArgs, limits: Limits) -> VideoInfo:
+    codec = video["codec"]
     if codec not in args.codecs:
         raise InvalidRequest(f"video codec {codec[:32]!r} is not accepted; accepted: {args.codecs}")
-    width, height = stream.codec_context.width, stream.codec_context.height
+    width, height = video["width"], video["height"]
     if width < 1 or height < 1:
         raise InvalidRequest(f"video frames are {width}x{height}")
     if width > args.max_width or height > args.max_height:
@@ -98,29 +98,17 @@ def _stream_info(container, stream, name: str, args: VideoArgs, limits: Limits) 
     ratio = max(width, height) / min(width, height)
     if ratio > limits.max_aspect_ratio:
         raise InvalidRequest(f"video aspect ratio {ratio:.1f} is over the limit of {limits.max_aspect_ratio:g}")
-    rate = stream.average_rate or stream.guessed_rate
-    fps = float(rate) if rate else 0.0
+    fps = video["fps"]
     if not 0 < fps <= 1000:
         raise InvalidRequest(f"video frame rate {fps:g} is not usable (0 to 1000 frames per second)")
-    if stream.frames > args.max_source_frames:  # the header's count, when the container has one
-        raise InvalidRequest(f"video has {stream.frames} frames, over the limit of {args.max_source_frames}")
-    if stream.duration is not None and stream.time_base is not None:
-        duration = float(stream.duration * stream.time_base)
-    else:
-        duration = (container.duration or 0) / av.time_base
+    if video["frames"] > args.max_source_frames:  # the header's count, when the container has one
+        raise InvalidRequest(f"video has {video['frames']} frames, over the limit of {args.max_source_frames}")
+    duration = video["duration_s"]
+    if duration is None:
+        duration = (container_duration or 0) / 1_000_000  # FFmpeg's AV_TIME_BASE
     if duration > args.max_duration_s:
         raise InvalidRequest(f"video is {duration:.1f} s long, over the limit of {args.max_duration_s:g} s")
     return VideoInfo(name, codec, width, height, 0, fps, max(duration, 0.0))
-
-
-def _count_frames(container, stream, limit: int) -> int:
-    """Frames = the stream's packets (demuxed, not decoded), counted up to one past `limit`."""
-    n = 0
-    for packet in container.demux(stream):
-        n += packet.size > 0  # the demuxer ends each stream with an empty packet
-        if n > limit:
-            break
-    return n
 
 
 def probe_frames(frames: list[bytes], limits: Limits) -> tuple[int, int]:

@@ -212,6 +212,12 @@ class VideoArgs(_Strict):
         "(qwen-vl-utils' VIDEO_TOTAL_PIXELS); a request's total_pixels may lower it.",
     )
     max_video_tokens: int = Field(16384, ge=1, description="Most placeholder tokens one video may take.")
+    probe_timeout_s: float = Field(
+        10.0, gt=0.0, description="Wall-clock limit of the ingress's process that reads one video's container."
+    )
+    probe_memory_mib: int = Field(
+        512, ge=256, description="Address-space limit (RLIMIT_AS) of that probing process, in MiB."
+    )
     decode_timeout_s: float = Field(60.0, gt=0.0, description="Wall-clock limit of one video's decoding process.")
     decode_memory_mib: int = Field(
         2048, ge=256, description="Address-space limit (RLIMIT_AS) of one video's decoding process, in MiB."

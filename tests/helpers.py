@@ -1,5 +1,5 @@
-"""Test helpers: deterministic images, data URLs, a free port, a self-signed certificate, and the rule for tests
-whose tool is missing."""
+"""Test helpers: deterministic images and videos (and one crafted MP4), data URLs, a free port, a self-signed
+certificate, a process's peak memory, and the rule for tests whose tool is missing."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import io
 import os
 import random
 import socket
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,28 @@ def make_video(
         for packet in stream.encode():
             container.mux(packet)
     return buf.getvalue()
+
+
+def mp4_index_bomb(samples: int) -> bytes:
+    """A 3 KB MP4 whose sample tables claim `samples` one-byte samples in one chunk: FFmpeg's MP4 demuxer builds an
+    index entry (24 bytes) for each while it opens the file, before anything could look at what it read."""
+    data = bytearray(make_video(1, fps=4, width=32, height=32))
+
+    def atom(kind: bytes) -> int:  # where the table's size field starts (moov follows mdat: the last match)
+        return bytes(data).rindex(kind) - 4
+
+    struct.pack_into(">IIII", data, atom(b"stts") + 8, 0, 1, samples, 1)  # one run of `samples`, 1 tick each
+    struct.pack_into(">IIIII", data, atom(b"stsc") + 8, 0, 1, 1, samples, 1)  # chunk 1 holds them all
+    struct.pack_into(">III", data, atom(b"stsz") + 8, 0, 1, samples)  # each 1 byte: a constant size, no table
+    return bytes(data)
+
+
+def peak_rss(pid: int | None = None) -> int:
+    """A process's peak resident memory in bytes (VmHWM; this process's by default), from /proc."""
+    for line in Path(f"/proc/{pid or os.getpid()}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for process {pid}")
 
 
 def video_frames(data: bytes) -> list[Image.Image]:

@@ -68,10 +68,11 @@ class ChannelHub:
 
 
 _END = object()  # a generation's own stream ended
-# How long a generation sent again after its LLM replica died waits for a replica to take it: a live one takes it at
-# once (max_ongoing_requests is far above what the engine runs); none live means the one replica is restarting,
-# which takes longer than a client should wait for an answer it can get by retrying (503, Retry-After).
-FAILOVER_ROUTE_S = 10.0
+# How long a generation (its first attempt, and its second after its LLM replica died) waits for a replica to take it:
+# a live one takes it at once (its engine refuses past its own queue, far below max_ongoing_requests); none live means
+# the replicas are restarting or cannot start, which takes longer than a client should wait for an answer it can get
+# by retrying (503, Retry-After). Without it a request waits in Serve's router queue until its deadline.
+ROUTE_TIMEOUT_S = 10.0
 
 
 class TokenStream:
@@ -131,4 +132,4 @@ class TokenStream:
             self.call.cancel()
 
 
-__all__ = ["FAILOVER_ROUTE_S", "ChannelHub", "TokenStream"]
+__all__ = ["ROUTE_TIMEOUT_S", "ChannelHub", "TokenStream"]

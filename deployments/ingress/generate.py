@@ -13,7 +13,7 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from transformers import PreTrainedTokenizerBase
 
-from deployments.ingress.channel import FAILOVER_ROUTE_S, ChannelHub, TokenStream
+from deployments.ingress.channel import ROUTE_TIMEOUT_S, ChannelHub, TokenStream
 from deployments.ingress.detokenize import TextDelta, TextRules
 from deployments.ingress.items import Prepared
 from schemas import (
@@ -119,8 +119,9 @@ class Generator:
     async def _generate(
         self, p: Prepared, params: list[SamplingParams], text: TextRules, refs: list[Any], request_id: str, first: int
     ) -> Started:
-        """The generations, up to their first chunks. An LLM replica lost before them: all once more (Serve's
-        router routes around a dead replica), waiting at most FAILOVER_ROUTE_S for a replica to take each, else 503."""
+        """The generations, up to their first chunks. Each attempt waits at most ROUTE_TIMEOUT_S for an LLM replica
+        to take each, else 503 (none alive); an LLM replica lost before the first chunks: all once more (Serve's
+        router routes around a dead replica)."""
         channel = self.hub.id if self.args.llm.token_channel else None
         requests = [
             GenerateRequest(
@@ -139,16 +140,16 @@ class Generator:
             )
             for i, sampling in enumerate(params)
         ]
-        for route_timeout_s in (None, FAILOVER_ROUTE_S):
+        for attempt in (1, 2):
             call = self.llm.options(stream=True).generate.remote
             streams = [
-                self._events(TokenStream(self.hub, call(r), r.request_id, route_timeout_s), text) for r in requests
+                self._events(TokenStream(self.hub, call(r), r.request_id, ROUTE_TIMEOUT_S), text) for r in requests
             ]
             try:
                 return streams, list(await asyncio.gather(*(anext(s) for s in streams)))
             except BaseException as e:
                 await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
-                if route_timeout_s is not None or not isinstance(root_cause(e), REPLICA_GONE):
+                if attempt == 2 or not isinstance(root_cause(e), REPLICA_GONE):
                     raise
                 logger.warning("%s: its LLM replica went away before the first token (%r); once more", request_id, e)
                 self.counts["llm_retries"] += 1

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 from pydantic import BaseModel, ValidationError
 from ray.exceptions import TaskCancelledError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
@@ -74,8 +74,8 @@ def parse(model: type[BaseModel], body: Any) -> Any:
 
 
 def error_body(e: BaseException, request_id: str) -> tuple[int, dict[str, str], ErrorBody]:
-    """(status, headers, body) for an error: 4xx for the client's fault, 503 for overload or a lost replica, 500 (no
-    details) else."""
+    """(status, headers, body) for an error: 4xx for the client's fault, 503 for overload or a lost or unavailable
+    replica, 500 (no details) else."""
     e = root_cause(e)
     if isinstance(e, InvalidRequest):
         kind = "invalid_request_error" if e.status < 500 else "server_error"
@@ -88,6 +88,11 @@ def error_body(e: BaseException, request_id: str) -> tuple[int, dict[str, str], 
         logger.warning("request %s: its replica went away (%s)", request_id, type(e).__name__)
         message = "the replica serving this request went away; retry"
         detail = ErrorDetail(message=message, type="server_error", code="replica_lost")
+        return 503, {"Retry-After": "5"}, ErrorBody(error=detail)
+    if isinstance(e, DeploymentUnavailableError):  # its replicas could not start (a failed redeploy): not a bug here
+        logger.warning("request %s: %s", request_id, e.message)
+        message = "no replica of the model can take requests now; retry later"
+        detail = ErrorDetail(message=message, type="server_error", code="unavailable")
         return 503, {"Retry-After": "5"}, ErrorBody(error=detail)
     if isinstance(e, (Overloaded, BackPressureError)):
         retry = getattr(e, "retry_after_s", 1)

@@ -135,7 +135,13 @@ def make_sequence(
             if n != expected:
                 raise ValueError(f"image {i}: {n} embedding rows for a grid of {expected} tokens")
     n_mm = int(is_mm.sum())
-    if sum(counts) != n_mm:  # counted on the CPU ids
+    if n_mm and not counts:  # the ingress refuses placeholders typed as text first: a second line of defence
+        raise InvalidRequest(
+            f"the prompt has {n_mm} image or video placeholder tokens and no image or video: "
+            "text must not contain that reserved token",
+            param="prompt",
+        )
+    if sum(counts) != n_mm:  # counted on the CPU ids (a mismatch with images is ours: the ingress counted them)
         raise ValueError(f"{sum(counts)} image embeddings for {n_mm} placeholder tokens")
     starts = is_mm.nonzero().flatten().tolist()
     spans, k = [], 0

@@ -161,3 +161,33 @@ def test_tokenize_then_detokenize_round_trips_the_chat_prompt(oai, base_url):
         ]:
             r = http.post(path, json=body)
             assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("typed", ["<|image_pad|>", "<|vision_start|>"])
+def test_an_image_token_typed_as_text_is_a_400_on_every_route(base_url, typed):
+    """A user's literal image placeholder (or marker) with no image is a 400 naming the reserved token, before any
+    engine work, on chat and text completions, streamed or not, and /tokenize's chat form: never the LLM replica's
+    placeholder count error (a 500). vLLM is going the same way (vllm-project/vllm#57740, #57781: a validation error
+    where such a token binds an image wrongly). /tokenize's prompt form only tokenizes, as vLLM's does."""
+    text = f"what is {typed} here?"
+    [token_id] = httpx.post(f"{base_url}/tokenize", json={"prompt": typed, "add_special_tokens": False}).json()[
+        "tokens"
+    ]
+    chat, parts = [{"role": "user", "content": text}], [{"role": "user", "content": [{"type": "text", "text": text}]}]
+    calls = [
+        ("/v1/chat/completions", {"messages": chat, "max_tokens": 2}, "messages"),
+        ("/v1/chat/completions", {"messages": parts, "max_tokens": 2, "stream": True}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "system", "content": text}, *TEXT_CHAT]}, "messages"),
+        ("/v1/completions", {"prompt": text, "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": text, "max_tokens": 2, "stream": True}, "prompt"),
+        ("/v1/completions", {"prompt": [1, 2, token_id], "max_tokens": 2}, "prompt"),
+        ("/tokenize", {"messages": chat}, "messages"),
+    ]
+    for path, body, param in calls:
+        r = httpx.post(f"{base_url}{path}", json={"model": MODEL, **body}, timeout=60)
+        assert r.status_code == 400, (path, body, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and typed in error["message"] and "reserved token" in error["message"], error
+    assert token_id in httpx.post(f"{base_url}/tokenize", json={"prompt": text}).json()["tokens"]
+    ok = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200, ok.text

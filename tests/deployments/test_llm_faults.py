@@ -1,6 +1,7 @@
 """An LLM replica lost with requests in flight before their first token: each is sent once more, to another replica
 when one is alive (200), else answered 503 with Retry-After; never a 500, never a hang. The kill is triggered on state
-(every request held in a replica), not on a sleep."""
+(every request held in a replica), not on a sleep. A request that arrives while no LLM replica is alive (its
+successor still starting) is a 503 with Retry-After in bounded time too, not a wait until its deadline."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import ray
 from ray import serve
 
 from deployments.ingress import Ingress
-from deployments.ingress.channel import FAILOVER_ROUTE_S
+from deployments.ingress.channel import ROUTE_TIMEOUT_S
 from llm.server import LLM
 
 pytestmark = pytest.mark.e2e
@@ -68,8 +69,8 @@ def _body(i: int) -> dict:
     }
 
 
-def _llm_replicas() -> list[str]:
-    prefix = f"SERVE_REPLICA::{APP}#LLM#"
+def _llm_replicas(app: str = APP) -> list[str]:
+    prefix = f"SERVE_REPLICA::{app}#LLM#"
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
 
 
@@ -92,14 +93,14 @@ async def _burst_and_kill(url: str, record_dir: Path, n: int, kill_all: bool) ->
     return [(r.status_code, r.headers.get("retry-after"), r.text) for r in responses], killed, held
 
 
-def _stats() -> dict:
-    return serve.get_deployment_handle("Ingress", app_name=APP).stats.remote().result()
+def _stats(app: str = APP) -> dict:
+    return serve.get_deployment_handle("Ingress", app_name=app).stats.remote().result()
 
 
-def _wait_running(n: int, timeout_s: float = 120) -> None:
+def _wait_running(n: int, timeout_s: float = 120, app: str = APP) -> None:
     deadline = time.monotonic() + timeout_s
-    while serve.status().applications[APP].deployments["LLM"].replica_states.get("RUNNING", 0) != n:
-        assert time.monotonic() < deadline, serve.status().applications[APP].deployments["LLM"]
+    while serve.status().applications[app].deployments["LLM"].replica_states.get("RUNNING", 0) != n:
+        assert time.monotonic() < deadline, serve.status().applications[app].deployments["LLM"]
         time.sleep(0.2)
 
 
@@ -124,5 +125,70 @@ def test_with_no_llm_replica_alive_the_retry_is_a_503_in_bounded_time(held_app):
     assert {s for s, _, _ in results} <= {200, 503}, results
     lost = [(retry, text) for s, retry, text in results if s == 503]
     assert all(retry and ("replica_lost" in text or "no LLM replica" in text) for retry, text in lost), lost
-    assert took < 60 + FAILOVER_ROUTE_S, took  # bounded: the wait for the hold, then the retry's wait
+    assert took < 60 + ROUTE_TIMEOUT_S, took  # bounded: the wait for the hold, then the retry's wait
     _wait_running(2)
+
+
+class StartingLLM(LLM.func_or_class):
+    """The LLM deployment, whose replicas that start while `<record_dir>/hold` exists stay in their constructor until
+    it goes, having written `<pid>.starting`: the successor of a lost replica that cannot serve yet."""
+
+    def __init__(self, args, model_factory=None, *, record_dir: str):
+        hold = Path(record_dir) / "hold"
+        if hold.exists():
+            (Path(record_dir) / f"{os.getpid()}.starting").touch()
+            while hold.exists():
+                time.sleep(0.05)
+        super().__init__(args, model_factory)
+
+
+UNAVAILABLE, DEADLINE_S = "llmstarting", 60.0  # a deadline well past the route's bound
+
+
+@pytest.fixture(scope="module")
+def starting_app(ray_serve, app_args, tmp_path_factory):
+    record_dir = tmp_path_factory.mktemp("starting")
+    limits = {**app_args["limits"], "request_timeout_s": DEADLINE_S}
+    args = {**app_args, "limits": limits, "encoder": {"colocated": True}}
+    llm = LLM.options(
+        func_or_class=StartingLLM, num_replicas=1, autoscaling_config=None, ray_actor_options={"num_cpus": 0.5}
+    ).bind(args, record_dir=str(record_dir))
+    ingress = Ingress.options(ray_actor_options=SMALL).bind(None, llm, args)
+    serve.run(ingress, name=UNAVAILABLE, route_prefix=f"/{UNAVAILABLE}")
+    yield f"{ray_serve}/{UNAVAILABLE}", record_dir
+    (record_dir / "hold").unlink(missing_ok=True)
+    serve.delete(UNAVAILABLE)
+
+
+async def _post_all(url: str, n: int) -> list[tuple[int, str | None, str, float]]:
+    """n requests at once (half streaming): (status, Retry-After, body, seconds) each."""
+
+    async def one(client: httpx.AsyncClient, i: int):
+        started = time.monotonic()
+        r = await client.post("/v1/chat/completions", json=_body(i))
+        return r.status_code, r.headers.get("retry-after"), r.text, time.monotonic() - started
+
+    async with httpx.AsyncClient(base_url=url, timeout=2 * DEADLINE_S) as client:
+        return await asyncio.gather(*(one(client, i) for i in range(n)))
+
+
+def test_a_request_that_finds_no_llm_replica_alive_is_a_503_before_its_deadline(starting_app):
+    """The one LLM replica is lost and its successor is still starting: a new request (no retry: its first attempt)
+    is a 503 with Retry-After once the route's bound has passed, not a 408 at its deadline; the app then serves."""
+    url, record_dir = starting_app
+    before = _stats(UNAVAILABLE)
+    (record_dir / "hold").touch()
+    [name] = _llm_replicas(UNAVAILABLE)
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 120
+    while not list(record_dir.glob("*.starting")):  # the successor is in its constructor: none alive
+        assert time.monotonic() < deadline, serve.status().applications[UNAVAILABLE].deployments["LLM"]
+        time.sleep(0.05)
+    results = asyncio.run(_post_all(url, 4))
+    assert [s for s, _, _, _ in results] == [503] * 4, results
+    assert all(retry and "no LLM replica took the request" in text for _, retry, text, _ in results), results
+    assert max(t for _, _, _, t in results) < DEADLINE_S - 10, results  # the route's bound, not the deadline
+    assert _stats(UNAVAILABLE)["llm_retries"] == before["llm_retries"]  # their first attempt said so
+    (record_dir / "hold").unlink()
+    _wait_running(1, app=UNAVAILABLE)
+    assert httpx.post(f"{url}/v1/chat/completions", json=_body(0), timeout=60).status_code == 200

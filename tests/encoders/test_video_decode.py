@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from encoders import video_decode
 from encoders.video_decode import Video, decode_video
 from encoders.video_processing import Qwen2VLVideoProcessing, SamplingRequest, VideoMeta
-from schemas import InvalidRequest, VideoArgs
+from encoders.videos import probe_video
+from schemas import InvalidRequest, Limits, VideoArgs
 from tests.helpers import make_video, video_frames
 
 ARGS = VideoArgs()
@@ -41,6 +43,18 @@ def test_a_half_decodable_video_is_a_400_not_a_shorter_video():
     assert e.value.status == 400
     with pytest.raises(InvalidRequest, match="could not be decoded"):
         decode_video(b"\x00" * 5000, plan, 30, ARGS.decode_memory_mib)
+
+
+def test_a_crash_of_the_video_process_is_that_requests_400(tmp_path, monkeypatch):
+    """FFmpeg crashing on a crafted file (a long CVE list) kills the probing or decoding process, not the caller."""
+    crash = tmp_path / "crash.py"
+    crash.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    monkeypatch.setattr(video_decode, "WORKER", crash)
+    with pytest.raises(InvalidRequest, match="not a readable container: the probing process was killed by SIGSEGV"):
+        probe_video(make_video(1), ARGS, Limits())
+    data = make_video(1)
+    with pytest.raises(InvalidRequest, match="could not be decoded: the decoding process was killed by SIGSEGV"):
+        decode_video(data, _plan(data), 30, ARGS.decode_memory_mib)
 
 
 def test_the_limits_end_the_decoder_not_the_caller():

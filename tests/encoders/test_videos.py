@@ -1,4 +1,5 @@
-"""The ingress's video probe (PyAV, container metadata and packets, no pixels) and data: URLs, with their 4xx."""
+"""The ingress's video probe (PyAV, container metadata and packets, no pixels, in a limited process of its own) and
+data: URLs, with their 4xx."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from encoders.videos import decode_video_data_url, probe_frames, probe_video
 from schemas import InvalidRequest, Limits, VideoArgs
-from tests.helpers import image_bytes, make_image, make_video, video_url
+from tests.helpers import image_bytes, make_image, make_video, mp4_index_bomb, peak_rss, video_url
 
 
 @pytest.mark.parametrize(
@@ -47,6 +48,19 @@ def test_probe_refuses_what_is_not_a_video():
         probe_video(image_bytes(make_image(32, 32)), VideoArgs(), Limits())
     with pytest.raises(InvalidRequest, match="declares a webm video, but its bytes are mp4"):
         probe_video(video, VideoArgs(), Limits(), declared="webm")
+
+
+def test_a_crafted_container_costs_the_caller_nothing():
+    """An MP4 whose tables claim 40 million samples: opening it builds their index, gigabytes and seconds of work.
+    In the probe's own process the memory limit stops it at once (a 400) and the caller's memory does not grow;
+    with the memory limit loosened, the time limit ends it. Red with the probe in the caller's process."""
+    before = peak_rss()
+    with pytest.raises(InvalidRequest) as e:
+        probe_video(mp4_index_bomb(40_000_000), VideoArgs(), Limits())
+    assert e.value.status == 400 and peak_rss() - before < 256 << 20, (e.value.message, peak_rss() - before)
+    with pytest.raises(InvalidRequest, match="video probing took over the limit of 1 s"):
+        probe_video(mp4_index_bomb(89_000_000), VideoArgs(probe_memory_mib=4096, probe_timeout_s=1), Limits())
+    assert probe_video(make_video(1), VideoArgs(), Limits()).num_frames == 8  # and the next one is read
 
 
 def test_data_urls():

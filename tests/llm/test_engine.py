@@ -103,6 +103,15 @@ def test_context_limit_is_a_client_error(model, reference):
         asyncio.run(collect(engine, _seq(range(3, 18), max_tokens=6)))
 
 
+def test_image_placeholders_with_no_image_are_a_client_error(model, reference):
+    """Placeholder ids in a prompt with no image or video (the ingress refuses them typed as text first) are the
+    client's 400, not the embedding count's ValueError, a 500."""
+    engine, pad = make_engine(model, reference), reference.config.image_token_id
+    with pytest.raises(InvalidRequest, match="the prompt has 2 image or video placeholder tokens and no image"):
+        asyncio.run(collect(engine, _seq([5, pad, 6, pad, 7])))
+    assert asyncio.run(collect(engine, _seq([5, 6, 7], max_tokens=2)))[1] == "length"  # and it goes on
+
+
 def test_closing_the_stream_frees_the_sequence(model, reference):
     engine = make_engine(model, reference, max_model_len=4096, num_blocks=300)
 

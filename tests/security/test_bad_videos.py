@@ -11,7 +11,8 @@ import av
 import numpy as np
 import pytest
 
-from tests.helpers import image_bytes, make_image, make_video, video_url
+from bench.soak_probe import replica_pids
+from tests.helpers import image_bytes, make_image, make_video, mp4_index_bomb, peak_rss, video_url
 
 pytestmark = pytest.mark.e2e
 PART = "messages[0].content[0]"
@@ -83,6 +84,18 @@ def test_a_half_decodable_video_is_a_400_from_its_encoder_and_the_encoder_goes_o
     assert r.status_code == 400, r.text
     assert "video could not be decoded: frame" in r.json()["error"]["message"], r.text
     assert client.post("/v1/chat/completions", json=_body(video_url(VIDEO))).status_code == 200
+    _serving(client)
+
+
+def test_a_crafted_container_costs_the_ingress_nothing(client):
+    """A 3 KB MP4 whose tables claim 40 million samples: FFmpeg builds their index while it opens the file, gigabytes
+    in whichever process probes it. That is the probe's own process, under its memory limit: a 400 at once, and the
+    ingress's peak memory does not move (red with the probe in the ingress's process)."""
+    [pid] = [pid for name, pid in replica_pids("vlm").items() if name.startswith("Ingress#")]
+    before = peak_rss(pid)
+    r = client.post("/v1/chat/completions", json=_body(video_url(mp4_index_bomb(40_000_000))))
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith(PART), r.text
+    assert peak_rss(pid) - before < 256 << 20, (peak_rss(pid) - before) >> 20
     _serving(client)
 
 

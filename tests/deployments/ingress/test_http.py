@@ -8,6 +8,8 @@ import logging
 
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, TaskCancelledError
+from ray.serve._private.common import DeploymentID
+from ray.serve.exceptions import DeploymentUnavailableError
 from starlette.requests import Request
 
 from deployments.ingress.http import error_body, read_json
@@ -65,4 +67,12 @@ def test_a_lost_replica_is_a_503_to_retry_and_not_a_500(caplog, lost):
     with caplog.at_level(logging.WARNING, logger="ray.serve"):
         status, headers, body = error_body(lost, "chatcmpl-x")
     assert (status, headers, body.error.code) == (503, {"Retry-After": "5"}, "replica_lost")
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] and not caplog.records[0].exc_info
+
+
+def test_a_deployment_whose_replicas_cannot_start_is_a_503_to_retry(caplog):
+    """What Serve raises for a call to a deployment whose replicas failed to start (a failed redeploy): no 500."""
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        status, headers, body = error_body(DeploymentUnavailableError(DeploymentID("LLM", "vlm")), "chatcmpl-x")
+    assert (status, headers, body.error.code) == (503, {"Retry-After": "5"}, "unavailable")
     assert [r.levelno for r in caplog.records] == [logging.WARNING] and not caplog.records[0].exc_info
