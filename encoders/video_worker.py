@@ -43,7 +43,7 @@ def probe(av, data: bytes, max_packets: int) -> int:
                 ctx, rate = stream.codec_context, stream.average_rate or stream.guessed_rate
                 timed = stream.duration is not None and stream.time_base is not None
                 facts["video"] = {
-                    "codec": ctx.name,
+                    "codec": ctx.codec.canonical_name,  # the codec (av1), not its decoder (libdav1d)
                     "width": ctx.width,
                     "height": ctx.height,
                     "fps": float(rate) if rate else 0.0,

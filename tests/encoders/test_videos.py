@@ -14,7 +14,8 @@ from tests.helpers import image_bytes, make_image, make_video, mp4_index_bomb, p
 
 @pytest.mark.parametrize(
     "fmt,codec,container,codec_name", [("mp4", "mpeg4", "mp4", "mpeg4"), ("mp4", "libx264", "mp4", "h264"),
-                                       ("webm", "libvpx", "webm", "vp8")]
+                                       ("webm", "libvpx", "webm", "vp8"),
+                                       ("mp4", "libsvtav1", "mp4", "av1")]  # decoded by libdav1d: named av1
 )  # fmt: skip
 def test_probe_reads_the_container(fmt, codec, container, codec_name):
     info = probe_video(make_video(2.5, fps=8, width=64, height=48, fmt=fmt, codec=codec), VideoArgs(), Limits())
