@@ -26,6 +26,8 @@ SECONDS, FPS, WIDTH, HEIGHT = 60, 24, 320, 240
 KW = {"min_pixels": 28 * 28 * 4, "max_pixels": 224 * 168}  # mm_processor_kwargs: 224x168 frames
 APP_ARGS = {"encoder": {"max_batch_patches": 4096}}  # 192 patches a tubelet: chunks of 21, 21 and 18 tubelets
 READY = re.compile(r"ServeReplica:vlm:Encoder pid=(\d+)\).*encoder ready")
+# Serve's access line of each encoder call: the replica's pid, the request id (every chunk of a request shares it)
+CALL = re.compile(r"ServeReplica:vlm:Encoder pid=(\d+)\).* ([0-9a-f-]{36}) -- CALL encode OK ([0-9.]+)ms")
 
 
 def make_video(seed: int, seconds: int = SECONDS, fps: int = FPS) -> bytes:
@@ -72,22 +74,35 @@ def wait_encoders(log: Path, n: int, timeout_s: float) -> None:
         time.sleep(1)
 
 
+def encoder_calls(log: Path) -> list[tuple[float, int]]:
+    """(its slowest encoder call in seconds, the Encoder replicas its calls went to) of each request that had any,
+    in order, from the server's log."""
+    calls: dict[str, list[tuple[str, float]]] = {}
+    for pid, request, ms in CALL.findall(log.read_text(errors="replace")):
+        calls.setdefault(request, []).append((pid, float(ms) / 1000))
+    return [(max(s for _, s in c), len({pid for pid, _ in c})) for c in calls.values()]
+
+
 def served(ckpt: Path, out_dir: Path, stamp: str, replicas: int, warmup: list[bytes], videos: list[bytes], args):
-    """The app with `replicas` Encoder replicas: the warm-up videos, then each video alone; their results."""
+    """The app with `replicas` Encoder replicas: the warm-up videos, then each video alone; their results, and
+    (slowest encoder call, replicas used) of each measured request."""
     from bench import peer_servers
     from bench.server import served_model_name
 
     deployments = {"Encoder": {"autoscaling_config": {"min_replicas": replicas, "max_replicas": replicas}}}
     env = {"RAY_DEDUP_LOGS": "0"}  # each replica's "encoder ready" line, not one for all (wait_encoders reads them)
+    log = out_dir / f"peer-{stamp}-{replicas}-ours.log"
     with peer_servers.ours(ckpt, out_dir, f"{stamp}-{replicas}", APP_ARGS, 600.0, None, env, deployments) as (url, _):
-        wait_encoders(out_dir / f"peer-{stamp}-{replicas}-ours.log", replicas, 300)
+        wait_encoders(log, replicas, 300)
         model = served_model_name(url)
         rs, _ = load(url, [body(v, model, 2) for v in warmup], 1, None, 600)
         assert all(r.ok for r in rs), [r.error for r in rs]
         rs, _ = load(url, [body(v, model, args.output_len) for v in videos], 1, None, 600)
-    for r in rs:
-        print(f"{replicas} encoder replica(s): TTFT {r.ttft:.2f} s, E2E {r.e2e:.2f} s, {r.error or 'ok'}", flush=True)
-    return rs
+    calls = encoder_calls(log)[-len(videos) :]  # read once the server is down: its log is complete
+    for r, (slowest, used) in zip(rs, calls, strict=False):
+        print(f"{replicas} encoder replica(s): TTFT {r.ttft:.2f} s, E2E {r.e2e:.2f} s, slowest encoder call "
+              f"{slowest:.2f} s on {used} replica(s), {r.error or 'ok'}", flush=True)  # fmt: skip
+    return rs, calls
 
 
 def breakdown(ckpt: Path, video: bytes) -> list[tuple[str, float]]:
@@ -144,26 +159,34 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(videos) + 1} videos of {SECONDS} s, {WIDTH}x{HEIGHT} at {FPS} fps made in "
           f"{time.perf_counter() - t0:.1f} s, {len(videos[0]) / 2**20:.2f} MiB each", flush=True)  # fmt: skip
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    results = {n: served(ckpt, out_dir, stamp, n, warmup, videos, args) for n in (1, 2)}
+    served_runs = {n: served(ckpt, out_dir, stamp, n, warmup, videos, args) for n in (1, 2)}
+    results = {n: rs for n, (rs, _) in served_runs.items()}
     rows = breakdown(ckpt, videos[0])
-    report(results, rows, args.requests)
+    report(results, {n: calls for n, (_, calls) in served_runs.items()}, rows, args.requests)
     return 0 if all(r.ok for rs in results.values() for r in rs) else 1
 
 
-def report(results: dict[int, list], rows: list[tuple[str, float]], requests: int) -> None:
-    ttft = {n: statistics.median(r.ttft for r in rs if r.ok) for n, rs in results.items() if any(r.ok for r in rs)}
+def _p50(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def report(results: dict[int, list], calls: dict[int, list], rows: list[tuple[str, float]], requests: int) -> None:
+    ttft = {n: _p50(r.ttft for r in rs if r.ok) for n, rs in results.items()}
     prompt = next((r.prompt_tokens for rs in results.values() for r in rs if r.ok), 0)
-    print(f"\n| {requests} requests, one at a time, {prompt} prompt tokens | TTFT p50 s | TTFT each s | E2E p50 s |")
-    print("| --- | --- | --- | --- |")
+    print(f"\n| {requests} requests, one at a time, {prompt} prompt tokens | TTFT p50 s | TTFT each s | E2E p50 s "
+          "| slowest encoder call p50 s | replicas each request used |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- |")
     for n, rs in results.items():
         ok = [r for r in rs if r.ok]
         each = ", ".join(f"{r.ttft:.2f}" for r in ok)
-        e2e = statistics.median(r.e2e for r in ok) if ok else float("nan")
-        print(f"| {n} encoder replica{'s' * (n > 1)} | {ttft.get(n, float('nan')):.2f} | {each} | {e2e:.2f} |")
+        used = ", ".join(str(u) for _, u in calls[n])
+        print(f"| {n} encoder replica{'s' * (n > 1)} | {ttft[n]:.2f} | {each} | {_p50(r.e2e for r in ok):.2f} | "
+              f"{_p50(s for s, _ in calls[n]):.2f} | {used} |")  # fmt: skip
     print("\n| in this process, after the servers | s |\n| --- | --- |")
     for what, seconds in rows:
         print(f"| {what} | {seconds:.2f} |")
-    if len(ttft) == 2:
+    if all(t == t for t in ttft.values()):  # NOTE: NaN where a run had no answer
         ratio = ttft[2] / ttft[1]
         print(f"\nvideo: TTFT p50 with 2 encoder replicas / 1: {ratio:.2f}x ({ttft[2]:.2f} / {ttft[1]:.2f} s)")
 
