@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install image browser checkpoint serve serve-env lint test test-fast docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer bench-structured soak clean
+.PHONY: install image browser checkpoint serve serve-env lint test test-fast docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer bench-structured bench-video soak clean
 
 install: $(STAMP)
 
@@ -124,6 +124,11 @@ bench-peer: $(STAMP) $(VLLM_STAMP)
 # Structured outputs under load (bench/structured.py): c=32, all free against half under a json_schema.
 bench-structured: $(STAMP)
 	$(PY) -m bench.structured $(BENCH_ARGS)
+
+# A long video across the encoder tier (bench/video.py): a 60 s video's time to first token with 1 Encoder replica
+# and with 2, then its probe, decoding and ViT seconds in one process.
+bench-video: $(STAMP)
+	$(PY) -m bench.video $(BENCH_ARGS)
 
 # A bounded soak (bench/soak.py): thousands of good, bad, cancelled and streaming requests, then no 5xx, bounded
 # replica memory and object store growth, no KV blocks held. `make soak SOAK_ARGS="--requests 300"`: a short one.

@@ -76,8 +76,11 @@ def ingress_ports(ingress: str, port: int) -> tuple[int, dict[str, str], list[st
     return (own if ingress == "direct" else port), env, why
 
 
-def ours_config(checkpoint: Path, port: int, app_args: dict) -> tuple[dict, list[str]]:
-    """serve_config.yaml with the bench checkpoint and a free port, and each change from it, in words."""
+def ours_config(
+    checkpoint: Path, port: int, app_args: dict, deployments: dict[str, dict] | None = None
+) -> tuple[dict, list[str]]:
+    """serve_config.yaml with the bench checkpoint and a free port, and each change from it, in words; `deployments`:
+    options merged into the named deployments' entries (`{"Encoder": {"autoscaling_config": {...}}}`)."""
     base = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config = copy.deepcopy(base)
     config["http_options"]["port"] = port
@@ -88,6 +91,10 @@ def ours_config(checkpoint: Path, port: int, app_args: dict) -> tuple[dict, list
         f"http_options.port: {port} (serve_config.yaml: {base['http_options']['port']}), a free one",
     ]
     changes += [f"args.{k}: {v} (merged from --app-args)" for k, v in app_args.items()]
+    for name, options in (deployments or {}).items():
+        (entry,) = [d for d in app["deployments"] if d["name"] == name]
+        entry.update(_merge(entry, options))
+        changes.append(f"deployments {name}: {options} (merged)")
     changes += [
         f"env {k}={os.environ.get(k, v)} (health checks only; `make serve` leaves Serve's default)"
         for k, v in OURS_ENV.items()
@@ -109,11 +116,12 @@ def ours(
     startup_s: float,
     ingress: str | None = None,
     extra_env: dict[str, str] | None = None,
+    deployments: dict[str, dict] | None = None,
 ) -> Iterator[tuple[str, dict]]:
     """`serve run` of the config above with `make serve [INGRESS=...]`'s environment, in its own Ray cluster
     (`--address local`: never one another process runs). extra_env wins over everything (--ours-env)."""
     port = free_port()
-    config, changes = ours_config(checkpoint.resolve(), port, app_args)
+    config, changes = ours_config(checkpoint.resolve(), port, app_args, deployments)
     config_path = out_dir / f"peer-{stamp}-serve_config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     bin_dir = Path(sys.executable).parent

@@ -105,11 +105,17 @@ class CostRouter(OwnCallMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if pending_request is not None:  # NOTE: after all ranks refused, back off; without it a full tier spins
             pending_request.routing_context.should_backoff = True
-        if call_cost(pending_request) is None or not candidate_replicas:
+        if (cost := call_cost(pending_request)) is None or not candidate_replicas:
             return [candidate_replicas]
         available = self.select_available_replicas(candidate_replicas) or candidate_replicas
-        pending = self.pending_cost.of([r.replica_id for r in available])
-        return rank_by_cost(available, pending, self.rng)
+        self.pending_cost.release(pending_request.metadata)  # chosen again (its replica was full): not its own load
+        ranks = rank_by_cost(available, self.pending_cost.of([r.replica_id for r in available]), self.rng)
+        # NOTE: reserved on the first rank now, not only once Serve takes a replica (on_chosen, which moves it if
+        # Serve takes another): with its queue-length cache cold (new replicas, or 10 s idle), Serve probes the
+        # replica first, an await, and the other chunks of the same video are chosen meanwhile; without this they
+        # all saw no load and went where chance sent them, at times all to one replica.
+        self.pending_cost.reserve(pending_request.metadata, ranks[0][0].replica_id, cost)
+        return ranks
 
     def on_chosen(self, pending: PendingRequest, replica: RunningReplica) -> None:
         if (cost := call_cost(pending)) is not None:

@@ -50,16 +50,20 @@ def _call(cost: float | None) -> PendingRequest:
     )
 
 
-def _router(**kwargs) -> CostRouter:
+def _router(seed: int = 0, **kwargs) -> CostRouter:
     router = CostRouter(deployment_id=ENCODER_ID, handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(seed=0, **kwargs)
+    router.initialize_state(seed=seed, **kwargs)
     return router
+
+
+def _queue(router: CostRouter, call: PendingRequest) -> None:
+    router._pending_requests_to_fulfill.append(call)
+    router._add_pending_request_to_indices(call)
 
 
 async def _route(router: CostRouter, call: PendingRequest, replicas) -> FakeReplica:
     """Serve's steps for one call: choose, the first rank's replica is taken (none is full here), fulfil."""
-    router._pending_requests_to_fulfill.append(call)
-    router._add_pending_request_to_indices(call)
+    _queue(router, call)
     ranks = await router.choose_replicas(replicas, call)
     router._fulfill_next_pending_request(ranks[0][0], call.metadata)
     return call.future.result()
@@ -95,6 +99,26 @@ def test_the_images_of_one_request_spread_over_the_replicas():
         assert {r.replica_id for r in chosen} == {r.replica_id for r in replicas}
 
     asyncio.run(main())
+
+
+def test_chunks_chosen_before_any_is_taken_still_spread():
+    """With its queue-length cache cold (new replicas, or 10 s idle), Serve chooses for every chunk of a video before
+    it takes a replica for any (it probes the chosen one first, an await): the choices still count each other, and
+    alternate. Eight seeds: chance alone would alternate in all of them once in 65536 times."""
+
+    async def main(seed: int) -> list[FakeReplica]:
+        router, replicas = _router(seed), _replicas(2)
+        calls = [_call(8.0) for _ in range(4)]
+        for call in calls:
+            _queue(router, call)
+        ranks = [await router.choose_replicas(replicas, call) for call in calls]  # all chosen, none taken yet
+        for call, rank in zip(calls, ranks, strict=True):
+            router._fulfill_next_pending_request(rank[0][0], call.metadata)
+        return [call.future.result() for call in calls]
+
+    for seed in range(8):
+        chosen = asyncio.run(main(seed))
+        assert chosen[0] is not chosen[1] and chosen[2] is not chosen[3], seed
 
 
 def test_a_finished_call_gives_its_cost_back():
