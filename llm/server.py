@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -13,7 +12,6 @@ from typing import Any
 import ray
 import torch
 from ray import serve
-from ray.exceptions import TaskCancelledError
 from ray.serve.config import RequestRouterConfig
 from transformers import AutoTokenizer
 
@@ -21,6 +19,7 @@ from deployments.ingress.router import PrefixAffinityRouter
 from encoders import EmbeddingLRU, EncoderRunner
 from llm import Engine, EngineConfig, Qwen2LM, TextConfig, num_kv_blocks
 from llm.channel import Outbox
+from llm.images import bad_image, fetch_embeds, image_arrivals, per_item
 from llm.model.parallel import ParallelLM, TPGroup, init_process_group
 from llm.tp import COLLECTIVE_TIMEOUT_S, Ranks
 from schemas import (
@@ -35,23 +34,14 @@ from schemas import (
     Routed,
     TokenChunk,
     observe,
-    root_cause,
     this_replica,
 )
-from schemas.errors import REPLICA_GONE
 from schemas.metrics import EncoderMetrics, LLMMetrics
 
 logger = logging.getLogger("ray.serve")
-# Errors that mean "the encoder replica (or its node) went away", not "this image is bad".
-_ENCODER_GONE = (*REPLICA_GONE, TaskCancelledError)
 # Errors the ingress answers (4xx, or a retry / 503) and that are no fault of this replica: sent down the stream as
 # an item, not raised, so that Serve does not log each as a failed request with a traceback.
 _ANSWERED = (InvalidRequest, EncoderUnavailable, Overloaded)
-
-
-def _bad_image(index: int, e: InvalidRequest) -> InvalidRequest:
-    """An image the encoder could not read is the client's error; say which one."""
-    return InvalidRequest(f"image {index}: {e.message}", param="messages")
 
 
 def reserved_cpus() -> int:
@@ -135,6 +125,8 @@ class LLM:
         # Messages sent back to ingress replicas: chunks on generations' own streams, and channel messages
         self.sent = {"stream_messages": 0, "channel_messages": 0, "channel_generations": 0, "channels_opened": 0}
         self._metrics_task: asyncio.Task | None = None
+        # NOTE: an image's tokens are known before its embeddings only from its M-RoPE grid (1-D RoPE: from its rows)
+        self.overlap = model.config.mrope_section is not None
         self.vision = self.vision_cache = None
         if self.args.encoder.colocated:  # the encoder lives here, sharing this replica's device with the engine
             self.vision = EncoderRunner(
@@ -188,30 +180,6 @@ class LLM:
         if self.ranks is not None:
             self.ranks.check()
 
-    async def _fetch_embeds(self, refs: list[Any]) -> list[torch.Tensor]:
-        for ref in refs:  # invariant: the ingress passes references, never embeddings
-            if not isinstance(ref, ray.ObjectRef):
-                raise TypeError(f"image embeddings must arrive as ObjectRefs, got {type(ref).__name__}")
-        tasks = [asyncio.ensure_future(ref) for ref in refs]
-        try:
-            done, pending = await asyncio.wait(tasks, timeout=self.args.encoder.timeout_s) if tasks else (set(), set())
-        finally:  # also when this generation is cancelled: no task left to fail unobserved
-            for task in tasks:
-                task.cancel()
-                task.add_done_callback(observe)
-        lost = [i for i, t in enumerate(tasks) if t in pending]
-        for i, task in enumerate(tasks):
-            if task in done and task.exception() is not None:
-                cause = root_cause(task.exception())
-                if isinstance(cause, InvalidRequest):
-                    raise _bad_image(i, cause) from None
-                if not isinstance(cause, _ENCODER_GONE):
-                    raise task.exception()
-                lost.append(i)
-        if lost:  # the ingress retries these images once on another encoder replica
-            raise EncoderUnavailable(f"no embeddings for images {sorted(lost)}", sorted(lost))
-        return [t.result() for t in tasks]
-
     async def _encode_here(self, images: list[bytes], keys: list[str]) -> list[torch.Tensor]:
         """Colocated mode: encode the request's images in this replica (a local cache stands in for the shared one)."""
         assert self.vision is not None and self.vision_cache is not None, "images as bytes need encoder.colocated"
@@ -223,7 +191,7 @@ class LLM:
             try:
                 embeds = await self.vision.encode(data)
             except InvalidRequest as e:
-                raise _bad_image(i, e) from None
+                raise bad_image(i, e) from None
             if key is not None:
                 self.vision_cache.put(key, embeds)
             return embeds
@@ -248,14 +216,23 @@ class LLM:
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Routed]:
         if self._metrics_task is None:  # started on the replica's event loop, which __init__ may not run on
             self._metrics_task = asyncio.create_task(self.metrics.run())
+        arrivals, timeout_s = [], self.args.encoder.timeout_s
         if request.images:
-            embeds = await self._encode_here(request.images, request.image_keys)
+            embeds = per_item(await self._encode_here(request.images, request.image_keys), request.embeds_per_item)
+        elif self.overlap:  # each image's future: the engine runs the prompt up to the first one not here
+            embeds = arrivals = image_arrivals(request.image_embeds, request.embeds_per_item, timeout_s)
         else:
-            embeds = await self._fetch_embeds(request.image_embeds)
-        if request.embeds_per_item:  # a video's chunks, in order, are its embedding
-            at = list(itertools.accumulate(request.embeds_per_item, initial=0))
-            embeds = [torch.cat(embeds[a:b]) for a, b in itertools.pairwise(at)]
-        inp = dataclasses.replace(request, image_embeds=embeds, images=[], embeds_per_item=[])  # the tensors
+            embeds = per_item(await fetch_embeds(request.image_embeds, timeout_s), request.embeds_per_item)
+        inp = dataclasses.replace(request, image_embeds=embeds, images=[], embeds_per_item=[])  # tensors or futures
+        try:
+            async for item in self._submit(request, inp):
+                yield item
+        finally:  # the generation ended: images still being fetched are not waited for
+            for future in arrivals:
+                future.cancel()
+                future.add_done_callback(observe)
+
+    async def _submit(self, request: GenerateRequest, inp: GenerateRequest) -> AsyncIterator[TokenChunk | Routed]:
         if (grammar := request.sampling.grammar) is not None:  # compiled off the event loop; `submit` finds it cached
             await asyncio.to_thread(self.engine.grammars.compile, grammar)
         box = self.channels.get(request.channel) if request.channel and self.replica_id else None

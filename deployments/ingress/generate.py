@@ -97,24 +97,27 @@ class Generator:
             raise Overloaded("no encoder replica took the images in time", retry_after_s=2) from None
 
     async def _encode_and_generate(self, p, params, text, request_id, first, calls) -> Started:
-        refs = await self._encode(p, list(range(len(p.jobs))), calls)
-        for attempt in (1, 2):
+        """The generations start as soon as every image is on an encoder replica: the LLM fetches each embedding as
+        it is made and prefills up to the first not there yet (llm/images.py). An image lost on the way (its replica
+        went away) fails the generations; it is encoded once more, each image at most once more."""
+        refs, retried = await self._encode(p, list(range(len(p.jobs))), calls), set()
+        while True:
             try:
                 return await self._generate(p, params, text, refs, request_id, first)
             except Exception as e:
                 cause = root_cause(e)
                 if not isinstance(cause, EncoderUnavailable):
                     raise
-                if attempt == 2:
+                if retried & set(cause.image_indices):  # NOTE: one image at a time now, as each arrives or fails
                     self.counts["encoder_failures"] += 1
                     raise Overloaded(
                         "image encoding failed twice; the encoder tier is recovering", retry_after_s=2
                     ) from e
                 logger.warning("%s: %s; retrying them once", request_id, cause.message)
+                retried |= set(cause.image_indices)
                 self.counts["encoder_retries"] += len(cause.image_indices)
                 for i, ref in zip(cause.image_indices, await self._encode(p, cause.image_indices, calls), strict=True):
                     refs[i] = ref
-        raise AssertionError("unreachable")
 
     async def _generate(
         self, p: Prepared, params: list[SamplingParams], text: TextRules, refs: list[Any], request_id: str, first: int

@@ -7,7 +7,9 @@ llm/channel.py). `generate` is a stream of one sequence's chunks on top of it, c
 `stream_interval_s`. The worker loops, one `run` per step: the scheduler picks the step (decodes + prefill chunks +
 admissions), the model runner builds its inputs (embeddings with the images merged in), runs the forward and
 samples, the scheduler applies the stop rules, and the engine emits each sequence's new token. `cancel` (or closing
-a stream) frees a sequence's blocks at the next step.
+a stream) frees a sequence's blocks at the next step. An image's embeddings may be a future (still encoding): the
+sequence is queued at once, its prefill runs up to the first image not arrived, and each arrives through the inbox
+in any order; one that fails fails its sequence with the future's error.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from llm.engine.arrivals import Arrival, on_arrival, split_pending, take_arrival
 from llm.engine.block_pool import BlockPool
+from llm.engine.config import EngineConfig
 from llm.engine.delivery import Delivery, Sink
 from llm.engine.grammar import Grammars
 from llm.engine.model_runner import ModelRunner, Sampled
@@ -39,27 +42,6 @@ if TYPE_CHECKING:
     from llm.model import Qwen2LM
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    max_model_len: int
-    num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_queued: int = 64
-    enable_prefix_caching: bool = True
-    stream_interval_s: float = 0.02
-    cpu_threads: int | None = None  # CPU: torch threads of the worker thread alone (threads.py); None: leave as is
-    cpu_threads_max: int | None = None  # above cpu_threads: the worker takes up to this many while the node is idle
-    static_decode: bool | None = None  # decode-only steps through decode_step.py; None: on cuda with one rank
-    cuda_graphs: bool | None = None  # replay them as CUDA graphs; None: on cuda with one rank
-    compile_decode: bool = False  # the static step through torch.compile (decode_step.py)
-    cpu_packed_weights: bool = True  # float32 on CPU, one rank: GEMMs on oneDNN-packed copies (layers.pack_linears)
-
-    def __post_init__(self) -> None:
-        assert self.num_blocks * self.block_size >= self.max_model_len, "the cache must hold one full sequence"
 
 
 class Engine:
@@ -104,7 +86,7 @@ class Engine:
         # `drain_timings` takes them (deque appends and pops are thread-safe; bounded if nobody drains).
         self.queue_times: deque[float] = deque(maxlen=65536)
         self.inter_token_times: deque[float] = deque(maxlen=65536)
-        self._inbox: queue.SimpleQueue[Sequence | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Sequence | Arrival | None] = queue.SimpleQueue()
         self.delivery = Delivery()  # the streams' sinks; a step's chunks go to each event loop in one callback
         self._queued = 0  # in the inbox or waiting; read on the event loop, approximate is fine
         self._ids = itertools.count()
@@ -141,9 +123,11 @@ class Engine:
         """Check and queue a sequence; raises `InvalidRequest` or `Overloaded` at once. `sink` is called on the
         caller's event loop with each `TokenChunk` (the last has a finish reason) or one exception; a step's
         chunks for all the sequences of one event loop arrive in one callback. `cancel` ends it early. A grammar
-        is compiled here unless cached: `grammars.compile` it on a worker thread first to keep the loop free."""
+        is compiled here unless cached: `grammars.compile` it on a worker thread first to keep the loop free. An
+        image's embeddings may be an `asyncio.Future` of them, on this event loop (see the module's docstring)."""
         loop = asyncio.get_running_loop()
         grammar = self.grammars.compile(g) if (g := inp.sampling.grammar) is not None else None
+        inp, pending = split_pending(inp)
         seq = make_sequence(
             inp, next(self._ids), grammar=grammar, eos_token_ids=self.eos_token_ids, **self._sequence_kwargs
         )
@@ -154,6 +138,8 @@ class Engine:
         self._queued += 1
         self.delivery.attach(seq, loop, sink)
         self._inbox.put(seq)
+        for i, future in pending.items():  # queued after the sequence: the worker sees them in that order
+            future.add_done_callback(on_arrival(seq, i, self._inbox.put))
         return seq
 
     def cancel(self, seq: Sequence) -> None:
@@ -194,16 +180,17 @@ class Engine:
     def _loop(self) -> None:
         cores = worker_threads(self.config.cpu_threads, self.config.cpu_threads_max)
         keepalive = getattr(self.model, "keepalive", None)  # tensor-parallel: the other ranks wait on us
+        stalled = False  # the last schedule had nothing to run: only the inbox (an image, a request) changes that
         while not self._closing:
-            idle = not self.scheduler.running and not self.scheduler.waiting
-            self._take_inbox(block=idle)
+            self._take_inbox(block=stalled or not (self.scheduler.running or self.scheduler.waiting))
             chunks = self.scheduler.schedule()
+            stalled = not chunks
             if cores is not None and chunks:
                 self._follow_load(cores)
             self._queued = self.scheduler.num_waiting  # the admitted are no longer queued, even during a long step
             try:
                 if not chunks:
-                    if idle and keepalive is not None:
+                    if keepalive is not None:
                         keepalive()
                     continue
                 with torch.inference_mode():
@@ -256,11 +243,19 @@ class Engine:
         try:
             item = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
             while True:
-                if item is not None:
+                if isinstance(item, Arrival):
+                    self._image_arrived(item)
+                elif item is not None:
                     self.scheduler.waiting.append(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
+
+    def _image_arrived(self, a: Arrival) -> None:
+        if (error := take_arrival(a, self.scheduler)) is not None:  # EncoderUnavailable: the ingress retries it
+            self.counts["failed"] += 1
+            self.delivery.emit(a.seq, error)
+            self.delivery.flush()
 
     def _step(self, chunks: list[Chunk]) -> None:
         chunks = sorted(chunks, key=lambda c: (c.n != 1, c.start))  # one-token chunks first, shortest context first

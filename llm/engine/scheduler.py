@@ -4,7 +4,9 @@ Each step, running sequences go first, oldest first: a decoding sequence gets it
 in prefill gets the next chunk that fits the budget. Then waiting sequences are admitted (first come, first
 served) while the budget, the batch size and the KV blocks allow, reusing cached prefix blocks. When the cache
 runs out mid-generation, the newest running sequence is preempted: its blocks go back to the pool and it waits
-again, to be recomputed (its prefix blocks are often still cached then).
+again, to be recomputed (its prefix blocks are often still cached then). A prompt's tokens run up to its first
+image whose embeddings have not arrived (prefill overlapped with encoding): a sequence is admitted as soon as it is
+queued, and one with nothing to run waits for them in its place without holding the others back.
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ class Scheduler:
         budget, out, i = self.max_num_batched_tokens, [], 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_schedulable(seq.num_computed), budget)
+            if n == 0:  # it waits for an image's embeddings; the others go on
+                i += 1
+                continue
             if not self._reserve(seq, seq.num_computed + n):
                 self.preempt(seq)  # it is the newest left: nothing younger to take blocks from
                 continue
@@ -58,8 +63,9 @@ class Scheduler:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.running.append(chunk.seq)
-            out.append(chunk)
-            budget -= chunk.n
+            if chunk.n:  # none: admitted, its first image not arrived yet
+                out.append(chunk)
+                budget -= chunk.n
         return out
 
     def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
@@ -67,7 +73,7 @@ class Scheduler:
         hashes = seq.prefix_hashes(bs, len(seq.token_ids) - 1)  # at least one token left to compute
         hits = self.pool.match_prefix(hashes)
         cached = len(hits) * bs
-        n = min(len(seq.token_ids) - cached, budget)
+        n = min(seq.num_schedulable(cached), budget)  # up to the first image not arrived
         need = self._blocks_for(cached + n) - len(hits)
         headroom = self.watermark if self.running else 0
         if need + self.pool.num_reusable(hits) + headroom > self.pool.num_free:
@@ -130,9 +136,16 @@ class Scheduler:
         return finish
 
     def finish(self, seq: Sequence) -> None:
+        """It ends, running or waiting: out of the batch, its blocks back to the pool."""
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         self._free(seq)
+
+    def holds(self, seq: Sequence) -> bool:
+        """It is running or waiting: it has not ended."""
+        return seq in self.running or seq in self.waiting
 
     def _free(self, seq: Sequence) -> None:
         self.pool.release(seq.block_ids)

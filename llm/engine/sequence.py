@@ -29,7 +29,7 @@ class Sequence:
     prompt_positions: torch.Tensor  # (3, P) CPU: M-RoPE positions of the prompt
     rope_delta: int  # a generated token at index i sits at position i + rope_delta
     is_multimodal: torch.Tensor  # (P,) bool CPU: image and video placeholder positions of the prompt
-    image_embeds: torch.Tensor | None  # (num placeholders, D) on the model's device, in prompt order
+    image_embeds: list[torch.Tensor | None]  # per image, in prompt order: (its placeholders, D); None: not arrived
     image_spans: list[tuple[int, int, str]]  # per image: placeholder run [start, end) and its content key
     params: SamplingParams
     stop_token_ids: frozenset[int] = frozenset()  # the request's, and EOS unless it ignores EOS
@@ -45,11 +45,12 @@ class Sequence:
     arrived_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # first step with this sequence in it
     last_token_at: float | None = None
-    _mm_rows: torch.Tensor = field(init=False)  # (P+1,) image rows before each prompt position
+    num_missing: int = field(init=False)  # images whose embeddings have not arrived
 
     def __post_init__(self) -> None:
         assert self.prompt_positions.shape == (3, self.prompt_len), self.prompt_positions.shape
-        self._mm_rows = torch.cat([torch.zeros(1, dtype=torch.long), self.is_multimodal.long().cumsum(0)])
+        assert len(self.image_embeds) == len(self.image_spans), (len(self.image_embeds), len(self.image_spans))
+        self.num_missing = sum(e is None for e in self.image_embeds)
 
     @property
     def num_generated(self) -> int:
@@ -58,6 +59,23 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    def num_schedulable(self, a: int) -> int:
+        """Tokens from `a` on that can run: up to the first image whose embeddings have not arrived (prefill
+        overlapped with encoding), else all of them."""
+        if not self.num_missing:
+            return len(self.token_ids) - a
+        missing = (max(s, a) for (s, e, _), x in zip(self.image_spans, self.image_embeds) if x is None and e > a)
+        return min(missing, default=len(self.token_ids)) - a
+
+    def set_image(self, index: int, embeds: torch.Tensor) -> None:
+        """Image `index`'s embeddings have arrived (in any order); raises ValueError if they do not fit its run."""
+        s, e, _ = self.image_spans[index]
+        if embeds.shape[0] != e - s:
+            raise ValueError(f"image {index}: {embeds.shape[0]} embedding rows for {e - s} placeholder tokens")
+        assert self.image_embeds[index] is None, f"image {index} arrived twice"
+        self.image_embeds[index] = embeds
+        self.num_missing -= 1
 
     def positions(self, a: int, b: int) -> torch.Tensor:
         """(3, b - a) positions of tokens [a, b): the prompt's own, then cache index + rope delta."""
@@ -73,13 +91,16 @@ class Sequence:
         """For tokens [a, b): their placeholder mask (b - a,) and the image embedding rows that fill it, in order
         (a chunk may cut an image: its rows follow the cut); None when no image token is among them."""
         pa, pb = min(a, self.prompt_len), min(b, self.prompt_len)
-        r0, r1 = int(self._mm_rows[pa]), int(self._mm_rows[pb])
-        if r1 == r0:
+        rows = []
+        for (s, e, _), x in zip(self.image_spans, self.image_embeds):
+            if s < pb and e > pa:
+                assert x is not None, "a chunk was scheduled over an image that has not arrived"
+                rows.append(x[max(pa, s) - s : min(pb, e) - s])  # (rows of this image in the chunk, D)
+        if not rows:
             return None
-        assert self.image_embeds is not None
         mask = torch.zeros(b - a, dtype=torch.bool)
         mask[: pb - pa] = self.is_multimodal[pa:pb]
-        return mask, self.image_embeds[r0:r1]
+        return mask, rows[0] if len(rows) == 1 else torch.cat(rows)  # (rows in the chunk, D)
 
     def _image_keys(self, a: int, b: int) -> list[str]:
         return [f"{key}@{max(a, s) - s}" for s, e, key in self.image_spans if s < b and e > a]
@@ -93,6 +114,14 @@ class Sequence:
             parent = block_hash(parent, self.token_ids[a:b], self._image_keys(a, b))
             hashes.append(parent)
         return hashes
+
+
+def _num_rows(embeds: torch.Tensor | None, grid: tuple[int, int, int], merge_size: int, mrope: bool) -> int:
+    if embeds is not None:
+        return int(embeds.shape[0])
+    if not mrope:  # NOTE: a 1-D RoPE LM's image takes as many tokens as its embedding has rows: not known before
+        raise ValueError("an image not encoded yet needs an M-RoPE model, whose grids give its tokens")
+    return grid[0] * grid[1] * grid[2] // merge_size**2
 
 
 def make_sequence(
@@ -128,7 +157,9 @@ def make_sequence(
     is_mm = ids == image_token_id
     if video_token_id is not None:
         is_mm |= ids == video_token_id
-    counts = [int(e.shape[0]) for e in inp.image_embeds]  # tokens per image: its embedding rows
+    # Tokens per image: its embedding rows; an image not arrived yet (None) counts what its grid says (M-RoPE).
+    embeds_grids = zip(inp.image_embeds, inp.image_grid_thw, strict=True)
+    counts = [_num_rows(e, grid, merge_size, mrope) for e, grid in embeds_grids]
     if mrope:  # M-RoPE positions follow the grid: the rows must too
         for i, (grid, n) in enumerate(zip(inp.image_grid_thw, counts, strict=True)):
             expected = grid[0] * grid[1] * grid[2] // merge_size**2
@@ -161,7 +192,6 @@ def make_sequence(
         if mrope
         else linear_positions(ids)
     )  # 1-D RoPE LMs (LLaVA's Llama)
-    image_embeds = torch.cat(inp.image_embeds) if inp.image_embeds else None
     p = inp.sampling
     stop_ids = p.stop_token_ids if p.ignore_eos else p.stop_token_ids | eos_token_ids
     return Sequence(
@@ -172,7 +202,7 @@ def make_sequence(
         positions,
         rope_delta,
         is_mm,
-        image_embeds,
+        list(inp.image_embeds),
         spans,
         p,
         stop_ids,

@@ -1,10 +1,11 @@
 """Test instruments: an encoder whose outputs record who deserializes them, a slow encoder that records its work, an
-LLM deployment that records where its embeddings live, decoders that fail or crawl on cue, and a reader of one
+LLM deployment that records where its embeddings live, decoders that fail, crawl or record on cue, and a reader of one
 app's per-replica metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import time
@@ -228,3 +229,32 @@ class SlowLM(_InstrumentedLM):
     def forward(self, inputs_embeds, positions, cache, meta):
         time.sleep(self.delay_s)
         return super().forward(inputs_embeds, positions, cache, meta)
+
+
+class RecordingLM(_InstrumentedLM):
+    """Records each forward, the start-up step's too, as (unix time, tokens) in `record_dir` (see `llm_forwards`):
+    when the engine prefilled what."""
+
+    record_dir: str
+
+    @classmethod
+    def recording(cls, record_dir: str):
+        """A `model_factory` whose model records into `record_dir`."""
+        return functools.partial(cls._load_recording, record_dir=record_dir)
+
+    @classmethod
+    def _load_recording(cls, model_dir, device="cpu", dtype=torch.float32, *, record_dir: str) -> Qwen2LM:
+        model = cls.load(model_dir, device, dtype)
+        model.record_dir = record_dir
+        return model
+
+    def forward(self, inputs_embeds, positions, cache, meta):
+        with open(Path(self.record_dir) / f"{os.getpid()}.lm", "a") as f:
+            f.write(f"{time.time():.3f} {inputs_embeds.shape[0]}\n")
+        return super().forward(inputs_embeds, positions, cache, meta)
+
+
+def llm_forwards(record_dir: str | Path) -> list[tuple[float, int]]:
+    """(unix time, tokens) of every forward a RecordingLM ran, in time order."""
+    rows = [line.split() for line in _lines(record_dir, "lm")]
+    return sorted((float(t), int(n)) for t, n in rows)

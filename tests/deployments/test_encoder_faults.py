@@ -94,10 +94,13 @@ def faults(ray_serve, app_args, tmp_path_factory):
 
 def _retried(app: str) -> dict[str, list[int]]:
     """Request id -> the images the ingress re-encoded for it, from the ingress replicas' logs (written before the
-    response goes out)."""
+    response goes out; a request whose images fail one by one retries each as it fails: a line each)."""
     logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
     lines = (m for f in logs.glob(f"replica_{app}_Ingress_*.log") for m in RETRY.finditer(f.read_text()))
-    return {m["id"]: json.loads(m["images"]) for m in lines}
+    out: dict[str, list[int]] = {}
+    for m in lines:
+        out.setdefault(m["id"], []).extend(json.loads(m["images"]))
+    return out
 
 
 def _response_id(text: str) -> str | None:

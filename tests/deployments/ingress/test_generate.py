@@ -1,5 +1,6 @@
 """Generator.start_all, without Ray: a text completion's prompts start at once, their choices numbered prompt by
-prompt, and when one prompt fails the generations the others started are closed (cancelled), not leaked."""
+prompt, and when one prompt fails the generations the others started are closed (cancelled), not leaked. Images
+lost on the way are encoded once more, each at most once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from deployments.ingress.generate import Generator
 from deployments.ingress.prepare import Prepared
-from schemas import InvalidRequest
+from schemas import EncoderUnavailable, InvalidRequest, Overloaded
 
 
 class FakeStream:
@@ -56,3 +57,44 @@ def test_one_failing_prompt_closes_what_the_others_started(delay_s):
     assert all(s.closed for s in opened)
     if not delay_s:
         assert len(opened) == 4  # prompts 0 and 2 had started: their streams were closed
+
+
+def _retrying(failures: list[list[int]]):
+    """A Generator whose LLM loses the images of each of `failures` in turn (then answers with the refs it got), and
+    whose encoder calls return a ref naming the image and how often it was encoded."""
+    gen = Generator.__new__(Generator)
+    gen.counts = {"encoder_retries": 0, "encoder_failures": 0}
+    encoded: dict[int, int] = {}
+
+    async def encode(p, indices, calls):
+        for i in indices:
+            encoded[i] = encoded.get(i, 0) + 1
+        return [f"image {i}, encode {encoded[i]}" for i in indices]
+
+    async def generate(p, params, text, refs, request_id, first):
+        if failures:
+            lost = failures.pop(0)
+            raise EncoderUnavailable(f"no embeddings for images {lost}", lost)
+        return list(refs)
+
+    gen._encode, gen._generate = encode, generate
+    return gen
+
+
+def _encode_and_generate(gen: Generator, images: int = 3):
+    return asyncio.run(gen._encode_and_generate(Prepared(jobs=[b""] * images), [], [], "r", 0, []))
+
+
+def test_each_lost_image_is_encoded_once_more_as_it_fails():
+    """The LLM reports a lost image as soon as that one fails: a second image lost later is retried too."""
+    gen = _retrying([[1], [2]])
+    refs = _encode_and_generate(gen)
+    assert refs == ["image 0, encode 1", "image 1, encode 2", "image 2, encode 2"]
+    assert gen.counts == {"encoder_retries": 2, "encoder_failures": 0}
+
+
+def test_an_image_lost_twice_is_a_503():
+    gen = _retrying([[1], [0, 1]])
+    with pytest.raises(Overloaded, match="image encoding failed twice"):
+        _encode_and_generate(gen)
+    assert gen.counts == {"encoder_retries": 1, "encoder_failures": 1}

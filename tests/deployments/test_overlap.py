@@ -1,0 +1,62 @@
+"""Prefill overlapped with encoding, served: with the ViT slowed, a request's first prefill chunk runs on the LLM
+replica before its images are encoded, and its greedy tokens still equal transformers'."""
+
+from __future__ import annotations
+
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from ray import serve
+
+from deployments.ingress import Ingress
+from encoders.server import Encoder
+from llm.server import LLM
+from tests.deployments.instruments import RecordingLM, SlowEncoder, forwards, llm_forwards
+from tests.deployments.parity import CASES, MAX_TOKENS, openai_messages, reference_generate
+
+pytestmark = pytest.mark.e2e
+SMALL = {"num_cpus": 0.1}
+ENCODE_S = 2.0  # each encoder forward: far longer than the ingress takes to start the generation
+CAP_S = 120.0  # how long a wait on state may take before the test fails: generous, never the assertion itself
+
+
+@pytest.fixture(scope="module")
+def overlap(ray_serve, app_args, tmp_path_factory):
+    record_dir = str(tmp_path_factory.mktemp("overlap"))
+    args = {**app_args, "encoder": {"cache_gib": 0, "max_batch_wait_ms": 0, "startup_check": False}}
+    encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=None, num_replicas=1).bind(
+        args, None, model_factory=functools.partial(SlowEncoder, delay_s=ENCODE_S, record_dir=record_dir)
+    )
+    llm = LLM.options(ray_actor_options=SMALL).bind(args, model_factory=RecordingLM.recording(record_dir))
+    ingress = Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args)
+    serve.run(ingress, name="overlap", route_prefix="/overlap")
+    yield f"{ray_serve}/overlap", record_dir
+    serve.delete("overlap")
+
+
+def _wait_for(condition, timeout_s: float = CAP_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_the_first_prefill_runs_before_the_images_are_encoded(overlap, checkpoint, reference):
+    url, record_dir = overlap
+    conversation = CASES["three_images"]  # text before the first image: the first chunk runs without any
+    body = {"messages": openai_messages(conversation), "max_tokens": MAX_TOKENS, "temperature": 0}
+    lm_before, encoded_before = len(llm_forwards(record_dir)), len(forwards(record_dir))
+    with ThreadPoolExecutor(1) as pool:
+        response = pool.submit(
+            httpx.post, f"{url}/v1/chat/completions", json={**body, "return_token_ids": True}, timeout=CAP_S
+        )
+        _wait_for(lambda: len(llm_forwards(record_dir)) > lm_before or response.done())
+        r = response.result()
+    assert r.status_code == 200, r.text
+    first_prefill_at, tokens = llm_forwards(record_dir)[lm_before]
+    first_encoded_at = forwards(record_dir)[encoded_before][1]  # the end of the first encoder forward
+    assert first_prefill_at < first_encoded_at, (first_prefill_at, first_encoded_at, tokens)
+    assert r.json()["choices"][0]["token_ids"] == reference_generate(checkpoint, reference, conversation)[1]
