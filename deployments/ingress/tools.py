@@ -36,6 +36,12 @@ def parses_tools(req: ChatCompletionRequest) -> bool:
     return bool(req.tools) and tool_choice(req) != "none"
 
 
+def max_calls(req: ChatCompletionRequest) -> int | None:
+    """The most tool calls an answer keeps: one without `parallel_tool_calls`, under "auto" too (vLLM keeps the
+    first; "required" and named choices are held to it by their grammar as well)."""
+    return None if req.parallel_tool_calls else 1
+
+
 def check_tools(req: ChatCompletionRequest, can_render: bool) -> None:
     """The request's tool fields and agent-loop history, before any other work."""
     names = [t.function.name for t in req.tools]
@@ -108,4 +114,4 @@ def _literal(text: str) -> xgr.Grammar:
     return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
 
 
-__all__ = ["check_tools", "parses_tools", "renders_tools", "template_tools", "tool_choice", "tool_grammar"]
+__all__ = ["check_tools", "max_calls", "parses_tools", "renders_tools", "template_tools", "tool_choice", "tool_grammar"]

@@ -167,3 +167,26 @@ def test_auto_parses_the_call_the_model_writes(oai):
     [streamed] = calls.values()
     assert streamed["name"] == "get_weather" and json.loads(streamed["arguments"]) == {"city": "Paris", "days": 2}
     assert streamed["id"].startswith("call_")
+
+
+def test_auto_without_parallel_tool_calls_keeps_the_first_call(oai):
+    """`parallel_tool_calls: false` under `auto`: the model wrote two calls, the answer has the first alone, streamed
+    or not (as vLLM, which drops the calls after the first); the dropped call's block is not content either."""
+    second = CALL.replace('"Paris", "days": 2', '"Rome", "days": 3')
+    ask = dict(
+        model="qwen2-vl-tiny", messages=MESSAGES, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=200,
+        extra_body={"structured_outputs": {"choice": [f"{CALL}\n{second}"]}},
+    )  # fmt: skip
+    both = oai.chat.completions.create(**ask)
+    assert [json.loads(c.function.arguments)["city"] for c in _valid_calls(both.choices[0])] == ["Paris", "Rome"]
+    out = oai.chat.completions.create(**ask, parallel_tool_calls=False)
+    [call] = _valid_calls(out.choices[0])
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    assert out.choices[0].message.content is None
+    calls, content = {}, ""
+    for chunk in oai.chat.completions.create(**ask, parallel_tool_calls=False, stream=True):
+        content += chunk.choices[0].delta.content or ""
+        for d in chunk.choices[0].delta.tool_calls or []:
+            calls.setdefault(d.index, "")
+            calls[d.index] += d.function.arguments or ""
+    assert list(calls) == [0] and json.loads(calls[0]) == {"city": "Paris", "days": 2} and not content.strip()
