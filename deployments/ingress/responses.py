@@ -146,9 +146,11 @@ class ChoiceState:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, delta: TextDelta) -> None:
         self.text += delta.text
+        self.prompt_logprobs = self.prompt_logprobs if delta.prompt_logprobs is None else delta.prompt_logprobs
         self.num_cached_tokens = delta.num_cached_tokens or self.num_cached_tokens
         self.token_ids += delta.token_ids
         if delta.logprobs is not None:
