@@ -28,12 +28,6 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("a prompt list and each token-id prompt in it must not be empty")
         return v
 
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise unsupported("echo", "with logprobs it needs the prompt's logprobs, which are not computed here")
-        return self
-
     @property
     def prompts(self) -> list[str | list[int]]:
         """The prompts one by one: a string, or token ids."""
@@ -44,15 +38,29 @@ class CompletionRequest(GenerationRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs`: the echoed prompt's tokens get theirs too (vLLM's prompt_logprobs)."""
+        return self.logprobs if self.echo else None
+
 
 class CompletionLogprobs(BaseModel):
     """The legacy format: per token its text, logprob, offset in the choice's text, and a {text: logprob} of the
-    most likely tokens with the sampled one (so up to k + 1 entries, as OpenAI documents)."""
+    most likely tokens with the sampled one (so up to k + 1 entries, as OpenAI documents). With `echo`, the prompt's
+    tokens come first, the first of them with null for both (nothing precedes it: OpenAI's legacy API and vLLM)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]
     text_offset: list[int]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
+
+    def __add__(self, later: CompletionLogprobs) -> CompletionLogprobs:
+        return CompletionLogprobs(
+            tokens=self.tokens + later.tokens,
+            token_logprobs=self.token_logprobs + later.token_logprobs,
+            text_offset=self.text_offset + later.text_offset,
+            top_logprobs=self.top_logprobs + later.top_logprobs,
+        )
 
 
 class CompletionChoice(BaseModel):

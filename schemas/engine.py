@@ -26,6 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # The prompt's logprobs (each prompt token after the first, given those before it), with the k most likely at
+    # each position: vLLM's prompt_logprobs (text completions' echo with logprobs). None: not computed.
+    prompt_logprobs: int | None = None
     # Structured outputs: an xgrammar EBNF grammar the output must match (the ingress makes it from response_format
     # or a tool choice; the LLM replica compiles it, once per grammar). None: free text.
     grammar: str | None = None
@@ -36,6 +39,7 @@ class SamplingParams:
         assert self.top_k >= 0 and 0 <= self.top_logprobs <= 20, (self.top_k, self.top_logprobs)
         assert self.repetition_penalty > 0.0 and 0.0 <= self.min_p <= 1.0, (self.repetition_penalty, self.min_p)
         assert 0 <= self.min_tokens <= self.max_tokens, (self.min_tokens, self.max_tokens)
+        assert self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, self.prompt_logprobs
 
 
 @dataclass(slots=True)
@@ -91,6 +95,8 @@ class TokenChunk:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     num_cached_tokens: int | None = None  # on the first chunk: prompt tokens whose KV came from the prefix cache
+    # On the first chunk, when the request asked (SamplingParams.prompt_logprobs): one per prompt token but the first.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def merge(self, later: TokenChunk) -> None:
         """Append a later chunk of the same sequence (coalescing several steps into one message)."""
@@ -103,6 +109,8 @@ class TokenChunk:
                 self.logprobs.extend(later.logprobs)
         if later.num_cached_tokens is not None:
             self.num_cached_tokens = later.num_cached_tokens
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
 
 
 # The per-step token channel's messages (deployments/ingress/channel.py, llm/channel.py)

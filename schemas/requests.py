@@ -116,6 +116,11 @@ class GenerationRequest(Strict, SamplingFields):
         """None: no logprobs; k: the sampled token's logprob and the k most likely (0 to 20)."""
         raise NotImplementedError
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """None: the prompt's logprobs are not asked for; k: each prompt token's and the k most likely."""
+        return None
+
 
 __all__ = [
     "NO_EFFECT",

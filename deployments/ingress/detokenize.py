@@ -112,6 +112,7 @@ class TextDelta:
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None
     num_cached_tokens: int | None = None  # on a choice's first delta: its prompt tokens from the prefix cache
+    prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first delta, when asked (TokenChunk's)
 
 
 class OutputProcessor:
@@ -155,7 +156,7 @@ class OutputProcessor:
             text += self.stop.feed(self.detok.flush(), self.num_tokens > self.min_tokens)
             text += self.stop.flush()
         finish = "stop" if self.stop.stopped else chunk.finish_reason
-        return TextDelta(text, ids, finish, logprobs, chunk.num_cached_tokens)
+        return TextDelta(text, ids, finish, logprobs, chunk.num_cached_tokens, chunk.prompt_logprobs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 from deployments.ingress.items import Item, Prepared, first_turn_key, image_params, in_prompt_order, scoped_key
 from deployments.ingress.prompt import build_prompt, check_reserved, load_tokenizer, needs_typed_content
 from deployments.ingress.structured import response_grammar
-from deployments.ingress.tools import check_tools, renders_tools, template_tools, tool_grammar
+from deployments.ingress.tools import check_tools, renders_tools, template_tools, tool_grammar, tools_as_text
 from deployments.ingress.videos import VideoPreparer, video_params
 from encoders import data_url_format, decode_data_url, embedding_key, probe_image
 from schemas import AppArgs, InvalidRequest, ModelSpec
@@ -33,7 +33,7 @@ class Preparer:
         self.model_id = hashlib.sha256(args.model.encode() + config_bytes).hexdigest()[:16]
         self.tokenizer = load_tokenizer(args.model, spec.hf_config)
         self.typed_content = needs_typed_content(self.tokenizer)  # llava-hf's templates drop string contents
-        self.renders_tools = renders_tools(self.tokenizer)
+        self.renders_tools = renders_tools(self.tokenizer)  # else the tools go in a system preamble
         self.max_model_len = spec.max_model_len
         self.sampling_defaults = spec.sampling_defaults  # generation_config.json's, read once with the spec
         # Ids that are tokens and have logits (as vLLM, the tokenizer's; Qwen pads its logits past them).
@@ -78,7 +78,7 @@ class Preparer:
     def check(self, req: ChatCompletionRequest) -> None:
         """The cheap checks, before any image is read or fetched."""
         self.check_generation(req)
-        check_tools(req, self.renders_tools)
+        check_tools(req)
         params = image_params(req)
         if len(params) > self.max_images:
             raise InvalidRequest(f"more than {self.max_images} images in one request", param=params[self.max_images][1])
@@ -185,13 +185,13 @@ class Preparer:
         )
         out.prompt = build_prompt(
             self.tokenizer,
-            kept,
+            kept if self.renders_tools else tools_as_text(req, kept),
             self.image_token_id,
             counts,
             self.tokens.per_image_ids,
             self.forbidden_ids,
             self.typed_content,
-            template_tools(req),
+            template_tools(req) if self.renders_tools else None,
             generation_prompt,
             [im.placeholder_id for im in kept_items],
         )

@@ -13,6 +13,7 @@ from deployments.ingress.detokenize import TextDelta, decoder
 from deployments.ingress.http import error_body, json_text, sse
 from deployments.ingress.tool_parser import ToolCallParser
 from deployments.ingress.tool_parser import parse as parse_calls
+from deployments.ingress.tools import max_calls
 from schemas import AppArgs, FinishReason, InvalidRequest, TokenLogprob
 from schemas.openai import (
     Box,
@@ -145,9 +146,11 @@ class ChoiceState:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, delta: TextDelta) -> None:
         self.text += delta.text
+        self.prompt_logprobs = self.prompt_logprobs if delta.prompt_logprobs is None else delta.prompt_logprobs
         self.num_cached_tokens = delta.num_cached_tokens or self.num_cached_tokens
         self.token_ids += delta.token_ids
         if delta.logprobs is not None:
@@ -174,12 +177,15 @@ def _no_boxes(token_ids: list[int]) -> None:
     return None
 
 
-def _answer(c: ChoiceState, boxes: list[Box] | None, tools: bool) -> tuple[ResponseMessage, FinishReason | str]:
-    """A choice's message and finish reason; with `tools`, its calls parsed out (finish_reason "tool_calls")."""
+def _answer(
+    c: ChoiceState, boxes: list[Box] | None, tools: bool, most: int | None
+) -> tuple[ResponseMessage, FinishReason | str]:
+    """A choice's message and finish reason; with `tools`, its calls parsed out (finish_reason "tool_calls"), at
+    most `most` of them."""
     finish = c.finish_reason or "stop"
     if not tools:
         return ResponseMessage(content=c.text, boxes=boxes), finish
-    content, calls = parse_calls(c.text)
+    content, calls = parse_calls(c.text, most)
     message = ResponseMessage(content=content, boxes=boxes, tool_calls=[k.response() for k in calls])
     return message, "tool_calls" if calls else finish
 
@@ -197,7 +203,7 @@ async def completion(
     choices = [ChoiceState() for _ in range(req.n)]
     async for i, delta in events:
         choices[i].add(delta)
-    answers = [_answer(c, boxes_of(c.token_ids), tools) for c in choices]
+    answers = [_answer(c, boxes_of(c.token_ids), tools, max_calls(req)) for c in choices]
     body = ChatCompletion(
         **head,
         usage=usage(len(prompt), choices),
@@ -230,7 +236,7 @@ async def sse_stream(
     """role chunk per choice, content and tool-call chunks, a finish chunk per choice, the usage chunk, then [DONE].
     With `tools`, text that may start a call is held back until it is known (ToolCallParser)."""
     choices = [ChoiceState() for _ in range(req.n)]
-    parsers = [ToolCallParser() if tools else None for _ in range(req.n)]
+    parsers = [ToolCallParser(max_calls(req)) if tools else None for _ in range(req.n)]
     ids_out, chunks = req.return_token_ids, ContentChunks(head)
     try:
         for i in range(req.n):

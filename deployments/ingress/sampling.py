@@ -36,6 +36,8 @@ def sampling_params(
         ignore_eos=req.ignore_eos,
         logprobs=req.num_logprobs is not None,
         top_logprobs=req.num_logprobs or 0,
+        # NOTE: a prompt's first choice alone computes them (they bypass the prefix cache); its n choices share them.
+        prompt_logprobs=req.num_prompt_logprobs if choice == 0 else None,
         grammar=grammar,
     )
 

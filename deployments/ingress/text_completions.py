@@ -37,8 +37,25 @@ def legacy_logprobs(
     )
 
 
+def echo_logprobs(tokenizer: PreTrainedTokenizerBase, ids: list[int], lps: list[TokenLogprob]) -> CompletionLogprobs:
+    """The echoed prompt's tokens in the legacy format (offsets from 0, as vLLM's): `lps` are the engine's prompt
+    logprobs, one per token after the first; the first has null for both (nothing precedes it)."""
+    assert len(lps) == len(ids) - 1, (len(lps), len(ids))
+    first = legacy_logprobs(tokenizer, ids[:1], [TokenLogprob(0.0, [])], 0)
+    rest = legacy_logprobs(tokenizer, ids[1:], lps, len(first.tokens[0]))
+    return first.model_copy(update={"token_logprobs": [None], "top_logprobs": [None]}) + rest
+
+
 def _echo(req: CompletionRequest, p: Prepared) -> str:
     return p.text if req.echo else ""
+
+
+def _prompt_logprobs(req, tokenizer, prompts: list[Prepared], choices: list[ChoiceState], i: int):
+    """Choice i's echoed prompt logprobs (its prompt's first choice computed them), or None when not asked."""
+    if req.num_prompt_logprobs is None:
+        return None
+    k = i // req.n
+    return echo_logprobs(tokenizer, prompts[k].prompt, choices[k * req.n].prompt_logprobs or [])
 
 
 def _usage(prompts: list[Prepared], choices: list[ChoiceState], n: int):
@@ -54,8 +71,10 @@ async def text_completion(
     out = []
     for i, c in enumerate(choices):
         p = prompts[i // req.n]
-        echo = _echo(req, p)
-        logprobs = None if c.logprobs is None else legacy_logprobs(tokenizer, c.token_ids, c.logprobs, len(echo))
+        echo, echoed = _echo(req, p), _prompt_logprobs(req, tokenizer, prompts, choices, i)
+        start = len(echo) if echoed is None else sum(len(t) for t in echoed.tokens)  # the output's first offset
+        logprobs = None if c.logprobs is None else legacy_logprobs(tokenizer, c.token_ids, c.logprobs, start)
+        logprobs = logprobs if echoed is None else echoed + logprobs
         out.append(
             CompletionChoice(
                 index=i,
@@ -79,9 +98,12 @@ async def text_sse_stream(
     on_done: Callable[[list[ChoiceState]], None],
 ) -> AsyncIterator[str]:
     """A chunk per delta of each choice (the echoed prompt first), the last with its finish_reason; the usage chunk
-    when asked; then [DONE]. With return_token_ids, a choice's first chunk carries its prompt's ids."""
+    when asked; then [DONE]. With return_token_ids, a choice's first chunk carries its prompt's ids. With echo and
+    logprobs, a choice's echo goes out with its first delta, which brings the prompt's logprobs."""
     choices = [ChoiceState() for _ in range(len(prompts) * req.n)]
     offsets = [len(_echo(req, prompts[i // req.n])) for i in range(len(choices))]
+    # With logprobs, each echo waits for its choice's first delta (after its prompt's first choice's, which has them).
+    unechoed = set(range(len(choices))) if req.echo and req.num_prompt_logprobs is not None else set()
     ids_out, first = req.return_token_ids, set(range(len(choices)))
 
     def chunk(i: int, text: str, **fields) -> str:
@@ -91,11 +113,16 @@ async def text_sse_stream(
         return sse(TextCompletion(**head, choices=[choice]))
 
     try:
-        if req.echo:
+        if req.echo and not unechoed:
             for i in range(len(choices)):
                 yield chunk(i, prompts[i // req.n].text)
         async for i, delta in events:
             choices[i].add(delta)
+            if i in unechoed:
+                unechoed.discard(i)
+                lps = _prompt_logprobs(req, tokenizer, prompts, choices, i)
+                offsets[i] = sum(len(t) for t in lps.tokens)
+                yield chunk(i, prompts[i // req.n].text, logprobs=lps)
             logprobs = None
             if delta.logprobs is not None:
                 logprobs = legacy_logprobs(tokenizer, delta.token_ids, delta.logprobs, offsets[i])

@@ -1,7 +1,9 @@
 """Tool calls parsed out of an answer's text, whole or as it streams, in the hermes format Qwen2.5's chat template
 teaches: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`. The idea is vLLM's `hermes` tool parser:
 the blocks between the tags are JSON calls, the text outside them is the content. A block that is not a JSON call
-(malformed, no name) stays in the content as it was written, as vLLM returns such an answer as plain text."""
+(malformed, no name) stays in the content as it was written, as vLLM returns such an answer as plain text. With
+`max_calls` (1 under `parallel_tool_calls: false`), calls past it are dropped, neither calls nor content: vLLM's rule
+(it returns the first call alone, whatever the model wrote)."""
 
 from __future__ import annotations
 
@@ -66,9 +68,11 @@ def _held(text: str) -> int:
 class ToolCallParser:
     """One choice's text, fed in any pieces -> content to send and calls as they complete. The content is the text
     outside the calls with its leading and trailing whitespace dropped; whatever the pieces, what the feeds and the
-    finish return, joined, is what one feed of the whole text and the finish return (parse())."""
+    finish return, joined, is what one feed of the whole text and the finish return (parse()). `max_calls`: the
+    most calls kept (None: all)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
         self.calls: list[ParsedCall] = []
         self._buffer = ""  # text not decided yet: a possible tag start, or an open block
         self._in_block = False
@@ -114,7 +118,7 @@ class ToolCallParser:
         call = _call(block)
         if call is None:
             content.append(START + block + (END if closed else ""))
-        else:
+        elif self.max_calls is None or len(self.calls) < self.max_calls:
             calls.append(call)
             self.calls.append(call)
 
@@ -130,9 +134,9 @@ class ToolCallParser:
         return kept
 
 
-def parse(text: str) -> tuple[str | None, list[ParsedCall]]:
-    """A whole answer -> (its content, None when empty; its calls)."""
-    parser = ToolCallParser()
+def parse(text: str, max_calls: int | None = None) -> tuple[str | None, list[ParsedCall]]:
+    """A whole answer -> (its content, None when empty; its calls, at most `max_calls`)."""
+    parser = ToolCallParser(max_calls)
     content, _ = parser.feed(text)
     rest, _ = parser.finish()
     return (content + rest) or None, parser.calls

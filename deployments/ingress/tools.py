@@ -1,6 +1,7 @@
-"""Tool calling at the ingress: the request's tools checked against its history and the chat template, the grammar
-that makes `required` and a named `tool_choice` a valid call whatever the weights, and which answers are parsed.
-The call format is the hermes one of Qwen2.5's template (deployments/ingress/tool_parser.py)."""
+"""Tool calling at the ingress: the request's tools checked against its history, shown to the model (by the chat
+template, or in a system preamble where the template cannot show them), the grammar that makes `required` and a
+named `tool_choice` a valid call whatever the weights, and which answers are parsed. The call format is the hermes
+one of Qwen2.5's template (deployments/ingress/tool_parser.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from transformers import PreTrainedTokenizerBase
 from deployments.ingress.structured import json_grammar
 from deployments.ingress.tool_parser import END, START
 from schemas import InvalidRequest
-from schemas.openai import ChatCompletionRequest
+from schemas.openai import ChatCompletionRequest, Message, TextPart
 
 
 def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the chat template can show the model its tools: it names `tools` (Qwen2.5's does, Qwen2-VL's and
-    llava-hf's do not). A template that does not would drop them silently, so such a request is refused."""
+    llava-hf's do not). One that does not would drop them silently: tools_as_text describes them instead."""
     template = tokenizer.chat_template
     if isinstance(template, dict):  # named templates: apply_chat_template picks "tool_use" for tools when present
         template = template.get("tool_use") or template.get("default") or ""
@@ -36,11 +37,15 @@ def parses_tools(req: ChatCompletionRequest) -> bool:
     return bool(req.tools) and tool_choice(req) != "none"
 
 
-def check_tools(req: ChatCompletionRequest, can_render: bool) -> None:
+def max_calls(req: ChatCompletionRequest) -> int | None:
+    """The most tool calls an answer keeps: one without `parallel_tool_calls`, under "auto" too (vLLM keeps the
+    first; "required" and named choices are held to it by their grammar as well)."""
+    return None if req.parallel_tool_calls else 1
+
+
+def check_tools(req: ChatCompletionRequest) -> None:
     """The request's tool fields and agent-loop history, before any other work."""
     names = [t.function.name for t in req.tools]
-    if req.tools and not can_render:
-        raise InvalidRequest("this model's chat template cannot show tools to the model", param="tools")
     choice = tool_choice(req)
     if choice in ("required", "named") and not req.tools:
         raise InvalidRequest(f"tool_choice {choice!r} needs tools", param="tool_choice")
@@ -70,6 +75,64 @@ def check_tools(req: ChatCompletionRequest, can_render: bool) -> None:
 def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
     """The tools as chat templates take them (OpenAI's form), or None."""
     return [t.model_dump(exclude={"function": {"strict"}}, exclude_none=True) for t in req.tools] or None
+
+
+def tools_as_text(req: ChatCompletionRequest, messages: list[Message]) -> list[Message]:
+    """`messages` for a chat template that cannot show tools (renders_tools is false): the tools described in a
+    system preamble (merged into a leading system message, else one of its own), an assistant's calls written in
+    its text as the hermes blocks the preamble asks for, and tool results as a user turn of `<tool_response>` blocks
+    (consecutive ones in one turn), so that the template renders them all as plain turns. The same request to a
+    template that shows tools gets them from the template instead.
+
+    NOTE: the idea is text-generation-inference's (router/src/infer/chat_template.rs: a template whose variables
+    do not include `tools` gets the tools as JSON with a tool prompt appended to the last message) and llama.cpp's
+    generic tool format (a system message that describes the tools and the answer's JSON); vLLM itself passes the
+    tools to any template, and one that does not use them drops them. A system preamble keeps the user's turn as
+    written; the format is the hermes one our parser and grammars use (ours, not a copy of either)."""
+    if not req.tools and not any(m.tool_calls or m.role == "tool" for m in messages):
+        return messages
+    out: list[Message] = []
+    for i, m in enumerate(messages):
+        if m.role == "tool":
+            block = f"<tool_response>\n{_text(m)}\n</tool_response>"
+            if i > 0 and messages[i - 1].role == "tool":  # the results of one turn's calls: one user turn
+                out[-1] = out[-1].model_copy(update={"content": f"{out[-1].content}\n{block}"})
+            else:
+                out.append(Message(role="user", content=block))
+        elif m.tool_calls:
+            calls = [  # as the grammars write them: JSON with ", " and ": "; arguments checked by check_tools
+                json.dumps({"name": c.function.name, "arguments": json.loads(c.function.arguments)}, ensure_ascii=False)
+                for c in m.tool_calls
+            ]
+            calls = [f"{START}\n{call}\n{END}" for call in calls]
+            out.append(Message(role="assistant", content="\n".join(filter(None, [_text(m), *calls]))))
+        else:
+            out.append(m)
+    if req.tools:
+        lead = out[0] if out and out[0].role in ("system", "developer") else None
+        text = _preamble(req) + (f"\n\n{_text(lead)}" if lead is not None and _text(lead) else "")
+        out = [Message(role=lead.role if lead is not None else "system", content=text), *out[lead is not None :]]
+    return out
+
+
+def _text(m: Message) -> str:
+    """A message's text: its string, or its text parts joined (system, assistant and tool messages hold no media)."""
+    if isinstance(m.content, list):
+        return "".join(p.text for p in m.content if isinstance(p, TextPart))
+    return m.content or ""
+
+
+def _preamble(req: ChatCompletionRequest) -> str:
+    """The tools and how to call them, in the hermes format of the parser and the grammars."""
+    tools = "\n".join(json.dumps(t, ensure_ascii=False) for t in template_tools(req))
+    one = " Call at most one function per answer." if not req.parallel_tool_calls else ""
+    return (
+        "# Tools\n\nYou can call functions to answer. Their signatures, one JSON object a line, are within "
+        f"<tools></tools>:\n<tools>\n{tools}\n</tools>\n\nTo call a function, write a JSON object with its name "
+        f"and its arguments within {START}{END} tags:\n{START}\n"
+        f'{{"name": <function name>, "arguments": <the arguments as a JSON object>}}\n{END}\n'
+        f"Each result comes back within <tool_response></tool_response> tags.{one}"
+    )
 
 
 def tool_grammar(req: ChatCompletionRequest) -> str | None:
@@ -108,4 +171,13 @@ def _literal(text: str) -> xgr.Grammar:
     return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
 
 
-__all__ = ["check_tools", "parses_tools", "renders_tools", "template_tools", "tool_choice", "tool_grammar"]
+__all__ = [
+    "check_tools",
+    "max_calls",
+    "parses_tools",
+    "renders_tools",
+    "template_tools",
+    "tool_choice",
+    "tool_grammar",
+    "tools_as_text",
+]

@@ -274,6 +274,7 @@ class Engine:
         """A sampled token: the scheduler applies the stop rules; its chunk goes to the sequence's sink."""
         seq, token = s.seq, s.token
         finish = self.scheduler.postprocess(seq, token)
+        first = seq.num_generated == 1
         if seq.last_token_at is not None:
             self.inter_token_times.append(now - seq.last_token_at)
         seq.last_token_at = now
@@ -283,7 +284,8 @@ class Engine:
                 [token],
                 finish,
                 [s.logprob] if s.logprob is not None else None,
-                seq.num_cached if seq.num_generated == 1 else None,
+                seq.num_cached if first else None,
+                seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None,
             ),
         )
         if finish is not None:

@@ -14,7 +14,7 @@ from torch import nn
 from llm.engine.decode_step import StaticDecode
 from llm.engine.grammar import fill_bitmask
 from llm.engine.logits import RowState
-from llm.engine.sampling import sample
+from llm.engine.sampling import prompt_logprobs, sample
 from llm.engine.scheduler import Chunk
 from llm.engine.sequence import Sequence
 from llm.model import cpu_kernels
@@ -24,6 +24,8 @@ from llm.model.merge import merge_image_embeds
 from schemas import TokenLogprob
 
 logger = logging.getLogger(__name__)
+
+PROMPT_LOGPROB_ROWS = 256  # prompt rows per logits slice: a long prefill never holds (T, V) logits at once
 
 
 @dataclass(slots=True)
@@ -143,9 +145,29 @@ class ModelRunner:
         rows = [(c.seq, end - 1) for c, end in zip(chunks, ends) if c.completes]
         mask = self._grammar_mask([s for s, _ in rows])
         hidden = self.model(embeds, positions, self.cache, meta)  # (T, D)
+        if any(c.seq.needs_prompt_logprobs for c in chunks):
+            self._prompt_logprobs(hidden, chunks)
         if not rows:
             return []
         return self._sample_logits(self.model.logits(hidden, [r for _, r in rows]), [s for s, _ in rows], mask)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, chunks: list[Chunk]) -> None:
+        """The prompt logprobs of the chunks whose sequence asks, appended to it: the row of prompt position i
+        predicts token i + 1, up to the prompt's last token (the last row samples the first generated one)."""
+        offset = 0  # the chunk's first row in hidden (T, D)
+        for c in chunks:
+            seq = c.seq
+            if seq.needs_prompt_logprobs:
+                done = len(seq.prompt_logprobs)  # positions 0..done-1 have theirs (a recompute skips them)
+                assert c.start <= done, (c.start, done)  # its prefill computes every row (no prefix-cache hits)
+                end = min(c.start + c.n, seq.prompt_len - 1)
+                for a in range(done, end, PROMPT_LOGPROB_ROWS):
+                    b = min(a + PROMPT_LOGPROB_ROWS, end)
+                    logits = self.model.logits(hidden, list(range(offset + a - c.start, offset + b - c.start)))
+                    seq.prompt_logprobs += prompt_logprobs(
+                        logits, seq.token_ids[a + 1 : b + 1], seq.params.prompt_logprobs
+                    )
+            offset += c.n
 
     def _decode(self, chunks: list[Chunk]) -> list[Sampled]:
         """A decode-only step through the static buffers (every chunk is one generated token)."""

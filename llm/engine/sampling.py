@@ -82,4 +82,16 @@ def sample(
     return token_ids, logprobs
 
 
-__all__ = ["make_generator", "sample"]
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """logits (R, V) float32 of R prompt rows -> the logprob of the token that follows each row (`targets`), with
+    the k most likely, of the raw distribution: vLLM's prompt_logprobs."""
+    lp = torch.log_softmax(logits, dim=-1)  # (R, V)
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None]).squeeze(1).tolist()  # (R,)
+    if not k:
+        return [TokenLogprob(c, []) for c in chosen]
+    top = lp.topk(k, dim=-1)  # (R, k)
+    pairs = [list(zip(i, v, strict=True)) for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
+    return [TokenLogprob(c, p) for c, p in zip(chosen, pairs, strict=True)]
+
+
+__all__ = ["make_generator", "prompt_logprobs", "sample"]

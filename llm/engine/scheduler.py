@@ -70,7 +70,9 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
         bs = self.pool.block_size
-        hashes = seq.prefix_hashes(bs, len(seq.token_ids) - 1)  # at least one token left to compute
+        # At least one token left to compute; none cached for a prefill that must compute the prompt's logprobs
+        # (vLLM skips the prefix cache for prompt_logprobs too). Its blocks are still registered for others.
+        hashes = [] if seq.needs_prompt_logprobs else seq.prefix_hashes(bs, len(seq.token_ids) - 1)
         hits = self.pool.match_prefix(hashes)
         cached = len(hits) * bs
         n = min(seq.num_schedulable(cached), budget)  # up to the first image not arrived

@@ -17,7 +17,7 @@ from llm.engine.grammar import new_matcher
 from llm.engine.logits import RowState
 from llm.engine.sampling import make_generator
 from llm.model.positions import linear_positions, mrope_positions, video_time_interval
-from schemas import GenerateRequest, InvalidRequest, SamplingParams
+from schemas import GenerateRequest, InvalidRequest, SamplingParams, TokenLogprob
 
 
 @dataclass(slots=True, eq=False)
@@ -42,6 +42,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached: int | None = None  # prompt tokens found in the prefix cache when first admitted
     logits_state: RowState | None = None  # its token history for the logits processors, from its first sampling
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1, 2, ... (when asked)
     arrived_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # first step with this sequence in it
     last_token_at: float | None = None
@@ -76,6 +77,12 @@ class Sequence:
         assert self.image_embeds[index] is None, f"image {index} arrived twice"
         self.image_embeds[index] = embeds
         self.num_missing -= 1
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for the prompt's logprobs and has not all of them yet: its prefill must compute every prompt
+        row (no prefix-cache hits: a cached block's logits were never kept)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len - 1
 
     def positions(self, a: int, b: int) -> torch.Tensor:
         """(3, b - a) positions of tokens [a, b): the prompt's own, then cache index + rope delta."""

@@ -1,11 +1,13 @@
 """POST /v1/completions, /tokenize and /detokenize through the deployed app with the `openai` client (the session's
-app: the tiny Qwen2-VL, max_model_len 1024, limits.default_max_tokens 16), and fields we do not honour as 400s."""
+app: the tiny Qwen2-VL, max_model_len 1024, limits.default_max_tokens 16), echo with the prompt's logprobs against
+transformers', and fields we do not honour as 400s."""
 
 from __future__ import annotations
 
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.helpers import data_url, make_image
 
@@ -98,12 +100,42 @@ def test_echo_prepends_the_prompt(oai):
     assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
 
 
+def test_echo_with_logprobs_gives_the_prompts_logprobs(oai, base_url, reference):
+    """The echoed prompt's tokens come first in `logprobs`, the first with null (nothing precedes it), the others
+    with transformers' log-softmax over the prompt; then the completion's, as without echo. The same again once
+    the prompt is in the prefix cache, streamed, and for n choices."""
+    ids = httpx.post(f"{base_url}/tokenize", json={"prompt": PROMPT}, timeout=60).json()["tokens"]
+    with torch.no_grad():
+        ref = torch.log_softmax(reference(input_ids=torch.tensor([ids])).logits[0].float(), -1)  # (P, V)
+    ask = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    plain = oai.completions.create(**ask).choices[0].logprobs
+    out = oai.completions.create(**ask, echo=True)
+    lp = out.choices[0].logprobs
+    p = len(ids)
+    assert "".join(lp.tokens[:p]) == PROMPT and out.choices[0].text == PROMPT + "".join(plain.tokens)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, p):
+        assert lp.token_logprobs[i] == pytest.approx(float(ref[i - 1, ids[i]]), abs=2e-4), i
+        assert len(lp.top_logprobs[i]) in (2, 3) and max(lp.top_logprobs[i].values()) == pytest.approx(
+            float(ref[i - 1].max()), abs=2e-4
+        )
+    assert lp.tokens[p:] == plain.tokens and lp.token_logprobs[p:] == pytest.approx(plain.token_logprobs, abs=1e-5)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    again = oai.completions.create(**ask, echo=True).choices[0].logprobs  # the prompt's blocks are cached now
+    assert again.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    streamed = [c.choices[0].logprobs for c in oai.completions.create(**ask, echo=True, stream=True)]
+    assert [t for s in streamed if s for t in s.tokens] == lp.tokens
+    assert [v for s in streamed if s for v in s.token_logprobs][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    two = oai.completions.create(**{**ask, "temperature": 1.0, "seed": 3}, n=2, echo=True)
+    for choice in two.choices:  # the prompt's first choice computed them; both carry them
+        assert choice.logprobs.token_logprobs[1:p] == pytest.approx(lp.token_logprobs[1:p], abs=1e-5)
+
+
 @pytest.mark.parametrize(
     ("create", "param"),
     [
         (lambda oai: oai.completions.create(model=MODEL, prompt=PROMPT, suffix="!"), "suffix"),
         (lambda oai: oai.completions.create(model=MODEL, prompt=PROMPT, best_of=2), "best_of"),
-        (lambda oai: oai.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=1), "echo"),
         (lambda oai: oai.chat.completions.create(model=MODEL, messages=TEXT_CHAT, reasoning_effort="low"), None),
         (lambda oai: oai.chat.completions.create(model=MODEL, messages=TEXT_CHAT, modalities=["audio"]), None),
     ],

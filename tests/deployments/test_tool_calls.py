@@ -1,7 +1,8 @@
 """Tool calls through the deployed app with the `openai` client, on the tiny random checkpoint with a tool-capable
 chat template (tests/tool_template.py): "required" and a named tool give calls whose arguments validate against
 the tool's schema (random weights: the grammar's doing), the tool-result turn answers, a stream's deltas reassemble
-to the unstreamed answer, and every body is OpenAI's published shape."""
+to the unstreamed answer, and every body is OpenAI's published shape. On the session's app (the tiny template,
+which cannot show tools) the tools go in a system preamble."""
 
 from __future__ import annotations
 
@@ -167,3 +168,45 @@ def test_auto_parses_the_call_the_model_writes(oai):
     [streamed] = calls.values()
     assert streamed["name"] == "get_weather" and json.loads(streamed["arguments"]) == {"city": "Paris", "days": 2}
     assert streamed["id"].startswith("call_")
+
+
+def test_auto_without_parallel_tool_calls_keeps_the_first_call(oai):
+    """`parallel_tool_calls: false` under `auto`: the model wrote two calls, the answer has the first alone, streamed
+    or not (as vLLM, which drops the calls after the first); the dropped call's block is not content either."""
+    second = CALL.replace('"Paris", "days": 2', '"Rome", "days": 3')
+    ask = dict(
+        model="qwen2-vl-tiny", messages=MESSAGES, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=200,
+        extra_body={"structured_outputs": {"choice": [f"{CALL}\n{second}"]}},
+    )  # fmt: skip
+    both = oai.chat.completions.create(**ask)
+    assert [json.loads(c.function.arguments)["city"] for c in _valid_calls(both.choices[0])] == ["Paris", "Rome"]
+    out = oai.chat.completions.create(**ask, parallel_tool_calls=False)
+    [call] = _valid_calls(out.choices[0])
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    assert out.choices[0].message.content is None
+    calls, content = {}, ""
+    for chunk in oai.chat.completions.create(**ask, parallel_tool_calls=False, stream=True):
+        content += chunk.choices[0].delta.content or ""
+        for d in chunk.choices[0].delta.tool_calls or []:
+            calls.setdefault(d.index, "")
+            calls[d.index] += d.function.arguments or ""
+    assert list(calls) == [0] and json.loads(calls[0]) == {"city": "Paris", "days": 2} and not content.strip()
+
+
+def test_a_template_without_tools_gets_them_in_a_system_preamble(base_url):
+    """The session's app serves the tiny template, which does not name `tools`: the request is served (auto and
+    required), its prompt holds the tools' description, and "required" still gives a valid call."""
+    plain = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    for choice in ("auto", "required"):
+        out = plain.chat.completions.create(
+            model="qwen2-vl-tiny", messages=MESSAGES, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=60,
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        ids = out.model_extra["prompt_token_ids"]
+        prompt = httpx.post(f"{base_url}/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
+        assert prompt.startswith("<|im_start|>system\n# Tools\n") and json.dumps(WEATHER) in prompt, prompt
+        assert json.dumps(TIME) in prompt and MESSAGES[0]["content"] in prompt
+        if choice == "required":
+            assert len(_valid_calls(out.choices[0])) >= 1
+        else:
+            assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")

@@ -1,8 +1,10 @@
-"""Per-step log-probabilities against transformers' logits, and OpenAI penalties against a plain re-implementation."""
+"""Per-step and prompt log-probabilities against transformers' logits, and OpenAI penalties against a plain
+re-implementation."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -40,6 +42,53 @@ def test_per_step_logprobs_match_transformers_in_a_mixed_batch(checkpoint, refer
             top = ref_lp.topk(5)
             assert [i for i, _ in lp.top] == top.indices.tolist()
             assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), rel=1e-4, abs=2e-4)
+
+
+def _reference_prompt_logprobs(reference, ref: dict) -> torch.Tensor:
+    """transformers' log-softmax over the prompt's rows: row i is the distribution of token i + 1. (P, V)"""
+    ids = ref["input_ids"]
+    extra = {k: v for k, v in ref.items() if k != "input_ids"}
+    with torch.no_grad():
+        mm = (ids == reference.config.image_token_id).int()
+        logits = reference(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=mm, **extra).logits
+    return torch.log_softmax(logits[0].float(), -1)
+
+
+def test_prompt_logprobs_match_transformers_through_chunks_and_a_warm_prefix_cache(
+    checkpoint, reference, model, vision
+):
+    """vLLM's prompt_logprobs: each prompt token's logprob given those before it, with the top k, on the first
+    chunk; computed in a 9-token budget (chunks that cut an image) beside a free sequence, and again once the
+    prompt's blocks are cached (its prefill must not reuse them: their logits were never kept)."""
+    text, _ = request_for(checkpoint, reference, vision, [], seed=0, prefix=list(range(3, 30)))
+    image, ref = request_for(
+        checkpoint, reference, vision, [(64, 48)], seed=1, prefix=list(range(3, 9)), prompt_logprobs=4, max_tokens=3
+    )
+    engine = make_engine(model, reference, max_num_batched_tokens=9, block_size=4, num_blocks=256)
+
+    async def run(inp):
+        chunks = [chunk async for chunk in engine.generate(inp)]
+        assert all(c.prompt_logprobs is None for c in chunks[1:])
+        return chunks[0].prompt_logprobs, [t for c in chunks for t in c.token_ids], chunks[0].num_cached_tokens
+
+    async def together():
+        return await asyncio.gather(run(image), collect(engine, text))
+
+    (cold, tokens, _), _ = asyncio.run(together())
+    warm, again, cached = asyncio.run(run(image))
+    assert again == tokens and cached == 0  # its blocks are cached (below), yet this prompt recomputed them
+    ref_lp = _reference_prompt_logprobs(reference, ref)
+    ids = image.prompt_token_ids
+    assert len(cold) == len(warm) == len(ids) - 1
+    for i, (lp, lp_warm) in enumerate(zip(cold, warm, strict=True)):
+        assert lp.logprob == pytest.approx(float(ref_lp[i, ids[i + 1]]), rel=1e-4, abs=2e-4), i
+        top = ref_lp[i].topk(4)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), rel=1e-4, abs=2e-4)
+        assert lp_warm.logprob == pytest.approx(lp.logprob, abs=1e-5)
+    plain = dataclasses.replace(image, sampling=dataclasses.replace(image.sampling, prompt_logprobs=None))
+    none, same, cached = asyncio.run(run(plain))
+    assert (none, same) == (None, tokens) and cached > 0  # not asked: none, and the cache serves it
 
 
 def _penalized_greedy(reference, ids: list[int], steps: int, presence: float, frequency: float) -> list[int]:

@@ -61,8 +61,20 @@ def test_an_unclosed_block_at_the_end_is_a_call_when_its_json_is_whole():
     assert parse('x <tool_call>\n{"name": "get_w') == ('x <tool_call>\n{"name": "get_w', [])
 
 
-def _streamed(text: str, cuts: list[int]) -> tuple[str | None, list[tuple[str, str]], list[str]]:
-    parser, content, calls, pieces = ToolCallParser(), "", [], []
+def test_max_calls_keeps_the_first_calls_and_drops_the_rest_whole():
+    """parallel_tool_calls: false -> max_calls 1: the first call; later ones are neither calls nor content."""
+    text = f"Let me look.\n{WEATHER}\n{TIME}\nDone."
+    content, calls = parse(text, max_calls=1)
+    assert content == "Let me look.\n\n\nDone." and [c.name for c in calls] == ["get_weather"]
+    assert [c.name for c in parse(text, max_calls=2)[1]] == ["get_weather", "get_time"]
+    first = [(calls[0].name, calls[0].arguments)]
+    assert _streamed(text, list(range(1, len(text))), max_calls=1)[:2] == (content, first)
+
+
+def _streamed(
+    text: str, cuts: list[int], max_calls: int | None = None
+) -> tuple[str | None, list[tuple[str, str]], list[str]]:
+    parser, content, calls, pieces = ToolCallParser(max_calls), "", [], []
     bounds = [0, *sorted(cuts), len(text)]
     for a, b in zip(bounds, bounds[1:], strict=False):
         out, new = parser.feed(text[a:b])

@@ -87,12 +87,43 @@ def test_a_request_shape_error_is_a_400_naming_its_field(prep, fields, param):
     assert e.value.status == 400 and e.value.param == param
 
 
-def test_a_template_that_cannot_show_tools_refuses_them(checkpoint):
-    prep = Preparer(AppArgs(model=str(checkpoint), llm={"max_model_len": 1024}))  # the tiny template: no tools
-    with pytest.raises(InvalidRequest) as e:
-        prep.check(_request(tool_choice="none"))
-    assert e.value.param == "tools"
-    prep.check(ChatCompletionRequest.model_validate({"messages": LOOP[:1]}))  # without tools it serves
+@pytest.fixture(scope="module")
+def plain(checkpoint):
+    return Preparer(AppArgs(model=str(checkpoint), llm={"max_model_len": 1024}))  # the tiny template: no tools
+
+
+def test_a_template_that_cannot_show_tools_gets_them_in_a_system_preamble(plain):
+    """The tools described in a system turn of their own, the call as the hermes block the preamble asks for, the
+    result as a user turn; the template's default system message gives way to the preamble."""
+    text = _prompt(plain, _request())
+    system = text[: text.index("<|im_end|>")]
+    assert system.startswith("<|im_start|>system\n# Tools\n") and "You are a helpful assistant" not in text
+    assert json.dumps(WEATHER) in system and json.dumps(TIME) in system and "<tool_call>" in system
+    call = '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert call + "<|im_end|>\n<|im_start|>user\n<tool_response>\n21 degrees, sunny\n</tool_response><|im_end|>" in text
+    assert "<|im_start|>tool" not in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_the_preamble_joins_the_requests_system_message_and_results_share_a_turn(plain):
+    two = {**CALL, "id": "call_2", "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        LOOP[0],
+        {**LOOP[1], "content": "Looking.", "tool_calls": [CALL, two]},
+        LOOP[2],
+        {"role": "tool", "tool_call_id": "call_2", "content": "noon"},
+    ]
+    text = _prompt(plain, _request(messages=messages, parallel_tool_calls=False))
+    assert text.count("<|im_start|>system\n") == 1 and "</tools>" in text[: text.index("Be brief.<|im_end|>")]
+    assert "Call at most one function per answer." in text
+    assert '<|im_start|>assistant\nLooking.\n<tool_call>\n{"name": "get_weather"' in text
+    results = "<tool_response>\n21 degrees, sunny\n</tool_response>\n<tool_response>\nnoon\n</tool_response>"
+    assert f"<|im_start|>user\n{results}<|im_end|>" in text
+
+
+def test_without_tools_or_tool_turns_the_messages_render_as_before(plain):
+    req = ChatCompletionRequest.model_validate({"messages": LOOP[:1]})
+    assert "You are a helpful assistant." in _prompt(plain, req) and "# Tools" not in _prompt(plain, req)
 
 
 def _call(name: str, arguments: dict) -> str:
