@@ -36,7 +36,7 @@ from llm.engine.scheduler import Chunk, Scheduler
 from llm.engine.sequence import Sequence, make_sequence
 from llm.engine.threads import CoresFollowLoad, set_thread_intra_op_threads, worker_threads
 from llm.model.parallel import RankFailure
-from schemas import GenerateRequest, Overloaded, TokenChunk
+from schemas import GenerateRequest, InvalidRequest, Overloaded, TokenChunk
 
 if TYPE_CHECKING:
     from llm.model import Qwen2LM
@@ -253,7 +253,7 @@ class Engine:
 
     def _image_arrived(self, a: Arrival) -> None:
         if (error := take_arrival(a, self.scheduler)) is not None:  # EncoderUnavailable: the ingress retries it
-            self.counts["failed"] += 1
+            self.counts["failed"] += not isinstance(error, InvalidRequest)  # a client's bad image is no engine fault
             self.delivery.emit(a.seq, error)
             self.delivery.flush()
 

@@ -358,6 +358,11 @@ def _post(client, body):
     )
 
 
+# Pixels that fail to decode past a valid header are found by the Encoder, while the LLM already runs the request's
+# prefill up to that image (prefill overlapped with encoding, docs/engine.md): a 400 all the same, no engine failure.
+FOUND_BY_THE_ENCODER = {"truncated_pixels"}
+
+
 def test_the_suite_is_at_least_thirty_inputs():
     assert len(NAMES) >= 30
 
@@ -376,7 +381,11 @@ def test_bad_input_is_a_clear_error(case, stream, client, server, image_root):
     assert code is None or error["code"] == code, error
     for leak in ("Traceback", "/work/", '.py"', "site-packages"):  # no internals in the body
         assert leak not in error["message"], error
-    assert _work() == before  # refused before any encoder or LLM work
+    work = _work()
+    if case in FOUND_BY_THE_ENCODER:  # the LLM may have prefilled the text before the image, nothing more
+        for key in ("LLM.steps", "LLM.prefix_queries"):
+            work[key] = before[key]
+    assert work == before  # refused before any encoder or LLM work
     # ...and the app is still serving.
     ok = client.post("/v1/chat/completions", json=_chat(max_tokens=1))
     assert ok.status_code == 200, ok.text
