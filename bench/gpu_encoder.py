@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from bench.gpu_decode import _sync
 from bench.workload import parse_sizes
 from demo.build_tiny import build_checkpoint
 from tests.helpers import make_image
@@ -30,20 +31,15 @@ SHAPES = {
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(fn, device: torch.device, reps: int) -> float:
     """Median seconds of fn() over reps runs after two warm-ups."""
     fn(), fn()
     times = []
     for _ in range(reps):
-        _sync(device)
+        _sync(device.type)
         t = time.perf_counter()
         fn()
-        _sync(device)
+        _sync(device.type)
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
 
