@@ -38,11 +38,16 @@ from pathlib import Path
 import httpx
 
 from bench.soak_mix import MIX, Mix, Outcome, drive
-from bench.soak_probe import sample
+from bench.soak_probe import log_problems, sample, serve_logs
+from bench.soak_report import MIB, report
 
 __all__ = ["Bounds", "Mix", "SoakResult", "check", "report", "soak"]
 
-MIB = 1 << 20
+
+def _rss_less_cache(s: dict, name: str) -> int | None:
+    """A replica's resident bytes, less what the EmbeddingCache's LRU holds by design (bounded by encoder.cache_gib)."""
+    rss = s["rss"].get(name)
+    return rss - s["cache"]["bytes"] if rss is not None and name.startswith("EmbeddingCache#") else rss
 
 
 def _drained(s: dict, before: dict, max_store: int) -> bool:
@@ -58,6 +63,10 @@ class Bounds:
     max_rss_growth_mib: float = 150
     max_object_store_growth_mib: float = 10
     settle_s: float = 10
+    # Growth over the second half of the rounds, fitted: a leak goes on at a steady rate, warm-up and fragmentation
+    # level off. None: not checked (a short soak's rounds are too small to fit).
+    max_rss_slope_mib_per_1k: float | None = None
+    log_problems: bool = True  # any ERROR line or traceback in the app's replica and proxy logs is a violation
 
 
 @dataclass
@@ -67,10 +76,26 @@ class SoakResult:
     seed: int
     elapsed_s: float
     outcomes: list[Outcome]
-    samples: list[dict]  # before the load, after each quarter of it (the last: after the load), settled
+    samples: list[dict]  # before the load, after each round of it (the last: after the load), settled
     settle_s: float
     bounds: Bounds
+    logs: list[str] = field(default_factory=list)  # ERROR lines and tracebacks logged during the load
     violations: list[str] = field(default_factory=list)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.samples) - 2
+
+    def slope(self, get) -> float | None:
+        """Least-squares growth of `get(sample)` per 1,000 requests over the second half of the rounds (the
+        samples after rounds//2 .. all rounds); None when a value is missing there or fewer than 3 points."""
+        ks = range(self.rounds // 2, self.rounds + 1)
+        points = [(k * self.requests / self.rounds, get(self.samples[k])) for k in ks]
+        if len(points) < 3 or any(v is None for _, v in points):
+            return None
+        mx, my = sum(x for x, _ in points) / len(points), sum(v for _, v in points) / len(points)
+        sxx = sum((x - mx) ** 2 for x, _ in points)
+        return 1000 * sum((x - mx) * (v - my) for x, v in points) / sxx
 
     @property
     def before(self) -> dict:
@@ -110,6 +135,12 @@ def check(result: SoakResult) -> list[str]:
             allowed += max(0, settled["cache"]["bytes"] - before["cache"]["bytes"])
         if rss - before["rss"][name] > allowed:
             out.append(f"{name}: RSS grew {(rss - before['rss'][name]) / MIB:.0f} MiB, over {allowed / MIB:.0f}")
+        slope = result.slope(lambda s, n=name: _rss_less_cache(s, n))
+        if b.max_rss_slope_mib_per_1k is not None and slope is not None and slope > b.max_rss_slope_mib_per_1k * MIB:
+            out.append(
+                f"{name}: RSS still growing {slope / MIB:.2f} MiB per 1000 requests over the second half, over "
+                f"{b.max_rss_slope_mib_per_1k:g}"
+            )
     grown = settled["store"]["bytes"] - before["store"]["bytes"]
     if grown > b.max_object_store_growth_mib * MIB:
         out.append(
@@ -122,6 +153,8 @@ def check(result: SoakResult) -> list[str]:
             f"engine after {result.settle_s:.1f}s: {e['running']} running, {e['waiting']} waiting, "
             f"kv_usage {e['kv_usage']:.6f} (blocks still held by sequences)"
         )
+    if b.log_problems:
+        out += [f"log: {line}" for line in result.logs]
     return out
 
 
@@ -133,17 +166,21 @@ def soak(
     concurrency: int = 8,
     seed: int = 0,
     warmup: int = 50,
+    rounds: int = 4,
     bounds: Bounds | None = None,
 ) -> SoakResult:
-    """Warm up, sample, drive the load in quarters (a sample after each: growth that goes on quarter after quarter
-    is a leak, growth that stops is warm-up), let it settle, sample; `violations` lists every broken bound."""
+    """Warm up, sample, drive the load in `rounds` (a sample after each: growth that goes on round after round is a
+    leak, growth that stops is warm-up or fragmentation), let it settle, sample, read the logs; `violations` lists
+    every broken bound."""
     bounds = bounds or Bounds()
     mix = Mix(seed, model=httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"])
     asyncio.run(drive(base_url, mix.cases(warmup, offset=requests), concurrency))  # not counted
     cases, outcomes, samples, elapsed = mix.cases(requests), [], [sample(app)], 0.0
-    for k in range(4):
+    logs = serve_logs(app)
+    for k in range(rounds):
         start = time.monotonic()
-        outcomes += asyncio.run(drive(base_url, cases[k * requests // 4 : (k + 1) * requests // 4], concurrency))
+        chunk = cases[k * requests // rounds : (k + 1) * requests // rounds]
+        outcomes += asyncio.run(drive(base_url, chunk, concurrency))
         elapsed += time.monotonic() - start
         samples.append(sample(app))
     settled, t0 = samples[-1], time.monotonic()
@@ -156,48 +193,9 @@ def soak(
     result = SoakResult(
         requests, concurrency, seed, elapsed, outcomes, [*samples, settled], time.monotonic() - t0, bounds
     )
+    result.logs = log_problems(logs, app)
     result.violations = check(result)
     return result
-
-
-def report(r: SoakResult) -> str:
-    lines = [
-        f"soak: {r.requests} requests, concurrency {r.concurrency}, seed {r.seed}: {r.elapsed_s:.1f}s "
-        f"({r.requests / r.elapsed_s:.1f} req/s)",
-        "",
-        f"{'category':<9}{'count':>6}{'fail':>6}{'p50 ms':>9}{'p99 ms':>9}  statuses",
-    ]
-    for category, s in r.summary().items():
-        statuses = " ".join(f"{k}:{v}" for k, v in s["statuses"].items())
-        lines.append(
-            f"{category:<9}{s['count']:>6}{s['failures']:>6}{s['p50_ms']:>9.0f}{s['p99_ms']:>9.0f}  {statuses}"
-        )
-    columns = ["before", "1/4", "2/4", "3/4", "4/4", "settled"]
-    lines += ["", f"{'measure':<30}" + "".join(f"{c:>10}" for c in columns) + f"{'delta':>10}"]
-
-    def row(name: str, get, unit: float = 1.0, fmt: str = ".1f") -> None:
-        values = [get(s) for s in r.samples]
-        shown = "".join(f"{'-' if v is None else format(v / unit, fmt):>10}" for v in values)
-        if None in (values[0], values[-1]):  # a replica the encoder autoscaler started or stopped meanwhile
-            lines.append(f"{name:<30}{shown}{'new' if values[0] is None else 'gone':>10}")
-        else:
-            lines.append(f"{name:<30}{shown}{(values[-1] - values[0]) / unit:>+10{fmt}}")
-
-    for name in sorted({n for s in r.samples for n in s["rss"]}):
-        row(f"RSS {name} MiB", lambda s, n=name: s["rss"].get(n), MIB)
-    row("object store MiB", lambda s: s["store"]["bytes"], MIB, ".2f")
-    row("object store objects", lambda s: s["store"]["objects"], fmt=".0f")
-    for key in ("running", "waiting", "kv_usage", "cancelled", "finished", "failed", "preemptions", "prefix_hits"):
-        row(f"engine {key}", lambda s, k=key: s["engine"][k], fmt=".4f" if key == "kv_usage" else ".0f")
-    for key in ("entries", "bytes", "hits", "misses"):
-        row(f"embedding cache {key}", lambda s, k=key: s["cache"][k], fmt=".0f")
-    lines += [
-        "",
-        f"settled in {r.settle_s:.1f}s; bounds: RSS +{r.bounds.max_rss_growth_mib:g} MiB per replica, "
-        f"object store +{r.bounds.max_object_store_growth_mib:g} MiB, no sequence or KV block held",
-    ]
-    lines += [f"VIOLATION {v}" for v in r.violations[:50]] or ["all bounds held"]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,16 +204,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16, help="at most 32 (the engine queue holds 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=50, help="requests before the first sample (not counted)")
+    parser.add_argument("--rounds", type=int, default=4, help="samples during the load, one after each round")
     parser.add_argument("--url", help="an app already running (default: start one here)")
     parser.add_argument("--app", default="vlm", help="its Serve application name, with --url")
     parser.add_argument("--max-rss-growth-mib", type=float, default=Bounds.max_rss_growth_mib)
     parser.add_argument("--max-object-store-growth-mib", type=float, default=Bounds.max_object_store_growth_mib)
     parser.add_argument("--settle-s", type=float, default=Bounds.settle_s)
+    parser.add_argument(
+        "--max-rss-slope-mib-per-1k", type=float, help="bound on each replica's fitted growth (default: none)"
+    )
     parser.add_argument("--json", type=Path, help="write the result (every request) here")
     args = parser.parse_args(argv)
     if not 1 <= args.concurrency <= 32:
         parser.error("--concurrency must be 1..32: past it, n=2 requests can fill the engine queue (503s)")
-    bounds = Bounds(args.max_rss_growth_mib, args.max_object_store_growth_mib, args.settle_s)
+    if args.rounds < 1 or args.requests < args.rounds:
+        parser.error("--rounds must be 1..--requests")
+    bounds = Bounds(
+        args.max_rss_growth_mib, args.max_object_store_growth_mib, args.settle_s, args.max_rss_slope_mib_per_1k
+    )
 
     def run(url: str, app: str) -> SoakResult:
         return soak(
@@ -225,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             concurrency=args.concurrency,
             seed=args.seed,
             warmup=args.warmup,
+            rounds=args.rounds,
             bounds=bounds,
         )
 

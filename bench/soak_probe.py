@@ -59,4 +59,29 @@ def sample(app: str) -> dict[str, Any]:
     }
 
 
-__all__ = ["object_store", "replica_pids", "rss_bytes", "sample"]
+def serve_logs(app: str) -> dict[Path, int]:
+    """The app's replica logs and the proxies', each with its size now (where a later `log_problems` starts)."""
+    import ray
+
+    root = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    files = [*root.glob(f"replica_{app}_*.log"), *root.glob("proxy_*.log")]
+    return {f: f.stat().st_size for f in files}
+
+
+def log_problems(offsets: dict[Path, int], app: str) -> list[str]:
+    """Lines at ERROR or above, and tracebacks, that the app's replicas and the proxies logged since `offsets`
+    (a file that appeared since, e.g. a new replica's, is read whole)."""
+    out = []
+    for f in serve_logs(app):
+        with f.open("rb") as fh:
+            fh.seek(offsets.get(f, 0))
+            text = fh.read().decode(errors="replace")
+        out += [
+            f"{f.name}: {line[:300]}"
+            for line in text.splitlines()
+            if line.startswith(("ERROR", "CRITICAL")) or line.startswith("Traceback")
+        ]
+    return out
+
+
+__all__ = ["log_problems", "object_store", "replica_pids", "rss_bytes", "sample", "serve_logs"]

@@ -20,7 +20,7 @@ from deployments.ingress.encoder_router import CostRouter
 from encoders import EncoderRunner, VisionEncoder
 from encoders.autoscaling import PENDING_COST, POLICY_PATH, TARGET_COST
 from encoders.video_decode import Video
-from schemas import AppArgs, ModelSpec
+from schemas import AppArgs, ModelSpec, quiet_client_errors
 from schemas.metrics import EncoderMetrics
 from schemas.transfer import send_tensors_out_of_band
 
@@ -54,6 +54,7 @@ class Encoder:
         model_factory: Callable[..., VisionEncoder] | None = None,
     ):
         self.args = AppArgs.model_validate(args)
+        quiet_client_errors()  # a bad image is one WARNING line, not an ERROR traceback
         send_tensors_out_of_band()
         spec = ModelSpec.from_args(self.args)
         self.metrics = EncoderMetrics()

@@ -34,6 +34,7 @@ from schemas import (
     Routed,
     TokenChunk,
     observe,
+    quiet_client_errors,
     this_replica,
 )
 from schemas.metrics import EncoderMetrics, LLMMetrics
@@ -69,6 +70,7 @@ def reserved_cpus() -> int:
 class LLM:
     def __init__(self, args: dict[str, Any], model_factory: Callable[..., Qwen2LM] | None = None):
         self.args = AppArgs.model_validate(args)
+        quiet_client_errors()  # e.g. a bad image found while its request is in the engine
         self.spec = spec = ModelSpec.from_args(self.args)  # the checkpoint's facts, read once in this replica
         device, dtype = spec.device, spec.dtype
         llm_args = self.args.llm

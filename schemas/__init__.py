@@ -21,6 +21,7 @@ from schemas.errors import (
     InvalidRequest,
     Overloaded,
     observe,
+    quiet_client_errors,
     root_cause,
 )
 from schemas.model_spec import ModelSpec
@@ -53,6 +54,7 @@ __all__ = [
     "TokenLogprob",
     "load_components",
     "observe",
+    "quiet_client_errors",
     "resolve_device",
     "resolve_dtype",
     "resolve_max_model_len",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 try:
     from ray.exceptions import (
         ActorUnavailableError,
@@ -71,10 +73,40 @@ def root_cause(e: BaseException) -> BaseException:
     return e
 
 
+class _ClientErrorsAsWarnings(logging.Filter):
+    """Serve logs every exception a replica's method raises as an ERROR with its traceback ("Request failed.").
+    A client's error (an image that does not decode, found by the Encoder) is not ours: one WARNING line with its
+    message instead. Serve's line format adds the request id."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = root_cause(record.exc_info[1]) if record.exc_info and record.exc_info[1] is not None else None
+        if isinstance(exc, InvalidRequest):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = f"Request failed: the client's error ({exc.status}): {exc.message}", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_client_errors(logger_name: str = "ray.serve") -> None:
+    """Install `_ClientErrorsAsWarnings` on Serve's logger here (each replica calls it at start; twice is once)."""
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, _ClientErrorsAsWarnings) for f in logger.filters):
+        logger.addFilter(_ClientErrorsAsWarnings())
+
+
 def observe(future) -> None:
     """A done-callback: marks a future's exception as seen (it may fail after nobody awaits it any more)."""
     if not future.cancelled():
         future.exception()
 
 
-__all__ = ["REPLICA_GONE", "ChannelLost", "EncoderUnavailable", "InvalidRequest", "Overloaded", "observe", "root_cause"]
+__all__ = [
+    "REPLICA_GONE",
+    "ChannelLost",
+    "EncoderUnavailable",
+    "InvalidRequest",
+    "Overloaded",
+    "observe",
+    "quiet_client_errors",
+    "root_cause",
+]

@@ -39,7 +39,7 @@ from deployments.ingress.text_completions import text_completion, text_sse_strea
 from deployments.ingress.tokens import TokenRoutes
 from deployments.ingress.tools import parses_tools
 from encoders import cache_scope
-from schemas import AppArgs, InvalidRequest, ModelSpec, this_replica
+from schemas import AppArgs, InvalidRequest, ModelSpec, quiet_client_errors, this_replica
 from schemas.completions import CompletionRequest
 from schemas.metrics import IngressMetrics
 from schemas.openai import ChatCompletionRequest
@@ -52,6 +52,7 @@ logger = logging.getLogger("ray.serve")
 class Ingress:
     def __init__(self, encoder: DeploymentHandle | None, llm: DeploymentHandle, args: dict[str, Any]):
         self.args = AppArgs.model_validate(args)
+        quiet_client_errors()
         self.hub = ChannelHub(llm, this_replica())  # the token channels to the LLM replicas (ingress/channel.py)
         self.prep = Preparer(self.args, ModelSpec.from_args(self.args))  # the checkpoint's facts, read once here
         self.tokenizer, self.max_model_len = self.prep.tokenizer, self.prep.max_model_len

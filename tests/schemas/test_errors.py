@@ -1,0 +1,29 @@
+"""A client's error raised in a replica is one WARNING line; our own errors keep their ERROR and traceback."""
+
+from __future__ import annotations
+
+import logging
+
+from schemas import InvalidRequest, quiet_client_errors
+
+
+def _log_failure(logger: logging.Logger, error: Exception) -> None:
+    try:
+        raise error
+    except Exception:
+        logger.exception("Request failed.")  # what Serve's replica does with any exception a method raises
+
+
+def test_a_client_error_is_one_warning_line_and_ours_keep_the_traceback(caplog):
+    logger = logging.getLogger("tests.quiet_client_errors")
+    quiet_client_errors(logger.name)
+    quiet_client_errors(logger.name)  # twice is once
+    assert len(logger.filters) == 1
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        _log_failure(logger, InvalidRequest("image 0: image file is truncated", param="messages"))
+        _log_failure(logger, RuntimeError("the engine stopped"))
+    client, ours = caplog.records
+    assert (client.levelno, client.exc_info) == (logging.WARNING, None)
+    assert "client's error (400): image 0: image file is truncated" in client.getMessage()
+    assert "Traceback" not in caplog.handler.format(client)
+    assert ours.levelno == logging.ERROR and ours.exc_info is not None and ours.getMessage() == "Request failed."
