@@ -1,34 +1,96 @@
-"""The Encoder deployment's autoscaling policy: as many replicas as the encoder work pending needs, by cost.
+"""The Encoder deployment's autoscaling policy: as many replicas as the encoder work pending and arriving needs.
 
 Each Encoder replica reports, through Serve's custom autoscaling metrics (`record_autoscaling_stats`), the cost of
-the images it has queued and running (encoders/cost.py, GFLOP) and the cost one replica should hold
-(`encoder.target_cost_per_replica`). Serve's controller runs `cost_policy` (it pickles this module by value: keep
-it free of the project's imports), then applies min/max_replicas and upscale/downscale_delay_s as for its own
-policy. serve_config.yaml names it; without `policy:` the Encoder scales on requests in flight, Serve's default."""
+the images it has queued and running (encoders/cost.py, GFLOP), the cost that arrived at it over the last window
+scaled to one target queueing delay (the leading signal: it rises with the arrival rate, before a queue builds), the
+mean cost of an image it took, and the cost one replica should hold (`encoder.target_cost_per_replica`, by default
+its measured GFLOP/s times `encoder.target_queue_delay_s`). Images the ingress could not place yet (every replica
+at `max_ongoing_requests`) are Serve's own handle metric, `total_queued_requests`; they count at the mean cost.
+Serve's controller runs `cost_policy` (it pickles this module by value: keep it free of the project's imports), then
+applies min/max_replicas and upscale/downscale_delay_s as for its own policy. serve_config.yaml names it; without
+`policy:` the Encoder scales on requests in flight, Serve's default."""
 
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 PENDING_COST = "pending_cost"  # GFLOP of encoder work queued and running on a replica
+ARRIVING_COST = "arriving_cost"  # GFLOP arriving at a replica per target queueing delay (rate x delay)
+MEAN_COST = "mean_cost"  # GFLOP of an image (or video chunk) a replica took, on average over the window
 TARGET_COST = "target_cost"  # GFLOP of pending work one replica should hold
 POLICY_PATH = "encoders.autoscaling:cost_policy"
+WINDOW_S = 5.0  # the arrival meter's window: long enough to see a rate, short enough to follow a step
 
 
-def desired_replicas(pending: dict[Any, float], targets: dict[Any, float], current: int) -> int:
-    """ceil(total pending cost / target cost per replica); `current` while no replica has reported a target."""
+class ArrivalMeter:
+    """The cost that arrived over the last `window_s` seconds: its rate (GFLOP/s) and the mean cost of one arrival."""
+
+    def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        self.window_s, self.clock = window_s, clock
+        self._arrivals: deque[tuple[float, float]] = deque()  # (when, cost)
+
+    def add(self, cost: float) -> None:
+        self._arrivals.append((self.clock(), cost))
+        self._trim()
+
+    def _trim(self) -> None:
+        cutoff = self.clock() - self.window_s
+        while self._arrivals and self._arrivals[0][0] < cutoff:
+            self._arrivals.popleft()
+
+    def rate(self) -> float:
+        self._trim()
+        return sum(cost for _, cost in self._arrivals) / self.window_s
+
+    def mean(self) -> float:
+        self._trim()
+        return sum(cost for _, cost in self._arrivals) / len(self._arrivals) if self._arrivals else 0.0
+
+
+def desired_replicas(
+    pending: dict[Any, float],
+    targets: dict[Any, float],
+    current: int,
+    arriving: dict[Any, float] | None = None,
+    queued_cost: float = 0.0,
+) -> int:
+    """ceil(max(pending + queued at the handles, arriving) / target cost per replica): enough replicas to drain
+    what is waiting within the target delay, and to keep up with what arrives; `current` while no replica has
+    reported a target. The max, not the sum: work that arrived recently is also in `pending` while it waits."""
     target = max(targets.values(), default=0.0)
     if target <= 0:
         return current
-    return math.ceil(sum(pending.values()) / target)
+    need = max(sum(pending.values()) + queued_cost, sum((arriving or {}).values()))
+    return math.ceil(need / target)
 
 
 def cost_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
     """Serve's `autoscaling_config.policy.policy_function` (an AutoscalingContext in; replicas and policy state
     out). The metrics are each replica's values averaged over `look_back_period_s` (Serve's aggregation)."""
     metrics = ctx.aggregated_metrics or {}
-    return desired_replicas(metrics.get(PENDING_COST, {}), metrics.get(TARGET_COST, {}), ctx.target_num_replicas), {}
+    means = [m for m in metrics.get(MEAN_COST, {}).values() if m > 0]
+    queued_cost = (ctx.total_queued_requests or 0.0) * (sum(means) / len(means) if means else 0.0)
+    replicas = desired_replicas(
+        metrics.get(PENDING_COST, {}),
+        metrics.get(TARGET_COST, {}),
+        ctx.target_num_replicas,
+        metrics.get(ARRIVING_COST, {}),
+        queued_cost,
+    )
+    return replicas, {}
 
 
-__all__ = ["PENDING_COST", "POLICY_PATH", "TARGET_COST", "cost_policy", "desired_replicas"]
+__all__ = [
+    "ARRIVING_COST",
+    "MEAN_COST",
+    "PENDING_COST",
+    "POLICY_PATH",
+    "TARGET_COST",
+    "ArrivalMeter",
+    "cost_policy",
+    "desired_replicas",
+]

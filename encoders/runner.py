@@ -5,6 +5,7 @@ Used by the Encoder deployment, and by the LLM replica itself in colocated mode 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,9 @@ from encoders.placement import check_worst_case, place_projector
 from encoders.video_decode import Video
 from schemas import EncoderArgs, VideoArgs, resolve_device, resolve_dtype
 from schemas.model_spec import ModelSpec
+
+logger = logging.getLogger("ray.serve")
+MEASURE_SIZE, MEASURE_BATCH = (448, 448), 4  # the start-up throughput measurement: a batch of typical chat images
 
 
 def _part(device: str | None, dtype: str | None, default: tuple[str, torch.dtype]) -> tuple[str, torch.dtype]:
@@ -57,6 +61,7 @@ class EncoderRunner:
                 raise ValueError(f"{Path(model_dir).name}: this family's projector cannot be placed on its own")
             place_projector(self.encoder, family.projector, torch.device(projector[0]), projector[1])
         self.parts = {"vision": vision, "projector": projector}
+        self.gflops: float | None = None  # measured at start, after the start-up check's warm forward
         if opts.startup_check:  # the batcher's worst forward: as many largest images as max_batch_patches holds
             w, h = self.processing.worst_case_size()
             image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8))
@@ -68,6 +73,7 @@ class EncoderRunner:
                 f"{count} x {w}x{h}: {count * largest[0].shape[0]} patches of encoder.max_batch_patches "
                 f"{opts.max_batch_patches}, {self.processing.max_image_tokens} tokens an image",
             )
+            self.gflops = self._measure_gflops(spec, opts.max_batch_patches)
         self.jpeg_draft = opts.jpeg_draft
         self.batcher = ImageBatcher(
             self.encoder.forward,
@@ -75,6 +81,18 @@ class EncoderRunner:
             max_wait_s=opts.max_batch_wait_ms / 1000,
             on_batch=on_batch,
         )
+
+    def _measure_gflops(self, spec: ModelSpec, max_batch_patches: int) -> float:
+        """GFLOP/s (encoders/cost.py's estimate) of one forward of a batch of typical chat images, timed warm."""
+        w, h = MEASURE_SIZE
+        image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (h, w, 3), dtype=np.uint8))
+        one = self.encoder.preprocess(image)
+        count = max(1, min(MEASURE_BATCH, max_batch_patches // one[0].shape[0]))
+        start = time.perf_counter()
+        [t.cpu() for t in self.encoder.forward([one] * count)]  # .cpu(): waits for the device
+        gflops = count * spec.image_cost.gflop(self.processing.grid_thw(w, h)) / (time.perf_counter() - start)
+        logger.info("encoder throughput: %.1f GFLOP/s on %d images of %dx%d", gflops, count, w, h)
+        return gflops
 
     def _preprocess(self, data: bytes) -> Preprocessed:
         if self.jpeg_draft:  # decode at a reduced scale where the target size allows (JPEG only)

@@ -18,13 +18,14 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.ingress.encoder_router import CostRouter
 from encoders import EncoderRunner, VisionEncoder
-from encoders.autoscaling import PENDING_COST, POLICY_PATH, TARGET_COST
+from encoders.autoscaling import ARRIVING_COST, MEAN_COST, PENDING_COST, POLICY_PATH, TARGET_COST, ArrivalMeter
 from encoders.video_decode import Video
-from schemas import AppArgs, ModelSpec, quiet_client_errors
+from schemas import AppArgs, EncoderArgs, ModelSpec, quiet_client_errors
 from schemas.metrics import EncoderMetrics
 from schemas.transfer import send_tensors_out_of_band
 
 logger = logging.getLogger("ray.serve")
+DEFAULT_TARGET_COST = 10.0  # GFLOP: about 0.4 s of a 2-core CPU replica on the demo model
 
 
 # NOTE: the router (it runs in the callers, the ingress replicas) is set here, as the LLM's: `serve deploy` imports a
@@ -68,6 +69,8 @@ class Encoder:
         )
         self.num_cancelled = 0
         self.pending_cost = 0.0  # GFLOP of the images queued and running here (the autoscaling metric)
+        self.arrivals = ArrivalMeter()  # GFLOP of the images that came to be encoded here, lately
+        self.target_cost = self._target_cost(self.args.encoder, self.runner.gflops)
         self.cache = cache if self.args.encoder.cache_gib > 0 else None
         self._puts: set[asyncio.Task] = set()
         logger.info(
@@ -77,6 +80,18 @@ class Encoder:
             spec.dtype,
             "on" if self.cache is not None else "off",
         )
+
+    @staticmethod
+    def _target_cost(opts: EncoderArgs, gflops: float | None) -> float:
+        """The cost policy's target for one replica: as set, else what this replica encodes in the target delay."""
+        if opts.target_cost_per_replica is not None:
+            target, why = opts.target_cost_per_replica, "set"
+        elif gflops is not None:
+            target, why = gflops * opts.target_queue_delay_s, f"{gflops:.1f} GFLOP/s x {opts.target_queue_delay_s:g} s"
+        else:
+            target, why = DEFAULT_TARGET_COST, "no start-up check to measure this replica: the fixed default"
+        logger.info("encoder autoscaling: target %.2f GFLOP per replica (%s)", target, why)
+        return target
 
     async def _cached(self, key: str) -> torch.Tensor | None:
         try:
@@ -103,6 +118,8 @@ class Encoder:
                 if (hit := await self._cached(key)) is not None:
                     self.metrics.cache_hits.inc()
                     return hit
+            if cost:  # the leading signal counts work to do: a cache hit is none
+                self.arrivals.add(cost)
             embeds = await self.runner.encode(image)
         except asyncio.CancelledError:  # the client went away: the image leaves the batch queue unencoded
             self.num_cancelled += 1
@@ -127,4 +144,9 @@ class Encoder:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics, read by the cost policy (encoders/autoscaling.py)."""
-        return {PENDING_COST: max(0.0, self.pending_cost), TARGET_COST: self.args.encoder.target_cost_per_replica}
+        return {
+            PENDING_COST: max(0.0, self.pending_cost),
+            ARRIVING_COST: self.arrivals.rate() * self.args.encoder.target_queue_delay_s,
+            MEAN_COST: self.arrivals.mean(),
+            TARGET_COST: self.target_cost,
+        }

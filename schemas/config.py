@@ -159,14 +159,20 @@ class EncoderArgs(_Strict):
     timeout_s: float = Field(
         30.0, gt=0.0, description="Longest wait for an image's embedding; then it is retried once, then 503."
     )
-    target_cost_per_replica: float = Field(
-        10.0,
+    target_cost_per_replica: float | None = Field(
+        None,
         gt=0.0,
         description="Encoder work (GFLOP of ViT + projector, estimated from each image's size) that one Encoder "
-        "replica should have queued and running; the cost policy runs ceil(total / this) replicas. Set it to a "
-        "replica's GFLOP/s times the queueing delay you accept (the default: about 0.4 s of a 2-core CPU replica "
-        "on the demo model); the Encoder's autoscaling_config names the policy (without it, Serve's count of "
-        "requests in flight, target_ongoing_requests).",
+        "replica should have queued and running; the cost policy runs ceil(total / this) replicas. Default: the "
+        "replica's GFLOP/s, measured at start by the start-up check, times target_queue_delay_s (10 without the "
+        "check). The Encoder's autoscaling_config names the policy (without it, Serve's count of requests in "
+        "flight, target_ongoing_requests).",
+    )
+    target_queue_delay_s: float = Field(
+        0.5,
+        gt=0.0,
+        description="The queueing delay the cost policy aims at: the default target cost per replica is this much "
+        "of its measured work, and cost arriving at this rate per replica or more asks for another replica.",
     )
     jpeg_draft: bool = Field(
         False, description="Decode large JPEGs at reduced size (faster; pixels differ slightly from a full decode)."

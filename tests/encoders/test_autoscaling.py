@@ -9,7 +9,18 @@ from ray.serve import autoscaling_policy as serve_policy
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from encoders.autoscaling import PENDING_COST, POLICY_PATH, TARGET_COST, cost_policy, desired_replicas
+from encoders.autoscaling import (
+    ARRIVING_COST,
+    MEAN_COST,
+    PENDING_COST,
+    POLICY_PATH,
+    TARGET_COST,
+    ArrivalMeter,
+    cost_policy,
+    desired_replicas,
+)
+from encoders.server import DEFAULT_TARGET_COST, Encoder
+from schemas import EncoderArgs
 
 ENCODER = DeploymentID(name="Encoder", app_name="vlm")
 REPLICAS = [ReplicaID(f"r{i}", ENCODER) for i in range(3)]
@@ -31,7 +42,9 @@ def test_a_few_large_images_scale_where_counting_requests_would_not():
     assert desired_replicas({REPLICAS[0]: 50 * 0.01}, target, current=1) == 1
 
 
-def _context(pending: dict, current: int, target: int, state: dict, config: AutoscalingConfig) -> AutoscalingContext:
+def _context(
+    pending: dict, current: int, target: int, state: dict, config: AutoscalingConfig, queued: float = 0.0, **metrics
+) -> AutoscalingContext:
     return AutoscalingContext(
         deployment_id=ENCODER,
         deployment_name="Encoder",
@@ -40,8 +53,8 @@ def _context(pending: dict, current: int, target: int, state: dict, config: Auto
         target_num_replicas=target,
         running_replicas=REPLICAS[:current],
         total_num_requests=float(len(pending)),
-        total_queued_requests=0.0,
-        aggregated_metrics={PENDING_COST: pending, TARGET_COST: {r: 10.0 for r in pending}},
+        total_queued_requests=queued,
+        aggregated_metrics={PENDING_COST: pending, TARGET_COST: {r: 10.0 for r in pending}, **metrics},
         raw_metrics={},
         capacity_adjusted_min_replicas=config.min_replicas,
         capacity_adjusted_max_replicas=config.max_replicas,
@@ -84,3 +97,46 @@ def test_the_count_policy_stays_selectable(policy):
     extra = {"policy": policy} if policy else {}
     config = AutoscalingConfig(min_replicas=1, max_replicas=2, target_ongoing_requests=4, **extra)
     assert config.policy.is_default_policy_function() is (policy is None)
+
+
+def test_cost_arriving_faster_than_the_replicas_drain_it_scales_before_a_queue_builds():
+    """The leading signal: 25 GFLOP arrived per target delay while 1 is pending (the replica keeps up so far, its
+    queue is short): 3 replicas. Pending work is not counted twice: what just arrived is also pending."""
+    target = {REPLICAS[0]: 10.0}
+    assert desired_replicas({REPLICAS[0]: 1.0}, target, 1, arriving={REPLICAS[0]: 25.0}) == 3
+    assert desired_replicas({REPLICAS[0]: 1.0}, target, 1) == 1  # the lagging signal alone: not yet
+    assert desired_replicas({REPLICAS[0]: 25.0}, target, 1, arriving={REPLICAS[0]: 25.0}) == 3  # max, not sum
+
+
+def test_images_queued_at_the_ingress_count_at_the_mean_cost():
+    """Every replica at max_ongoing_requests: Serve counts the calls waiting in the ingress's handle
+    (total_queued_requests); the policy prices them at the replicas' mean image cost."""
+    config = AutoscalingConfig(min_replicas=1, max_replicas=8, policy={"policy_function": POLICY_PATH})
+    pending = {REPLICAS[0]: 5.0}
+    ctx = _context(pending, 1, 1, {}, config, queued=20.0, **{MEAN_COST: {REPLICAS[0]: 1.0}})
+    assert cost_policy(ctx)[0] == 3  # ceil((5 + 20 x 1) / 10)
+    assert cost_policy(_context(pending, 1, 1, {}, config, queued=20.0))[0] == 1  # no mean reported: priced at 0
+    ctx = _context(pending, 1, 1, {}, config, **{ARRIVING_COST: {REPLICAS[0]: 41.0}})
+    assert cost_policy(ctx)[0] == 5
+
+
+def test_the_arrival_meter_is_the_cost_over_its_window():
+    now = [0.0]
+    meter = ArrivalMeter(window_s=5.0, clock=lambda: now[0])
+    assert meter.rate() == meter.mean() == 0.0
+    for cost in (2.0, 4.0, 6.0):
+        meter.add(cost)
+        now[0] += 1.0
+    assert meter.rate() == 12.0 / 5 and meter.mean() == 4.0
+    now[0] = 6.5  # the first arrival (t=0) and the second (t=1) are out of the window
+    assert meter.rate() == 6.0 / 5 and meter.mean() == 6.0
+    now[0] = 100.0
+    assert meter.rate() == meter.mean() == 0.0
+
+
+@pytest.mark.parametrize(
+    ("set_to", "gflops", "expected"), [(7.0, 40.0, 7.0), (None, 40.0, 20.0), (None, None, DEFAULT_TARGET_COST)]
+)
+def test_the_target_is_as_set_else_the_measured_rate_times_the_delay(set_to, gflops, expected):
+    opts = EncoderArgs(target_cost_per_replica=set_to, target_queue_delay_s=0.5)
+    assert Encoder.func_or_class._target_cost(opts, gflops) == expected

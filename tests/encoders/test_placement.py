@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
 
 from encoders import EncoderRunner, Qwen2VLVisionEncoder
+from encoders.runner import MEASURE_BATCH, MEASURE_SIZE
 from schemas import EncoderArgs, ModelSpec
 from tests.helpers import make_image
 
@@ -28,6 +30,17 @@ def test_bf16_tower_with_an_fp32_projector(checkpoint):
     assert out.dtype == torch.float32 and out.shape == full.shape
     error = ((out - full).norm() / full.norm()).item()
     assert 0 < error < 0.05, error  # a bf16 tower: close to the fp32 answer, not equal to it
+
+
+SLOW_S = 0.3
+
+
+def runner_spec(checkpoint) -> ModelSpec:
+    return ModelSpec.load(checkpoint, device="cpu", dtype="float32")
+
+
+def _runner_of(checkpoint, factory) -> EncoderRunner:
+    return EncoderRunner(runner_spec(checkpoint), EncoderArgs(), model_factory=factory)
 
 
 def test_parts_default_to_the_app_device_and_dtype(checkpoint):
@@ -52,11 +65,33 @@ def test_startup_check_encodes_the_worst_batch_and_logs_it(checkpoint, caplog, b
         spec = ModelSpec.load(checkpoint, device="cpu", dtype="float32")
         runner = EncoderRunner(spec, EncoderArgs(max_batch_patches=budget), model_factory=_Recording)
     side, largest = int(runner.processing.max_pixels**0.5), runner.processing.max_image_tokens * 4  # 2x2 merge
-    (batch,) = _Recording.batches
+    batch, measured = _Recording.batches
     assert batch == [largest] * max(1, budget // largest)  # 256 patches an image: 3, 1 and 1 of them
     assert f"largest batch ({len(batch)} x {side}x{side}: {sum(batch)} patches of encoder.max_batch_patches " in (
         caplog.text
     )
+    # ...then, warm, a batch of typical images: this replica's GFLOP/s, the cost policy's default target
+    assert measured == [measured[0]] * min(MEASURE_BATCH, max(1, budget // measured[0]))
+    assert runner.gflops > 0 and f"encoder throughput: {runner.gflops:.1f} GFLOP/s on {len(measured)} images" in (
+        caplog.text
+    )
+
+
+class _Slow(Qwen2VLVisionEncoder):
+    def forward(self, batch):
+        time.sleep(SLOW_S)
+        return super().forward(batch)
+
+
+def test_the_measured_rate_is_the_cost_of_the_batch_over_its_time(checkpoint):
+    runner = _runner_of(checkpoint, _Slow)
+    w, h = MEASURE_SIZE
+    work = MEASURE_BATCH * runner_spec(checkpoint).image_cost.gflop(runner.processing.grid_thw(w, h))
+    assert work / (SLOW_S + 5.0) < runner.gflops < work / SLOW_S  # the sleep, plus the tiny ViT on a loaded CPU
+
+
+def test_no_startup_check_measures_nothing(checkpoint):
+    assert _runner(checkpoint, startup_check=False).gflops is None
 
 
 class _TooBig(Qwen2VLVisionEncoder):
