@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from bench.soak_mix import MIX, Mix, Outcome, drive
-from bench.soak_probe import log_problems, sample, serve_logs
+from bench.soak_probe import UPSTREAM, log_problems, sample, serve_logs
 from bench.soak_report import MIB, report
 
 __all__ = ["Bounds", "Mix", "SoakResult", "check", "report", "soak"]
@@ -154,7 +154,7 @@ def check(result: SoakResult) -> list[str]:
             f"kv_usage {e['kv_usage']:.6f} (blocks still held by sequences)"
         )
     if b.log_problems:
-        out += [f"log: {line}" for line in result.logs]
+        out += [f"log: {line}" for line in result.logs if not any(u in line for u in UPSTREAM)]
     return out
 
 

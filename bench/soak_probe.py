@@ -60,28 +60,41 @@ def sample(app: str) -> dict[str, Any]:
 
 
 def serve_logs(app: str) -> dict[Path, int]:
-    """The app's replica logs and the proxies', each with its size now (where a later `log_problems` starts)."""
+    """The app's replica logs, the proxies', and what its replica processes wrote to stderr (asyncio and Python's own
+    tracebacks land there), each with its size now (where a later `log_problems` starts)."""
     import ray
 
-    root = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-    files = [*root.glob(f"replica_{app}_*.log"), *root.glob("proxy_*.log")]
+    root = Path(ray._private.worker._global_node.get_logs_dir_path())
+    pids = replica_pids(app).values()
+    files = [
+        *(root / "serve").glob(f"replica_{app}_*.log"),
+        *(root / "serve").glob("proxy_*.log"),
+        *(f for pid in pids for f in root.glob(f"worker-*-{pid}.err")),
+    ]
     return {f: f.stat().st_size for f in files}
+
+
+# Ray Serve's own errors, not ours: counted apart. Its request router sets the result of a request that its caller
+# cancelled meanwhile (seen on the Encoder's calls to the EmbeddingCache, Ray 2.60).
+UPSTREAM = ("Unexpected error in _fulfill_pending_requests",)
 
 
 def log_problems(offsets: dict[Path, int], app: str) -> list[str]:
     """Lines at ERROR or above, and tracebacks, that the app's replicas and the proxies logged since `offsets`
     (a file that appeared since, e.g. a new replica's, is read whole)."""
     out = []
-    for f in serve_logs(app):
+    for f in {**serve_logs(app), **offsets}:
+        if not f.exists():
+            continue
         with f.open("rb") as fh:
             fh.seek(offsets.get(f, 0))
             text = fh.read().decode(errors="replace")
         out += [
             f"{f.name}: {line[:300]}"
             for line in text.splitlines()
-            if line.startswith(("ERROR", "CRITICAL")) or line.startswith("Traceback")
+            if line.startswith(("ERROR", "CRITICAL", "Traceback")) or "exception was never retrieved" in line
         ]
     return out
 
 
-__all__ = ["log_problems", "object_store", "replica_pids", "rss_bytes", "sample", "serve_logs"]
+__all__ = ["UPSTREAM", "log_problems", "object_store", "replica_pids", "rss_bytes", "sample", "serve_logs"]

@@ -11,6 +11,7 @@ try:
         ObjectLostError,
         RayActorError,
         RayTaskError,
+        TaskCancelledError,
         WorkerCrashedError,
     )
 
@@ -26,6 +27,7 @@ try:
 except ImportError:  # NOTE: the engine runs without Ray too (bench/gpu_decode.py on a bare GPU machine): no replica
     RayTaskError = None  # to lose, no wrapper to unwrap.
     REPLICA_GONE = ()
+    TaskCancelledError = None
 
 
 class InvalidRequest(ValueError):
@@ -87,11 +89,26 @@ class _ClientErrorsAsWarnings(logging.Filter):
         return True
 
 
+class _DisconnectsAsInfo(logging.Filter):
+    """When a client closes its connection mid-response, Serve's HTTP entrypoint leaves a task failed with
+    TaskCancelledError that nobody awaits; asyncio logs it as an ERROR traceback ("Task exception was never
+    retrieved"). A client leaving is not an error here: one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if TaskCancelledError is not None and isinstance(exc, TaskCancelledError):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = "a client closed its connection mid-response (%s)", (str(exc),)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def quiet_client_errors(logger_name: str = "ray.serve") -> None:
-    """Install `_ClientErrorsAsWarnings` on Serve's logger here (each replica calls it at start; twice is once)."""
-    logger = logging.getLogger(logger_name)
-    if not any(isinstance(f, _ClientErrorsAsWarnings) for f in logger.filters):
-        logger.addFilter(_ClientErrorsAsWarnings())
+    """The two filters above, on Serve's logger and asyncio's (each replica calls it at start; twice is once)."""
+    for name, kind in ((logger_name, _ClientErrorsAsWarnings), ("asyncio", _DisconnectsAsInfo)):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
 
 
 def observe(future) -> None:

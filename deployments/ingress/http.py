@@ -14,7 +14,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from schemas import REPLICA_GONE, InvalidRequest, Overloaded, root_cause
+from schemas import REPLICA_GONE, EncoderUnavailable, InvalidRequest, Overloaded, root_cause
 from schemas.openai import ErrorBody, ErrorDetail
 
 logger = logging.getLogger("ray.serve")
@@ -89,6 +89,11 @@ def error_body(e: BaseException, request_id: str) -> tuple[int, dict[str, str], 
         message = "the replica serving this request went away; retry"
         detail = ErrorDetail(message=message, type="server_error", code="replica_lost")
         return 503, {"Retry-After": "5"}, ErrorBody(error=detail)
+    if isinstance(e, EncoderUnavailable):  # an image lost with the stream under way, or its request cancelled
+        logger.warning("request %s: %s", request_id, e.message)
+        message = "an image of this request could not be encoded (its encoder replica went away); retry"
+        detail = ErrorDetail(message=message, type="server_error", code="encoder_unavailable")
+        return 503, {"Retry-After": "2"}, ErrorBody(error=detail)
     if isinstance(e, DeploymentUnavailableError):  # its replicas could not start (a failed redeploy): not a bug here
         logger.warning("request %s: %s", request_id, e.message)
         message = "no replica of the model can take requests now; retry later"

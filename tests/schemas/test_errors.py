@@ -27,3 +27,17 @@ def test_a_client_error_is_one_warning_line_and_ours_keep_the_traceback(caplog):
     assert "client's error (400): image 0: image file is truncated" in client.getMessage()
     assert "Traceback" not in caplog.handler.format(client)
     assert ours.levelno == logging.ERROR and ours.exc_info is not None and ours.getMessage() == "Request failed."
+
+
+def test_a_task_left_failed_by_a_client_that_left_is_one_info_line(caplog):
+    """What asyncio logs for Serve's HTTP task when a client closes its connection mid-response."""
+    from ray.exceptions import TaskCancelledError
+
+    quiet_client_errors()
+    asyncio_logger = logging.getLogger("asyncio")
+    with caplog.at_level(logging.DEBUG, logger="asyncio"):
+        for error in (TaskCancelledError(), RuntimeError("a real bug")):
+            asyncio_logger.error("Task exception was never retrieved", exc_info=(type(error), error, None))
+    left, bug = caplog.records
+    assert (left.levelno, left.exc_info) == (logging.INFO, None) and "closed its connection" in left.getMessage()
+    assert bug.levelno == logging.ERROR and bug.exc_info is not None

@@ -13,7 +13,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from starlette.requests import Request
 
 from deployments.ingress.http import error_body, read_json
-from schemas import InvalidRequest
+from schemas import EncoderUnavailable, InvalidRequest
 
 
 def _request(chunks: list[bytes | str | BaseException], content_length: int | None = None) -> Request:
@@ -67,6 +67,15 @@ def test_a_lost_replica_is_a_503_to_retry_and_not_a_500(caplog, lost):
     with caplog.at_level(logging.WARNING, logger="ray.serve"):
         status, headers, body = error_body(lost, "chatcmpl-x")
     assert (status, headers, body.error.code) == (503, {"Retry-After": "5"}, "replica_lost")
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] and not caplog.records[0].exc_info
+
+
+def test_an_image_lost_once_the_stream_is_under_way_is_a_503_to_retry(caplog):
+    """The ingress re-encodes an image lost before the first token; one lost after it (or whose encoder call was
+    cancelled with its request) still fails its request, as a 503 the client may retry: never a 500."""
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        status, headers, body = error_body(EncoderUnavailable("no embeddings for images [0]", [0]), "chatcmpl-x")
+    assert (status, headers, body.error.code) == (503, {"Retry-After": "2"}, "encoder_unavailable")
     assert [r.levelno for r in caplog.records] == [logging.WARNING] and not caplog.records[0].exc_info
 
 
