@@ -100,6 +100,8 @@ class TokenStream:
                     put(item)
                 elif not item.via_channel:
                     self.hub.open(item.replica_id)
+                elif self.request_id not in self.hub.routes:  # closed meanwhile (the client left): attach nothing
+                    return
                 elif item.replica_id in self.hub.readers:
                     self.replica = item.replica_id
                     self.hub.attached.setdefault(item.replica_id, set()).add(self.request_id)

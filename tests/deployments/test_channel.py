@@ -187,3 +187,28 @@ def test_an_error_on_the_own_stream_reaches_the_client():
             await _next(stream)
 
     _run(go())
+
+
+def test_a_stream_closed_before_its_replica_is_known_leaves_nothing_attached():
+    """A client that leaves before the LLM replica said where the chunks come from: when that word arrives after
+    the close, the request id must not stay attached to the channel for good (it grew the ingress with every such
+    request in a 30,000-request soak)."""
+
+    async def go():
+        hub = ChannelHub(_LLM(_Call([], asyncio.Event())), "ing")
+        hub.open("r1")
+        routed = asyncio.Event()
+
+        class Late(_Call):
+            async def _gen(self):
+                await routed.wait()
+                yield Routed("r1", via_channel=True)
+
+        stream = TokenStream(hub, Late([]), "req-0")
+        await asyncio.sleep(0.01)
+        stream.close(cancel=False)
+        routed.set()
+        await asyncio.wait_for(stream._pump, 2)
+        assert hub.attached.get("r1", set()) == set() and "req-0" not in hub.routes
+
+    _run(go())
