@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install image browser checkpoint serve serve-env lint test test-fast docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer bench-structured bench-video soak clean
+.PHONY: install image browser checkpoint serve serve-env lint test test-fast docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer bench-structured bench-video bench-encoder-scaling soak clean
 
 install: $(STAMP)
 
@@ -129,6 +129,10 @@ bench-structured: $(STAMP)
 # and with 2, then its probe, decoding and ViT seconds in one process.
 bench-video: $(STAMP)
 	$(PY) -m bench.video $(BENCH_ARGS)
+
+# The encoder tier under a load step of mixed image sizes, count policy and router against cost (bench/encoder_scaling.py).
+bench-encoder-scaling: $(STAMP)
+	$(PY) -m bench.encoder_scaling $(SCALING_ARGS)
 
 # A bounded soak (bench/soak.py): thousands of good, bad, cancelled and streaming requests, then no 5xx, bounded
 # replica memory and object store growth, no KV blocks held. `make soak SOAK_ARGS="--requests 300"`: a short one.

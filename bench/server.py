@@ -47,7 +47,7 @@ def bench_checkpoint(root: Path, params: dict = CHECKPOINT_PARAMS) -> Path:
     return out
 
 
-def _wait_healthy(base_url: str, deadline_s: float) -> None:
+def wait_healthy(base_url: str, deadline_s: float) -> None:
     """serve.run returns once replicas are up; the proxy's route table can lag behind it by a moment."""
     end = time.monotonic() + deadline_s
     while True:
@@ -72,24 +72,40 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 @contextmanager
-def serve_app(
-    checkpoint: Path, *, max_images: int, max_model_len: int = 4096, overrides: dict | None = None
-) -> Iterator[str]:
-    """Ray + Serve in this process, our app at route /; always shut down, even when the run fails."""
+def ray_serve(num_cpus: int = 4) -> Iterator[int]:
+    """Ray + Serve in this process, HTTP on a free port (yielded); always shut down, even when the run fails."""
     import ray
     from ray import serve
-
-    from deployments import build_app
 
     # NOTE: as tests/conftest.py: Serve's default proxy readiness checks (5 s / 10 s) kill the
     # proxy on a loaded 2-core machine; the controller reads these from the driver's environment at ray.init.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="warning")
     try:
         port = free_port()
-        quiet = {"log_level": "WARNING", "enable_access_log": False}  # per-request INFO lines would drown the report
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=QUIET)
+        yield port
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+QUIET = {"log_level": "WARNING", "enable_access_log": False}  # per-request INFO lines would drown the report
+
+
+@contextmanager
+def serve_app(
+    checkpoint: Path, *, max_images: int, max_model_len: int = 4096, overrides: dict | None = None
+) -> Iterator[str]:
+    """Our app at route / of an in-process Ray Serve (`ray_serve`)."""
+    from ray import serve
+
+    from deployments import build_app
+
+    with ray_serve() as port:
         args = _merge(
             {
                 "model": str(checkpoint),
@@ -98,15 +114,10 @@ def serve_app(
             },
             overrides or {},
         )
-        serve.run(build_app(args), name="bench", route_prefix="/", logging_config=quiet)
+        serve.run(build_app(args), name="bench", route_prefix="/", logging_config=QUIET)
         base_url = f"http://127.0.0.1:{port}"
-        _wait_healthy(base_url, 120)
+        wait_healthy(base_url, 120)
         yield base_url
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
 
 
 def served_model_name(base_url: str) -> str:

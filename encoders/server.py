@@ -139,8 +139,8 @@ class Encoder:
         if cost > 0:  # NOTE: Ray counters refuse inc(0)
             self.metrics.cost.inc(cost)
 
-    async def stats(self) -> dict[str, int]:
-        return {**self.runner.stats(), "cancelled": self.num_cancelled}
+    async def stats(self) -> dict[str, float]:
+        return {**self.runner.stats(), "cancelled": self.num_cancelled, "target_cost": self.target_cost}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics, read by the cost policy (encoders/autoscaling.py)."""

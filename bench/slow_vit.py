@@ -1,0 +1,27 @@
+"""A ViT slowed in proportion to its work, for the encoder-tier benchmarks: each batched forward first sleeps for the
+batch's cost (encoders/cost.py's GFLOP estimate) times `seconds_per_gflop`, then runs the real tiny tower. A sleep
+takes no core, so on a 2-core machine each replica adds capacity as a GPU of its own would, and a large image takes
+as much longer than a thumbnail as it would on a real tower."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from encoders import Qwen2VLVisionEncoder
+from schemas import ModelSpec
+
+
+class SlowViT(Qwen2VLVisionEncoder):
+    def __init__(self, model_dir, device="cpu", dtype=torch.float32, *, seconds_per_gflop: float, config=None):
+        super().__init__(model_dir, device, dtype, config=config)
+        self.cost = ModelSpec.load(model_dir, device=device).image_cost
+        self.seconds_per_gflop = seconds_per_gflop
+
+    def forward(self, batch):
+        time.sleep(self.seconds_per_gflop * sum(self.cost.gflop(grid) for _, grid in batch))
+        return super().forward(batch)
+
+
+__all__ = ["SlowViT"]
