@@ -202,9 +202,9 @@ def report(runs: list[Run], load: list[Request], args: argparse.Namespace) -> st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate", type=float, default=6.0, help="requests per second after the step")
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
-    parser.add_argument("--large-share", type=float, default=0.08, help="share of 1-4 MP photos")
+    parser.add_argument("--rate", type=float, default=8.0, help="requests per second after the step")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    parser.add_argument("--large-share", type=float, default=0.2, help="share of 1-4 MP photos")
     parser.add_argument("--max-replicas", type=int, default=4)
     parser.add_argument("--large-s", type=float, default=1.0, help="the slowed ViT's time for a 1 MP photo")
     parser.add_argument("--configs", default=",".join(CONFIGS))

@@ -50,9 +50,17 @@ def object_store() -> dict[str, int]:
 def sample(app: str) -> dict[str, Any]:
     from ray import serve
 
-    rss = {name: rss_bytes(pid) for name, pid in replica_pids(app).items()}
+    pids = replica_pids(app)
+    rss = {name: rss_bytes(pid) for name, pid in pids.items()}
+    name_of = {pid: name for name, pid in pids.items()}
+    census = [
+        c
+        for deployment in ("Ingress", "Encoder", "EmbeddingCache", "LLM")
+        for c in serve.get_deployment_handle(deployment, app).broadcast("heap").results(timeout_s=60)
+    ]
     return {
         "rss": {k: v for k, v in rss.items() if v is not None},
+        "objects": {name_of[c["pid"]]: c["python_objects"] for c in census if c["pid"] in name_of},
         "store": object_store(),
         "engine": serve.get_deployment_handle("LLM", app).stats.remote().result(),
         "cache": serve.get_deployment_handle("EmbeddingCache", app).stats.remote().result(),

@@ -45,6 +45,8 @@ def report(r: Any) -> str:
 
     for name in sorted({n for s in r.samples for n in s["rss"]}):
         row(f"RSS {name} MiB", lambda s, n=name: s["rss"].get(n), MIB)
+    for name in sorted({n for s in r.samples for n in s.get("objects", {})}):  # a leak grows these with the RSS
+        row(f"objects {name} k", lambda s, n=name: s.get("objects", {}).get(n), 1000)
     row("object store MiB", lambda s: s["store"]["bytes"], MIB, ".2f")
     row("object store objects", lambda s: s["store"]["objects"], fmt=".0f")
     for key in ("running", "waiting", "kv_usage", "cancelled", "finished", "failed", "preemptions", "prefix_hits"):

@@ -9,6 +9,7 @@ from ray import serve
 
 from encoders.cache import EmbeddingLRU
 from schemas import AppArgs
+from schemas.metrics import heap_census
 from schemas.transfer import send_tensors_out_of_band
 
 
@@ -28,3 +29,6 @@ class EmbeddingCache:
 
     async def stats(self) -> dict[str, int]:
         return self.lru.stats()
+
+    async def heap(self) -> dict[str, int]:
+        return heap_census()

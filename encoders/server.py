@@ -21,7 +21,7 @@ from encoders import EncoderRunner, VisionEncoder
 from encoders.autoscaling import ARRIVING_COST, MEAN_COST, PENDING_COST, POLICY_PATH, TARGET_COST, ArrivalMeter
 from encoders.video_decode import Video
 from schemas import AppArgs, EncoderArgs, ModelSpec, quiet_client_errors
-from schemas.metrics import EncoderMetrics
+from schemas.metrics import EncoderMetrics, heap_census
 from schemas.transfer import send_tensors_out_of_band
 
 logger = logging.getLogger("ray.serve")
@@ -141,6 +141,9 @@ class Encoder:
 
     async def stats(self) -> dict[str, float]:
         return {**self.runner.stats(), "cancelled": self.num_cancelled, "target_cost": self.target_cost}
+
+    async def heap(self) -> dict[str, int]:
+        return heap_census()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics, read by the cost policy (encoders/autoscaling.py)."""

@@ -37,7 +37,7 @@ from schemas import (
     quiet_client_errors,
     this_replica,
 )
-from schemas.metrics import EncoderMetrics, LLMMetrics
+from schemas.metrics import EncoderMetrics, LLMMetrics, heap_census
 
 logger = logging.getLogger("ray.serve")
 # Errors the ingress answers (4xx, or a retry / 503) and that are no fault of this replica: sent down the stream as
@@ -202,6 +202,9 @@ class LLM:
 
     async def stats(self) -> dict[str, float]:
         return {**self.engine.stats(), **self.sent, "channels_open": len(self.channels)}
+
+    async def heap(self) -> dict[str, int]:
+        return heap_census()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Routed | Exception]:
         """The chunks of one generation; with `request.channel` a `Routed` first, and the chunks through that

@@ -6,7 +6,9 @@ colon, so the prefix is `vlm_`. Serve adds the deployment, replica and applicati
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import os
 from collections.abc import Callable
 
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -120,4 +122,12 @@ class LLMMetrics:
                 logger.warning("could not sample engine metrics", exc_info=True)
 
 
-__all__ = ["EncoderMetrics", "IngressMetrics", "LLMMetrics"]
+def heap_census() -> dict[str, int]:
+    """This process's pid and how many objects Python's collector tracks: a leak grows the count with the resident
+    memory, fragmentation only the memory (the soak samples both, bench/soak_probe.py). Takes milliseconds. In a
+    replica these are the objects made since it started: Serve freezes what its start made (gc.freeze), and frozen
+    objects are not listed."""
+    return {"pid": os.getpid(), "python_objects": len(gc.get_objects())}
+
+
+__all__ = ["EncoderMetrics", "IngressMetrics", "LLMMetrics", "heap_census"]

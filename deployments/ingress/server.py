@@ -41,7 +41,7 @@ from deployments.ingress.tools import parses_tools
 from encoders import cache_scope
 from schemas import AppArgs, InvalidRequest, ModelSpec, quiet_client_errors, this_replica
 from schemas.completions import CompletionRequest
-from schemas.metrics import IngressMetrics
+from schemas.metrics import IngressMetrics, heap_census
 from schemas.openai import ChatCompletionRequest
 from schemas.requests import GenerationRequest
 
@@ -124,6 +124,9 @@ class Ingress:
         """Images re-encoded after their encoder replica went away, requests that gave up on them (503), and
         requests sent again after their LLM replica went away."""
         return dict(self.gen.counts)
+
+    async def heap(self) -> dict[str, int]:
+        return heap_census()
 
     async def _run(
         self, req: GenerationRequest, prepare: Callable[[], Awaitable[list[Prepared]]], request_id: str, started: float
