@@ -134,9 +134,10 @@ bench-video: $(STAMP)
 bench-encoder-scaling: $(STAMP)
 	$(PY) -m bench.encoder_scaling $(SCALING_ARGS)
 
-# A bounded soak (bench/soak.py): thousands of good, bad, cancelled and streaming requests, then no 5xx, bounded
-# replica memory and object store growth, no KV blocks held. `make soak SOAK_ARGS="--requests 300"`: a short one.
-SOAK_ARGS ?= --requests 3000 --concurrency 16
+# The long soak (bench/soak.py, about 15 min here): 30,000 good, bad, cancelled and streaming requests, then no 5xx,
+# bounded replica memory (total, and fitted growth per 1,000 requests over the second half), object store, no KV
+# blocks held, clean logs. `make soak SOAK_ARGS="--requests 300 --rounds 4"`: a short one.
+SOAK_ARGS ?= --concurrency 16
 soak: $(STAMP)
 	$(PY) -m bench.soak $(SOAK_ARGS)
 

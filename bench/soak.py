@@ -1,6 +1,6 @@
 """A bounded soak: thousands of mixed requests (good, bad, cancelled, streaming) against the app, then its leaks.
 
-`python -m bench.soak --requests 3000 --concurrency 16 --seed 0` (`make soak`) starts the app here as `make bench`
+`python -m bench.soak --requests 30000 --rounds 12 --concurrency 16` (`make soak`) starts the app here as `make bench`
 does (tiny demo checkpoint, the end-to-end tests' small LIMITS, so bad inputs hit limits cheaply);
 `--url http://127.0.0.1:8000 --app vlm` drives one already running (this process then joins its Ray cluster,
 which must be on this machine: replica memory is read from /proc). tests/deployments/test_soak.py runs a short one.
@@ -19,9 +19,14 @@ Bounds (each a flag); a broken one exits non-zero:
 - each replica's (and the HTTP proxy's) resident memory grows by at most `--max-rss-growth-mib` (150) from a
   sample taken after `--warmup` requests to one taken after the load has settled; the EmbeddingCache may also
   grow by the bytes its LRU holds (bounded by `encoder.cache_gib`, by design);
+- each replica's growth fitted by least squares over the second half of the `--rounds` (a leak goes on at a steady
+  rate; warm-up and fragmentation level off) at most `--max-rss-slope-mib-per-1k` (2) MiB per 1,000 requests; beside
+  it, the Python objects each replica made since it started (a leak grows them too, fragmentation does not);
 - object store bytes in use after settling at most `--max-object-store-growth-mib` (10) above the first sample;
 - after settling (polled for up to `--settle-s`, 10 s): no sequence running or waiting in the engine and no KV
-  block held by a sequence (`kv_usage` counts blocks with a reference; cached-but-free prefix blocks are free).
+  block held by a sequence (`kv_usage` counts blocks with a reference; cached-but-free prefix blocks are free);
+- no ERROR line or traceback in the app's replica logs, the proxy's, or its replica processes' stderr during the load
+  (a client's error is a WARNING line at most); Ray Serve's own router errors (`UPSTREAM`) are counted apart.
 """
 
 from __future__ import annotations
@@ -200,18 +205,18 @@ def soak(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--requests", type=int, default=30000)
     parser.add_argument("--concurrency", type=int, default=16, help="at most 32 (the engine queue holds 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=50, help="requests before the first sample (not counted)")
-    parser.add_argument("--rounds", type=int, default=4, help="samples during the load, one after each round")
+    parser.add_argument("--rounds", type=int, default=12, help="samples during the load, one after each round")
     parser.add_argument("--url", help="an app already running (default: start one here)")
     parser.add_argument("--app", default="vlm", help="its Serve application name, with --url")
     parser.add_argument("--max-rss-growth-mib", type=float, default=Bounds.max_rss_growth_mib)
     parser.add_argument("--max-object-store-growth-mib", type=float, default=Bounds.max_object_store_growth_mib)
     parser.add_argument("--settle-s", type=float, default=Bounds.settle_s)
     parser.add_argument(
-        "--max-rss-slope-mib-per-1k", type=float, help="bound on each replica's fitted growth (default: none)"
+        "--max-rss-slope-mib-per-1k", type=float, default=2.0, help="bound on each replica's fitted growth"
     )
     parser.add_argument("--json", type=Path, help="write the result (every request) here")
     args = parser.parse_args(argv)
