@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -87,9 +88,14 @@ def serve_logs(app: str) -> dict[Path, int]:
 UPSTREAM = ("Unexpected error in _fulfill_pending_requests",)
 
 
+ENTRY = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-")  # Serve's line format starts an entry
+
+
 def log_problems(offsets: dict[Path, int], app: str) -> list[str]:
-    """Lines at ERROR or above, and tracebacks, that the app's replicas and the proxies logged since `offsets`
-    (a file that appeared since, e.g. a new replica's, is read whole)."""
+    """Entries at ERROR or above, and any with a traceback, that the app's replicas and the proxies logged since
+    `offsets` (a file that appeared since, e.g. a new replica's, is read whole): each as its file, its first line,
+    and its last (the exception), for short. Lines that do not start an entry (a traceback's) belong to the one
+    before."""
     out = []
     for f in {**serve_logs(app), **offsets}:
         if not f.exists():
@@ -97,10 +103,16 @@ def log_problems(offsets: dict[Path, int], app: str) -> list[str]:
         with f.open("rb") as fh:
             fh.seek(offsets.get(f, 0))
             text = fh.read().decode(errors="replace")
+        entries: list[list[str]] = []
+        for line in text.splitlines():
+            if ENTRY.match(line) or not entries:
+                entries.append([line])
+            else:
+                entries[-1].append(line)
         out += [
-            f"{f.name}: {line[:300]}"
-            for line in text.splitlines()
-            if line.startswith(("ERROR", "CRITICAL", "Traceback")) or "exception was never retrieved" in line
+            f"{f.name}: {e[0][:200]}" + (f" ... {e[-1][:200]}" if len(e) > 1 else "")
+            for e in entries
+            if e[0].startswith(("ERROR", "CRITICAL")) or any(x.startswith("Traceback") for x in e)
         ]
     return out
 

@@ -30,5 +30,5 @@ class EmbeddingCache:
     async def stats(self) -> dict[str, int]:
         return self.lru.stats()
 
-    async def heap(self) -> dict[str, int]:
+    async def heap(self) -> dict[str, Any]:
         return heap_census()

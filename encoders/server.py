@@ -142,7 +142,7 @@ class Encoder:
     async def stats(self) -> dict[str, float]:
         return {**self.runner.stats(), "cancelled": self.num_cancelled, "target_cost": self.target_cost}
 
-    async def heap(self) -> dict[str, int]:
+    async def heap(self) -> dict[str, Any]:
         return heap_census()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -203,7 +203,7 @@ class LLM:
     async def stats(self) -> dict[str, float]:
         return {**self.engine.stats(), **self.sent, "channels_open": len(self.channels)}
 
-    async def heap(self) -> dict[str, int]:
+    async def heap(self) -> dict[str, Any]:
         return heap_census()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Routed | Exception]:

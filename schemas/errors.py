@@ -75,40 +75,38 @@ def root_cause(e: BaseException) -> BaseException:
     return e
 
 
-class _ClientErrorsAsWarnings(logging.Filter):
-    """Serve logs every exception a replica's method raises as an ERROR with its traceback ("Request failed.").
-    A client's error (an image that does not decode, found by the Encoder) is not ours: one WARNING line with its
-    message instead. Serve's line format adds the request id."""
+class _ClientsNotOurs(logging.Filter):
+    """What a client did is not our error, however Serve or asyncio log it.
+    - Serve logs every exception a replica's method raises as an ERROR with its traceback ("Request failed."). A
+      client's error (an image that does not decode, found by the Encoder) becomes one WARNING line with its message
+      (Serve's line format adds the request id).
+    - A client that closes its connection mid-response leaves Serve's HTTP entrypoint failed with TaskCancelledError:
+      Serve logs it as "Request failed.", asyncio as "Task exception was never retrieved", both ERROR tracebacks. It
+      becomes one INFO line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = root_cause(record.exc_info[1]) if record.exc_info and record.exc_info[1] is not None else None
         if isinstance(exc, InvalidRequest):
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-            record.msg, record.args = f"Request failed: the client's error ({exc.status}): {exc.message}", ()
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
-class _DisconnectsAsInfo(logging.Filter):
-    """When a client closes its connection mid-response, Serve's HTTP entrypoint leaves a task failed with
-    TaskCancelledError that nobody awaits; asyncio logs it as an ERROR traceback ("Task exception was never
-    retrieved"). A client leaving is not an error here: one INFO line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if TaskCancelledError is not None and isinstance(exc, TaskCancelledError):
-            record.levelno, record.levelname = logging.INFO, "INFO"
-            record.msg, record.args = "a client closed its connection mid-response (%s)", (str(exc),)
-            record.exc_info, record.exc_text = None, None
+            level, record.msg, record.args = (
+                logging.WARNING,
+                "Request failed: the client's error (%d): %s",
+                (exc.status, exc.message),
+            )
+        elif TaskCancelledError is not None and isinstance(exc, TaskCancelledError):
+            level, record.msg, record.args = logging.INFO, "a client closed its connection mid-response (%s)", (exc,)
+        else:
+            return True
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+        record.exc_info, record.exc_text = None, None
         return True
 
 
 def quiet_client_errors(logger_name: str = "ray.serve") -> None:
-    """The two filters above, on Serve's logger and asyncio's (each replica calls it at start; twice is once)."""
-    for name, kind in ((logger_name, _ClientErrorsAsWarnings), ("asyncio", _DisconnectsAsInfo)):
+    """`_ClientsNotOurs` on Serve's logger and asyncio's (each replica calls it at start; twice is once)."""
+    for name in (logger_name, "asyncio"):
         logger = logging.getLogger(name)
-        if not any(isinstance(f, kind) for f in logger.filters):
-            logger.addFilter(kind())
+        if not any(isinstance(f, _ClientsNotOurs) for f in logger.filters):
+            logger.addFilter(_ClientsNotOurs())
 
 
 def observe(future) -> None:

@@ -6,10 +6,12 @@ colon, so the prefix is `vlm_`. Serve adds the deployment, replica and applicati
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
@@ -122,12 +124,15 @@ class LLMMetrics:
                 logger.warning("could not sample engine metrics", exc_info=True)
 
 
-def heap_census() -> dict[str, int]:
+def heap_census() -> dict[str, Any]:
     """This process's pid and how many objects Python's collector tracks: a leak grows the count with the resident
     memory, fragmentation only the memory (the soak samples both, bench/soak_probe.py). Takes milliseconds. In a
     replica these are the objects made since it started: Serve freezes what its start made (gc.freeze), and frozen
     objects are not listed."""
-    return {"pid": os.getpid(), "python_objects": len(gc.get_objects())}
+    gc.collect()  # cycles a collection would free (exceptions and their tracebacks, mostly) are not a leak
+    objects = gc.get_objects()
+    top = collections.Counter(type(o).__qualname__ for o in objects).most_common(8)
+    return {"pid": os.getpid(), "python_objects": len(objects), "top_types": dict(top)}
 
 
 __all__ = ["EncoderMetrics", "IngressMetrics", "LLMMetrics", "heap_census"]

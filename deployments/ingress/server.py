@@ -125,7 +125,7 @@ class Ingress:
         requests sent again after their LLM replica went away."""
         return dict(self.gen.counts)
 
-    async def heap(self) -> dict[str, int]:
+    async def heap(self) -> dict[str, Any]:
         return heap_census()
 
     async def _run(

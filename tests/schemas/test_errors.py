@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from ray.exceptions import TaskCancelledError
+
 from schemas import InvalidRequest, quiet_client_errors
 
 
@@ -22,17 +24,17 @@ def test_a_client_error_is_one_warning_line_and_ours_keep_the_traceback(caplog):
     with caplog.at_level(logging.INFO, logger=logger.name):
         _log_failure(logger, InvalidRequest("image 0: image file is truncated", param="messages"))
         _log_failure(logger, RuntimeError("the engine stopped"))
-    client, ours = caplog.records
+        _log_failure(logger, TaskCancelledError())  # Serve's HTTP task when the client closed its connection
+    client, ours, left = caplog.records
     assert (client.levelno, client.exc_info) == (logging.WARNING, None)
     assert "client's error (400): image 0: image file is truncated" in client.getMessage()
     assert "Traceback" not in caplog.handler.format(client)
     assert ours.levelno == logging.ERROR and ours.exc_info is not None and ours.getMessage() == "Request failed."
+    assert (left.levelno, left.exc_info) == (logging.INFO, None) and "closed its connection" in left.getMessage()
 
 
 def test_a_task_left_failed_by_a_client_that_left_is_one_info_line(caplog):
     """What asyncio logs for Serve's HTTP task when a client closes its connection mid-response."""
-    from ray.exceptions import TaskCancelledError
-
     quiet_client_errors()
     asyncio_logger = logging.getLogger("asyncio")
     with caplog.at_level(logging.DEBUG, logger="asyncio"):
