@@ -127,8 +127,9 @@ class LLM:
         # Messages sent back to ingress replicas: chunks on generations' own streams, and channel messages
         self.sent = {"stream_messages": 0, "channel_messages": 0, "channel_generations": 0, "channels_opened": 0}
         self._metrics_task: asyncio.Task | None = None
-        # NOTE: an image's tokens are known before its embeddings only from its M-RoPE grid (1-D RoPE: from its rows)
-        self.overlap = model.config.mrope_section is not None
+        # NOTE: an image's tokens are known before its embeddings from the ingress's count (num_image_tokens), or
+        # with M-RoPE from its grid; a request with neither for a 1-D RoPE LM waits for all its embeddings
+        self.mrope = model.config.mrope_section is not None
         self.vision = self.vision_cache = None
         if self.args.encoder.colocated:  # the encoder lives here, sharing this replica's device with the engine
             self.vision = EncoderRunner(
@@ -224,7 +225,7 @@ class LLM:
         arrivals, timeout_s = [], self.args.encoder.timeout_s
         if request.images:
             embeds = per_item(await self._encode_here(request.images, request.image_keys), request.embeds_per_item)
-        elif self.overlap:  # each image's future: the engine runs the prompt up to the first one not here
+        elif self.mrope or request.num_image_tokens:  # each image's future: the prompt runs up to the first not here
             embeds = arrivals = image_arrivals(request.image_embeds, request.embeds_per_item, timeout_s)
         else:
             embeds = per_item(await fetch_embeds(request.image_embeds, timeout_s), request.embeds_per_item)

@@ -47,7 +47,7 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     # One (t, h, w) patch grid per image, in prompt order; with M-RoPE, rows of embeddings = t*h*w / merge_size**2
-    # (for 1-D RoPE LMs, the LLaVAs, an image takes as many tokens as its embedding has rows).
+    # (for 1-D RoPE LMs, the LLaVAs, an image takes as many tokens as `num_image_tokens` or its embedding's rows say).
     image_grid_thw: list[tuple[int, int, int]]
     # One per image: ObjectRefs from the ingress (never the tensors themselves: the ingress must not hold
     # embeddings); the LLM replica puts the fetched (num_image_tokens, D) tensors here before the engine takes it.
@@ -72,6 +72,10 @@ class GenerateRequest:
     # One per image or video (or empty: one each): how many of `image_embeds` make it, in order (a video encoded in
     # chunks of tubelets on several encoder replicas); the LLM replica concatenates them.
     embeds_per_item: list[int] = field(default_factory=list)
+    # One per image or video (or empty: its embedding's rows, or its M-RoPE grid, say): its placeholder tokens, as the
+    # ingress counted them to build the prompt. With them the engine lays out an image before its embedding arrives
+    # (prefill overlapped with encoding, 1-D RoPE LMs too); an embedding of another row count fails its sequence.
+    num_image_tokens: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = sum(self.embeds_per_item) if self.embeds_per_item else len(self.image_grid_thw)
@@ -79,6 +83,7 @@ class GenerateRequest:
         assert not (self.image_embeds and self.images), "embeddings or bytes, not both"
         assert not self.image_keys or len(self.image_keys) == len(self.image_grid_thw), "one key per image"
         assert not self.second_per_grid_ts or len(self.second_per_grid_ts) == len(self.image_grid_thw)
+        assert not self.num_image_tokens or len(self.num_image_tokens) == len(self.image_grid_thw), "one per image"
 
 
 @dataclass(slots=True)

@@ -140,6 +140,7 @@ class Generator:
                 p.cache_scope,
                 p.second_per_grid_ts if p.num_videos else [],
                 p.jobs_per_item if len(p.jobs) > len(p.images) else [],
+                p.num_tokens,
             )
             for i, sampling in enumerate(params)
         ]

@@ -18,6 +18,7 @@ class Prepared:
     images: list[bytes | Video] = field(default_factory=list)  # images and videos, in prompt order
     image_keys: list[str] = field(default_factory=list)
     grids: list[tuple[int, int, int]] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # each item's placeholder tokens in `prompt`
     second_per_grid_ts: list[float | None] = field(default_factory=list)  # a video's seconds per tubelet
     num_videos: int = 0
     # The encoder calls: an image, a video, or a chunk of a video's tubelets each, with its embedding cache key;

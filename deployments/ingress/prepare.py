@@ -169,6 +169,7 @@ class Preparer:
             out.images.append(image.data)
             out.image_keys.append(image.key)
             out.grids.append(image.grid)
+            out.num_tokens.append(image.num_tokens)
             out.second_per_grid_ts.append(image.second_per_grid_t)
             out.num_videos += image.is_video
             jobs = image.jobs or [(image.data, image.key)]
@@ -179,7 +180,6 @@ class Preparer:
             if not image.is_video:  # grounding boxes are in pixels of the images
                 out.image_sizes.append(image.size)
                 out.image_numbers.append(image.number)
-        counts = [im.num_tokens for im in kept_items]
         out.routing_key = first_turn_key(
             kept[: n_system + 1], [im.key for im in images if im.message < n_system or im.message == start]
         )
@@ -187,7 +187,7 @@ class Preparer:
             self.tokenizer,
             kept if self.renders_tools else tools_as_text(req, kept),
             self.image_token_id,
-            counts,
+            out.num_tokens,
             self.tokens.per_image_ids,
             self.forbidden_ids,
             self.typed_content,

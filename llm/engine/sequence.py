@@ -123,12 +123,29 @@ class Sequence:
         return hashes
 
 
-def _num_rows(embeds: torch.Tensor | None, grid: tuple[int, int, int], merge_size: int, mrope: bool) -> int:
-    if embeds is not None:
-        return int(embeds.shape[0])
-    if not mrope:  # NOTE: a 1-D RoPE LM's image takes as many tokens as its embedding has rows: not known before
-        raise ValueError("an image not encoded yet needs an M-RoPE model, whose grids give its tokens")
-    return grid[0] * grid[1] * grid[2] // merge_size**2
+def _image_counts(inp: GenerateRequest, merge_size: int, mrope: bool) -> list[int]:
+    """Tokens per image: as the ingress counted them (`num_image_tokens`), else its embedding's rows, else (not
+    arrived yet) its M-RoPE grid's. An arrived embedding's rows must equal that count, and with M-RoPE so must the
+    grid's (positions follow the grid)."""
+    counts = []
+    for i, (embeds, (t, h, w)) in enumerate(zip(inp.image_embeds, inp.image_grid_thw, strict=True)):
+        rows, grid = None if embeds is None else int(embeds.shape[0]), t * h * w // merge_size**2
+        if mrope and rows is not None and rows != grid:
+            raise ValueError(f"image {i}: {rows} embedding rows for a grid of {grid} tokens")
+        if inp.num_image_tokens:
+            n = inp.num_image_tokens[i]
+        elif rows is not None:
+            n = rows
+        elif mrope:
+            n = grid
+        else:  # NOTE: a 1-D RoPE LM's image: only the ingress's count (or the embedding) says how many tokens it takes
+            raise ValueError(f"image {i} is not encoded yet and has no num_image_tokens (needed without M-RoPE)")
+        if mrope and n != grid:
+            raise ValueError(f"image {i}: {n} tokens announced for a grid of {grid} tokens")
+        if rows is not None and rows != n:
+            raise ValueError(f"image {i}: {rows} embedding rows for {n} placeholder tokens")
+        counts.append(n)
+    return counts
 
 
 def make_sequence(
@@ -164,14 +181,7 @@ def make_sequence(
     is_mm = ids == image_token_id
     if video_token_id is not None:
         is_mm |= ids == video_token_id
-    # Tokens per image: its embedding rows; an image not arrived yet (None) counts what its grid says (M-RoPE).
-    embeds_grids = zip(inp.image_embeds, inp.image_grid_thw, strict=True)
-    counts = [_num_rows(e, grid, merge_size, mrope) for e, grid in embeds_grids]
-    if mrope:  # M-RoPE positions follow the grid: the rows must too
-        for i, (grid, n) in enumerate(zip(inp.image_grid_thw, counts, strict=True)):
-            expected = grid[0] * grid[1] * grid[2] // merge_size**2
-            if n != expected:
-                raise ValueError(f"image {i}: {n} embedding rows for a grid of {expected} tokens")
+    counts = _image_counts(inp, merge_size, mrope)  # an image not arrived yet (None) is laid out all the same
     n_mm = int(is_mm.sum())
     if n_mm and not counts:  # the ingress refuses placeholders typed as text first: a second line of defence
         raise InvalidRequest(

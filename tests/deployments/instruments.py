@@ -17,7 +17,7 @@ import ray
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from encoders import Qwen2VLVisionEncoder
+from encoders import Qwen2VLVisionEncoder, family_of
 from llm import Qwen2LM
 from llm.server import LLM
 
@@ -71,12 +71,14 @@ class TracingEncoder:
 
 
 class SlowEncoder:
-    """Each batched forward takes at least `delay_s`. In `record_dir` it leaves the state a test waits on: each image
-    preprocessed (about to join the batch queue), each forward started (with the replica's actor name), and each
-    forward finished, as (pid, time, images): which replica served, and when."""
+    """The checkpoint's family's encoder, each batched forward of which takes at least `delay_s`. In `record_dir` it
+    leaves the state a test waits on: each image preprocessed (about to join the batch queue), each forward started
+    (with the replica's actor name), and each forward finished, as (pid, time, images): which replica served, and
+    when."""
 
     def __init__(self, model_dir, device="cpu", dtype=torch.float32, *, delay_s: float, record_dir: str):
-        self.inner, self.delay_s, self.record_dir = Qwen2VLVisionEncoder(model_dir, device, dtype), delay_s, record_dir
+        self.inner = family_of(model_dir).encoder(model_dir, device, dtype)
+        self.delay_s, self.record_dir = delay_s, record_dir
         self.hidden_size = self.inner.hidden_size
         self.actor = _actor_name()
 

@@ -14,7 +14,8 @@ from tests.helpers import make_image
 def make_engine(model, reference, load_tokenizer=None, **kw) -> Engine:
     """`load_tokenizer`: for structured outputs (grammars are refused without it)."""
     config = EngineConfig(**{"max_model_len": 512, "num_blocks": 128, "block_size": 16, "max_queued": 16, **kw})
-    eos = set(reference.generation_config.eos_token_id)
+    eos = reference.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, list) else {eos}  # Qwen's a list, LLaVA's one id
     return Engine(
         model,
         config,

@@ -1,19 +1,78 @@
 """Prefill overlapped with encoding, through the engine: a request's images may arrive after it (as futures, in any
-order); its prefill runs up to the first image not there, and the tokens are still transformers'. A late image that
-fails fails the request with its error and frees its blocks."""
+order); its prefill runs up to the first image not there, and the tokens are still transformers'. Qwen2-VL lays out a
+late image from its M-RoPE grid, the LLaVAs (1-D RoPE) from the token count the ingress sends (num_image_tokens). A
+late image that fails, or arrives with other rows than announced, fails the request with its error and frees its
+blocks."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from transformers import AutoProcessor, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 
+from demo.tiny_llava import build_llava_checkpoint
+from demo.tiny_llava_next import build_llava_next_checkpoint
+from encoders import LlavaNextVisionEncoder, LlavaVisionEncoder
+from llm import Qwen2LM
 from schemas import EncoderUnavailable, GenerateRequest, SamplingParams
+from tests.helpers import make_image
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
 SIZES = [(64, 48), (30, 200), (120, 60)]  # three images: 12, 28 and 16 placeholder tokens
+# LLaVA: 16 tokens each; LLaVA-NeXT: its tiles' (unpadded) features. The second and third are back to back in the
+# prompt: only their counts tell where one ends.
+LLAVA_SIZES = [(120, 80), (31, 200), (57, 31)]
+LLAVA_PROMPT = "USER: <image>\nCompare <image><image>\nplease. ASSISTANT:"
+LLAVAS = {
+    "llava": (build_llava_checkpoint, LlavaForConditionalGeneration, LlavaVisionEncoder),
+    "llava_next": (build_llava_next_checkpoint, LlavaNextForConditionalGeneration, LlavaNextVisionEncoder),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Llava:
+    checkpoint: Path
+    reference: Any  # transformers' model on the same weights
+    model: Qwen2LM
+    vision: Any  # our encoder of the family
+
+
+@pytest.fixture(scope="module", params=list(LLAVAS))
+def llava(request, tmp_path_factory) -> Llava:
+    build, reference_class, encoder_class = LLAVAS[request.param]
+    checkpoint = build(tmp_path_factory.mktemp(request.param) / "tiny")
+    reference = reference_class.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return Llava(checkpoint, reference, Qwen2LM.from_pretrained(checkpoint), encoder_class(checkpoint))
+
+
+def llava_request(llava: Llava, seed: int) -> tuple[GenerateRequest, list[int]]:
+    """What the ingress sends for LLAVA_PROMPT (its grids and token counts from the family's own processing, as
+    deployments/ingress/prepare.py takes them), and transformers' greedy tokens for the same prompt and images."""
+    images = [make_image(w, h, seed=seed * 10 + i) for i, (w, h) in enumerate(LLAVA_SIZES)]
+    inputs = AutoProcessor.from_pretrained(llava.checkpoint)(text=LLAVA_PROMPT, images=images, return_tensors="pt")
+    with torch.no_grad():
+        out = llava.reference.generate(**inputs, do_sample=False, max_new_tokens=12)
+    ids, processing = inputs["input_ids"][0].tolist(), llava.vision.processing
+    counts = [processing.num_image_tokens(w, h) for w, h in LLAVA_SIZES]
+    embeds = llava.vision.encode(images)
+    assert [int(e.shape[0]) for e in embeds] == counts  # the encoder's rows: what the ingress counted
+    assert ids.count(llava.reference.config.image_token_id) == sum(counts)  # and what transformers' processor did
+    request = GenerateRequest(
+        f"llava-{seed}",
+        ids,
+        [processing.grid_thw(w, h) for w, h in LLAVA_SIZES],
+        embeds,
+        SamplingParams(max_tokens=12, temperature=0.0),
+        [f"image-{seed}-{i}" for i in range(len(images))],
+        num_image_tokens=counts,
+    )
+    return request, out[0, len(ids) :].tolist()
 
 
 async def _until(condition, cap_s: float = 60.0) -> None:
@@ -46,14 +105,14 @@ def _spans(inp: GenerateRequest, image_token_id: int) -> list[tuple[int, int]]:
     return spans
 
 
-@pytest.mark.parametrize("late", [[1], [0, 2], [2, 1, 0]], ids=["second", "first-and-last-out-of-order", "reversed"])
-def test_prefill_runs_up_to_the_first_image_not_arrived(checkpoint, reference, model, vision, late):
+LATE = [[1], [0, 2], [2, 1, 0]]
+LATE_IDS = ["second", "first-and-last-out-of-order", "reversed"]
+
+
+def _run_with_late_images(engine, inp: GenerateRequest, spans: list[tuple[int, int]], late: list[int]) -> list[int]:
     """The images in `late` arrive one by one, in that order, each once the prefill stands still before the first
-    one missing; the tokens equal transformers' over the whole prompt."""
-    inp, ref = request_for(checkpoint, reference, vision, SIZES, seed=3, prefix=[11, 12, 13])
-    spans, embeds = _spans(inp, reference.config.image_token_id), list(inp.image_embeds)
-    engine = make_engine(model, reference)
-    steps = _record_steps(engine)
+    one missing; -> the greedy tokens. The first chunk runs before any late image arrives."""
+    steps, embeds = _record_steps(engine), list(inp.image_embeds)
 
     def computed() -> int:
         return sum(n for step in steps for _, _, n in step)
@@ -77,8 +136,77 @@ def test_prefill_runs_up_to_the_first_image_not_arrived(checkpoint, reference, m
         return await task
 
     ours, _ = asyncio.run(scenario())
-    assert ours == reference_generate(reference, ref, max_new_tokens=12)
     assert steps[0] == [(inp.request_id, 0, spans[min(late)][0])]  # the first chunk ran before any late image
+    return ours
+
+
+@pytest.mark.parametrize("late", LATE, ids=LATE_IDS)
+def test_prefill_runs_up_to_the_first_image_not_arrived(checkpoint, reference, model, vision, late):
+    """Qwen2-VL (M-RoPE: each image's grid gives its tokens); the tokens equal transformers' over the whole prompt."""
+    inp, ref = request_for(checkpoint, reference, vision, SIZES, seed=3, prefix=[11, 12, 13])
+    engine = make_engine(model, reference)
+    ours = _run_with_late_images(engine, inp, _spans(inp, reference.config.image_token_id), late)
+    assert ours == reference_generate(reference, ref, max_new_tokens=12)
+    engine.close()
+
+
+@pytest.mark.parametrize("late", LATE, ids=LATE_IDS)
+def test_llava_prefill_runs_up_to_the_first_image_not_arrived(llava, late):
+    """A 1-D RoPE family: the ingress's token counts (num_image_tokens) lay out the images before they arrive."""
+    inp, expected = llava_request(llava, seed=3)
+    engine = make_engine(llava.model, llava.reference)
+    assert _run_with_late_images(engine, inp, _spans(inp, llava.reference.config.image_token_id), late) == expected
+    engine.close()
+
+
+def test_a_late_image_with_other_rows_than_announced_fails_only_its_request(llava):
+    """Its sequence fails with both numbers and frees its blocks; the request beside it, in the same steps, still
+    gets transformers' tokens."""
+    bad, _ = llava_request(llava, seed=4)
+    other, expected = llava_request(llava, seed=5)
+    engine = make_engine(llava.model, llava.reference, block_size=4)
+    steps, (s, e) = _record_steps(engine), _spans(bad, llava.reference.config.image_token_id)[1]
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        late_bad, late_other = loop.create_future(), loop.create_future()
+        embeds = [bad.image_embeds[0], late_bad, bad.image_embeds[2]]
+        failing = asyncio.create_task(collect(engine, dataclasses.replace(bad, image_embeds=embeds)))
+        embeds = [late_other, *other.image_embeds[1:]]  # its own cache scope: no prefix block shared with `bad`
+        going = asyncio.create_task(collect(engine, dataclasses.replace(other, image_embeds=embeds, cache_scope="b")))
+        await _until(lambda: {r for step in steps for r, _, _ in step} == {bad.request_id, other.request_id})
+        late_bad.set_result(bad.image_embeds[1][:-1])  # one row short of what the ingress announced
+        with pytest.raises(ValueError, match=f"image 1: {e - s - 1} embedding rows for {e - s} placeholder tokens"):
+            await failing
+        late_other.set_result(other.image_embeds[0])
+        return await going
+
+    assert asyncio.run(scenario())[0] == expected
+    assert engine.stats()["failed"] == 1 and engine.stats()["running"] == 0
+    assert engine.pool.num_free == engine.pool.num_blocks
+    engine.close()
+
+
+def test_llava_image_counts_are_checked_at_submit(llava):
+    """Without the ingress's counts a 1-D RoPE LM cannot lay out a late image; an embedding already there must have
+    the announced rows. Both are refused before the sequence takes any block."""
+    inp, _ = llava_request(llava, seed=6)
+    engine = make_engine(llava.model, llava.reference)
+
+    async def submit(request: GenerateRequest, late: int | None = None):
+        if late is not None:
+            embeds = list(request.image_embeds)
+            embeds[late] = asyncio.get_running_loop().create_future()
+            request = dataclasses.replace(request, image_embeds=embeds)
+        return await collect(engine, request)
+
+    with pytest.raises(ValueError, match="image 1 is not encoded yet and has no num_image_tokens"):
+        asyncio.run(submit(dataclasses.replace(inp, num_image_tokens=[]), late=1))
+    n = inp.num_image_tokens[2]
+    short = dataclasses.replace(inp, image_embeds=[*inp.image_embeds[:2], inp.image_embeds[2][:-1]])
+    with pytest.raises(ValueError, match=f"image 2: {n - 1} embedding rows for {n} placeholder tokens"):
+        asyncio.run(submit(short))
+    assert engine.pool.num_free == engine.pool.num_blocks and engine.stats()["running"] == 0
     engine.close()
 
 

@@ -75,6 +75,7 @@ def test_dropped_images_go_with_their_turns(prep):
     image_token_id = prep.image_token_id
     expected = sum(t * h * w // 4 for t, h, w in p.grids)
     assert sum(1 for t in p.prompt if t == image_token_id) == expected
+    assert p.num_tokens == [t * h * w // 4 for t, h, w in p.grids]  # the kept images' counts, sent to the LLM
 
 
 def test_a_last_turn_over_the_context_is_still_an_error(prep):
