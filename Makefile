@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install image browser checkpoint serve serve-env lint test test-fast docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer bench-structured bench-video bench-encoder-scaling soak clean
+.PHONY: install image browser checkpoint serve serve-env lint test test-fast docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer bench-structured bench-video bench-encoder-scaling bench-overlap soak clean
 
 install: $(STAMP)
 
@@ -129,6 +129,10 @@ bench-structured: $(STAMP)
 # and with 2, then its probe, decoding and ViT seconds in one process.
 bench-video: $(STAMP)
 	$(PY) -m bench.video $(BENCH_ARGS)
+
+# TTFT of 4-image requests with prefill overlapped with encoding and without (bench/overlap.py).
+bench-overlap: $(STAMP)
+	$(PY) -m bench.overlap $(BENCH_ARGS)
 
 # The encoder tier under a load step of mixed image sizes, count policy and router against cost (bench/encoder_scaling.py).
 bench-encoder-scaling: $(STAMP)

@@ -225,7 +225,7 @@ class LLM:
         arrivals, timeout_s = [], self.args.encoder.timeout_s
         if request.images:
             embeds = per_item(await self._encode_here(request.images, request.image_keys), request.embeds_per_item)
-        elif self.mrope or request.num_image_tokens:  # each image's future: the prompt runs up to the first not here
+        elif self.args.llm.overlap_encoding and (self.mrope or request.num_image_tokens):  # futures: prefill overlaps
             embeds = arrivals = image_arrivals(request.image_embeds, request.embeds_per_item, timeout_s)
         else:
             embeds = per_item(await fetch_embeds(request.image_embeds, timeout_s), request.embeds_per_item)

@@ -97,6 +97,11 @@ class LLMArgs(_Strict):
         description="Tokens arriving within this interval go out as one message (per channel, or per "
         "stream without one).",
     )
+    overlap_encoding: bool = Field(
+        True,
+        description="Prefill a request up to its first image not encoded yet, and on as each arrives (prefill "
+        "overlapped with encoding); false: a request enters the engine once all its images are encoded.",
+    )
     token_channel: bool = Field(
         True,
         description="Each ingress replica gets each step's tokens of all its streams on one LLM replica as one "

@@ -34,11 +34,13 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=[*FAMILIES, "qwen2_vl-off"])
 def overlap(request, ray_serve, app_args, tmp_path_factory):
     """One family's app with a slowed encoder and a recording LM at /overlap-<family>; -> (url, record dir,
-    checkpoint, transformers' model, transformers' pipeline)."""
-    build, reference_class, generate = FAMILIES[request.param]
+    checkpoint, transformers' model, transformers' pipeline, whether overlap is on). `-off`: llm.overlap_encoding
+    false."""
+    family, _, off = request.param.partition("-")
+    build, reference_class, generate = FAMILIES[family]
     if build is None:
         checkpoint, reference = request.getfixturevalue("checkpoint"), request.getfixturevalue("reference")
     else:
@@ -49,6 +51,7 @@ def overlap(request, ray_serve, app_args, tmp_path_factory):
         **app_args,
         "model": str(checkpoint),
         "encoder": {"cache_gib": 0, "max_batch_wait_ms": 0, "startup_check": False},
+        "llm": {**app_args.get("llm", {}), "overlap_encoding": not off},
     }
     encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=None, num_replicas=1).bind(
         args, None, model_factory=functools.partial(SlowEncoder, delay_s=ENCODE_S, record_dir=record_dir)
@@ -56,7 +59,7 @@ def overlap(request, ray_serve, app_args, tmp_path_factory):
     llm = LLM.options(ray_actor_options=SMALL).bind(args, model_factory=RecordingLM.recording(record_dir))
     ingress = Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args)
     serve.run(ingress, name=name, route_prefix=f"/{name}")
-    yield f"{ray_serve}/{name}", record_dir, checkpoint, reference, generate
+    yield f"{ray_serve}/{name}", record_dir, checkpoint, reference, generate, not off
     serve.delete(name)
 
 
@@ -68,7 +71,7 @@ def _wait_for(condition, timeout_s: float = CAP_S) -> None:
 
 
 def test_the_first_prefill_runs_before_the_images_are_encoded(overlap):
-    url, record_dir, checkpoint, reference, generate = overlap
+    url, record_dir, checkpoint, reference, generate, on = overlap
     conversation = CASES["three_images"]  # text before the first image: the first chunk runs without any
     body = {"messages": openai_messages(conversation), "max_tokens": MAX_TOKENS, "temperature": 0}
     lm_before, encoded_before = len(llm_forwards(record_dir)), len(forwards(record_dir))
@@ -81,5 +84,8 @@ def test_the_first_prefill_runs_before_the_images_are_encoded(overlap):
     assert r.status_code == 200, r.text
     first_prefill_at, tokens = llm_forwards(record_dir)[lm_before]
     first_encoded_at = forwards(record_dir)[encoded_before][1]  # the end of the first encoder forward
-    assert first_prefill_at < first_encoded_at, (first_prefill_at, first_encoded_at, tokens)
+    if on:
+        assert first_prefill_at < first_encoded_at, (first_prefill_at, first_encoded_at, tokens)
+    else:  # llm.overlap_encoding false: the request enters the engine once every image is encoded
+        assert first_prefill_at > forwards(record_dir)[-1][1], (first_prefill_at, forwards(record_dir)[-1])
     assert r.json()["choices"][0]["token_ids"] == generate(checkpoint, reference, conversation)[1]
