@@ -15,6 +15,7 @@ from schemas.engine import (
     this_replica,
 )
 from schemas.errors import (
+    LLM_GONE,
     REPLICA_GONE,
     ChannelLost,
     EncoderUnavailable,
@@ -29,6 +30,7 @@ from schemas.resolve import resolve_device, resolve_dtype, resolve_max_model_len
 from schemas.weights import Component, load_components, split_key
 
 __all__ = [
+    "LLM_GONE",
     "REPLICA_GONE",
     "AppArgs",
     "AuthArgs",

@@ -68,6 +68,12 @@ class ChannelLost(Overloaded):
         super().__init__(f"the token channel to LLM replica {replica_id} closed", retry_after_s=1)
 
 
+# The ingress's LLM replica went away: the call's own stream says so (REPLICA_GONE), or the token channel that was to
+# bring its chunks ended (ChannelLost); whichever of the two reaches the ingress first. Before the first token the
+# generation goes once more; after it, or on the retry, a 503 `replica_lost`.
+LLM_GONE: tuple[type[BaseException], ...] = (*REPLICA_GONE, ChannelLost)
+
+
 def root_cause(e: BaseException) -> BaseException:
     """The error a replica raised, out of Ray's wrappers."""
     while RayTaskError is not None and isinstance(e, RayTaskError) and e.cause is not None and e.cause is not e:
@@ -116,6 +122,7 @@ def observe(future) -> None:
 
 
 __all__ = [
+    "LLM_GONE",
     "REPLICA_GONE",
     "ChannelLost",
     "EncoderUnavailable",

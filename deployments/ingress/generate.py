@@ -17,7 +17,7 @@ from deployments.ingress.channel import ROUTE_TIMEOUT_S, ChannelHub, TokenStream
 from deployments.ingress.detokenize import TextDelta, TextRules
 from deployments.ingress.items import Prepared
 from schemas import (
-    REPLICA_GONE,
+    LLM_GONE,
     AppArgs,
     EncoderUnavailable,
     GenerateRequest,
@@ -123,8 +123,8 @@ class Generator:
         self, p: Prepared, params: list[SamplingParams], text: TextRules, refs: list[Any], request_id: str, first: int
     ) -> Started:
         """The generations, up to their first chunks. Each attempt waits at most ROUTE_TIMEOUT_S for an LLM replica
-        to take each, else 503 (none alive); an LLM replica lost before the first chunks: all once more (Serve's
-        router routes around a dead replica)."""
+        to take each, else 503 (none alive); an LLM replica lost before the first chunks (its call or its token channel
+        says so first, schemas.LLM_GONE): all once more (Serve's router routes around a dead replica)."""
         channel = self.hub.id if self.args.llm.token_channel else None
         requests = [
             GenerateRequest(
@@ -153,7 +153,7 @@ class Generator:
                 return streams, list(await asyncio.gather(*(anext(s) for s in streams)))
             except BaseException as e:
                 await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
-                if attempt == 2 or not isinstance(root_cause(e), REPLICA_GONE):
+                if attempt == 2 or not isinstance(root_cause(e), LLM_GONE):
                     raise
                 logger.warning("%s: its LLM replica went away before the first token (%r); once more", request_id, e)
                 self.counts["llm_retries"] += 1

@@ -14,7 +14,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from schemas import REPLICA_GONE, EncoderUnavailable, InvalidRequest, Overloaded, root_cause
+from schemas import LLM_GONE, EncoderUnavailable, InvalidRequest, Overloaded, root_cause
 from schemas.openai import ErrorBody, ErrorDetail
 
 logger = logging.getLogger("ray.serve")
@@ -84,7 +84,8 @@ def error_body(e: BaseException, request_id: str) -> tuple[int, dict[str, str], 
         headers = {"x-should-retry": "false"} if e.status < 500 and e.status not in (409, 429) else {}
         detail = ErrorDetail(message=e.message, type=kind, param=e.param, code=e.code)
         return e.status, headers, ErrorBody(error=detail)
-    if isinstance(e, REPLICA_GONE):  # after a retry, or with a stream under way: the client may try again
+    # Before Overloaded: a lost token channel (ChannelLost, one of LLM_GONE) is an Overloaded too.
+    if isinstance(e, LLM_GONE):  # after a retry, or with a stream under way: the client may try again
         logger.warning("request %s: its replica went away (%s)", request_id, type(e).__name__)
         message = "the replica serving this request went away; retry"
         detail = ErrorDetail(message=message, type="server_error", code="replica_lost")

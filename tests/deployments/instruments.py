@@ -1,6 +1,6 @@
 """Test instruments: an encoder whose outputs record who deserializes them, a slow encoder that records its work, an
-LLM deployment that records where its embeddings live, decoders that fail, crawl or record on cue, and a reader of one
-app's per-replica metrics."""
+LLM deployment that records where its embeddings live, decoders that fail, crawl, hold or record on cue, and a reader
+of one app's per-replica metrics."""
 
 from __future__ import annotations
 
@@ -230,6 +230,29 @@ class SlowLM(_InstrumentedLM):
 
     def forward(self, inputs_embeds, positions, cache, meta):
         time.sleep(self.delay_s)
+        return super().forward(inputs_embeds, positions, cache, meta)
+
+
+class HeldLM(_InstrumentedLM):
+    """While the file `hold` exists, a one-token step (a lone stream's decode, after its first token went out) does
+    not end: the stream stays under way and requests that come meanwhile wait in the engine's queue."""
+
+    hold: str
+
+    @classmethod
+    def holding(cls, hold: str):
+        """A `model_factory` whose model holds on the file `hold`."""
+        return functools.partial(cls._load_holding, hold=hold)
+
+    @classmethod
+    def _load_holding(cls, model_dir, device="cpu", dtype=torch.float32, *, hold: str) -> Qwen2LM:
+        model = cls.load(model_dir, device, dtype)
+        model.hold = hold
+        return model
+
+    def forward(self, inputs_embeds, positions, cache, meta):
+        while positions.shape[1] == 1 and os.path.exists(self.hold):
+            time.sleep(0.05)
         return super().forward(inputs_embeds, positions, cache, meta)
 
 

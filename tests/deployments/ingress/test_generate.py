@@ -1,16 +1,19 @@
 """Generator.start_all, without Ray: a text completion's prompts start at once, their choices numbered prompt by
 prompt, and when one prompt fails the generations the others started are closed (cancelled), not leaked. Images
-lost on the way are encoded once more, each at most once."""
+lost on the way are encoded once more, each at most once; a generation whose LLM replica was lost before its first
+token goes once more."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
+from deployments.ingress.channel import ChannelHub
 from deployments.ingress.generate import Generator
 from deployments.ingress.prepare import Prepared
-from schemas import EncoderUnavailable, InvalidRequest, Overloaded
+from schemas import EncoderUnavailable, InvalidRequest, Overloaded, Routed, SamplingParams, TokenChunk
 
 
 class FakeStream:
@@ -98,3 +101,72 @@ def test_an_image_lost_twice_is_a_503():
     with pytest.raises(Overloaded, match="image encoding failed twice"):
         _encode_and_generate(gen)
     assert gen.counts == {"encoder_retries": 1, "encoder_failures": 1}
+
+
+class _Call:
+    """A Serve streaming call (already taken by a replica): yields `items`, then stays open (its end not yet seen)."""
+
+    def __init__(self, items):
+        self.items, self.cancelled = items, False
+
+    async def _fetch_future_result_async(self):
+        return None
+
+    def cancel(self):
+        self.cancelled = True
+
+    async def _gen(self):
+        for item in self.items:
+            await asyncio.sleep(0)
+            yield item
+        await asyncio.Event().wait()
+
+    def __aiter__(self):
+        return self._gen()
+
+
+class _ChannelGone(_Call):
+    async def _gen(self):
+        await self.gone.wait()
+        raise ConnectionError("the LLM replica's node went away")
+        yield
+
+
+class _Text:
+    """TextRules' stand-in: each chunk is its own delta."""
+
+    def processor(self, tokenizer):
+        return SimpleNamespace(feed=lambda chunk: chunk)
+
+
+def test_a_generation_whose_token_channel_is_lost_before_its_first_token_goes_once_more():
+    """The LLM replica dies with a generation attached to its token channel, nothing sent yet: the channel's end
+    reaches the ingress before the call's own (a race either may win). It is sent once more, to the replica the
+    router picks now, as when the call's own stream reports the loss; not a 503 while a healthy replica remains."""
+
+    async def go():
+        channel = _ChannelGone([])
+        channel.gone = asyncio.Event()
+        calls = [_Call([Routed("r1", via_channel=True)]), _Call([Routed("r2", via_channel=False), TokenChunk([5])])]
+        opened = {"r1": channel, "r2": _Call([])}
+        llm = SimpleNamespace(
+            generate=SimpleNamespace(remote=lambda request: calls.pop(0)),
+            channel=SimpleNamespace(remote=lambda req: opened[req.replica_id]),
+        )
+        llm.options = lambda **_: llm
+        hub = ChannelHub(llm, "ing")
+        hub.open("r1")
+        gen = Generator(None, llm, hub, SimpleNamespace(llm=SimpleNamespace(token_channel=True)), None)
+        first = calls[0]
+        params = [SamplingParams(max_tokens=4)]
+        started = asyncio.ensure_future(gen._generate(Prepared(prompt=[1]), params, _Text(), [], "r", 0))
+        while not hub.attached.get("r1"):  # the generation is on r1's channel, waiting for its first token
+            await asyncio.sleep(0.01)
+        channel.gone.set()
+        streams, firsts = await asyncio.wait_for(started, 5)
+        assert [d.token_ids for d in firsts] == [[5]] and gen.counts["llm_retries"] == 1 and first.cancelled
+        await asyncio.gather(*(s.aclose() for s in streams))
+        for task in hub.readers.values():
+            task.cancel()
+
+    asyncio.run(go())

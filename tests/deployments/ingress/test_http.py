@@ -13,7 +13,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from starlette.requests import Request
 
 from deployments.ingress.http import error_body, read_json
-from schemas import EncoderUnavailable, InvalidRequest
+from schemas import ChannelLost, EncoderUnavailable, InvalidRequest
 
 
 def _request(chunks: list[bytes | str | BaseException], content_length: int | None = None) -> Request:
@@ -61,9 +61,12 @@ def test_json_nested_beyond_the_decoders_depth_is_a_400(deep):
     assert asyncio.run(read_json(_request([b"[" * 100 + b"]" * 100]), 1 << 20))  # nesting a client may well send
 
 
-@pytest.mark.parametrize("lost", [ActorDiedError(), ActorUnavailableError("unreachable", None), NodeDiedError("n")])
+@pytest.mark.parametrize(
+    "lost", [ActorDiedError(), ActorUnavailableError("unreachable", None), NodeDiedError("n"), ChannelLost("r1")]
+)
 def test_a_lost_replica_is_a_503_to_retry_and_not_a_500(caplog, lost):
-    """What a request sees when its replica (or node) went away after the ingress's one retry, or mid-stream."""
+    """What a request sees when its replica (or node) went away after the ingress's one retry, or mid-stream; also
+    when the token channel of its LLM replica was what said so (deployments/ingress/channel.py)."""
     with caplog.at_level(logging.WARNING, logger="ray.serve"):
         status, headers, body = error_body(lost, "chatcmpl-x")
     assert (status, headers, body.error.code) == (503, {"Retry-After": "5"}, "replica_lost")
