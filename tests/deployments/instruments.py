@@ -205,6 +205,18 @@ class _InstrumentedLM(Qwen2LM):
         model.__class__ = cls
         return model
 
+    @classmethod
+    def with_attrs(cls, **attrs):
+        """A `model_factory` whose model has `attrs` set (what it records into, what it waits on)."""
+        return functools.partial(cls._load_with, attrs=attrs)
+
+    @classmethod
+    def _load_with(cls, model_dir, device="cpu", dtype=torch.float32, *, attrs: dict) -> Qwen2LM:
+        model = cls.load(model_dir, device, dtype)
+        for name, value in attrs.items():
+            setattr(model, name, value)
+        return model
+
 
 class FaultyLM(_InstrumentedLM):
     """Fails when decoding reaches cache position 40 (mid-stream), or on prefill of 100+ tokens (before any token);
@@ -242,13 +254,7 @@ class HeldLM(_InstrumentedLM):
     @classmethod
     def holding(cls, hold: str):
         """A `model_factory` whose model holds on the file `hold`."""
-        return functools.partial(cls._load_holding, hold=hold)
-
-    @classmethod
-    def _load_holding(cls, model_dir, device="cpu", dtype=torch.float32, *, hold: str) -> Qwen2LM:
-        model = cls.load(model_dir, device, dtype)
-        model.hold = hold
-        return model
+        return cls.with_attrs(hold=hold)
 
     def forward(self, inputs_embeds, positions, cache, meta):
         while positions.shape[1] == 1 and os.path.exists(self.hold):
@@ -265,13 +271,7 @@ class RecordingLM(_InstrumentedLM):
     @classmethod
     def recording(cls, record_dir: str):
         """A `model_factory` whose model records into `record_dir`."""
-        return functools.partial(cls._load_recording, record_dir=record_dir)
-
-    @classmethod
-    def _load_recording(cls, model_dir, device="cpu", dtype=torch.float32, *, record_dir: str) -> Qwen2LM:
-        model = cls.load(model_dir, device, dtype)
-        model.record_dir = record_dir
-        return model
+        return cls.with_attrs(record_dir=record_dir)
 
     def forward(self, inputs_embeds, positions, cache, meta):
         with open(Path(self.record_dir) / f"{os.getpid()}.lm", "a") as f:
