@@ -66,6 +66,10 @@ class EncoderUnavailable(RuntimeError):
 class ChannelLost(Overloaded):
     def __init__(self, replica_id: str):
         super().__init__(f"the token channel to LLM replica {replica_id} closed", retry_after_s=1)
+        self.replica_id = replica_id
+
+    def __reduce__(self):  # NOTE: Overloaded's fields are not this constructor's arguments
+        return (type(self), (self.replica_id,))
 
 
 # The ingress's LLM replica went away: the call's own stream says so (REPLICA_GONE), or the token channel that was to

@@ -24,6 +24,7 @@ the messages (`Routed`, `ChannelOpen`, `Batch`) are in `schemas/engine.py`.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from collections.abc import Callable
@@ -46,8 +47,12 @@ class ChannelHub:
         self.messages = 0  # channel messages received (for the message-rate figures)
 
     def open(self, replica_id: str) -> None:
+        """Start reading `replica_id`'s channel. NOTE: in a context of its own: the channel serves every generation,
+        and a call made in a request's context is that request's child, which Serve cancels when the request is
+        cancelled (its client left): the channel, and the generations of every other client attached to it, with it."""
         if replica_id not in self.readers:
-            self.readers[replica_id] = asyncio.ensure_future(self._read(replica_id))
+            reader = self._read(replica_id)
+            self.readers[replica_id] = asyncio.get_running_loop().create_task(reader, context=contextvars.Context())
 
     async def _read(self, replica_id: str) -> None:
         call = self.llm.options(stream=True).channel.remote(ChannelOpen(self.id, replica_id))

@@ -160,3 +160,36 @@ def _llm_replica_or_none() -> str | None:
 
 def _states() -> dict[str, int]:
     return serve.status().applications[APP].deployments["LLM"].replica_states
+
+
+def test_the_client_whose_request_opened_the_channel_leaving_closes_nothing(ray_serve, app_args):
+    """The channel is opened by whichever generation first meets the replica without one; that request's client
+    leaving must not take the channel with it: Serve cancels a cancelled request's calls, and the channel was once
+    one of them, so every stream attached to it failed (a 503 before the first token, an error event after)."""
+    app = "channel_owner"
+    args = {**app_args, "encoder": {"startup_check": False}, "llm": {**app_args["llm"], "token_channel_idle_s": 600}}
+    encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=1, autoscaling_config=None).bind(args, None)
+    llm = LLM.options(
+        ray_actor_options={"num_cpus": 0.5}, num_replicas=1, autoscaling_config=None, graceful_shutdown_timeout_s=1
+    ).bind(args)
+    serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name=app, route_prefix=f"/{app}")
+    handle = serve.get_deployment_handle("LLM", app_name=app)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=f"{ray_serve}/{app}", timeout=120) as client:
+            opener = asyncio.create_task(_stream(client, _body(300, 600), 10**6))  # opens the channel, then leaves
+            while (await handle.stats.remote())["channels_opened"] < 1:
+                await asyncio.sleep(0.05)
+            riders = [asyncio.create_task(_stream(client, _body(301 + i))) for i in range(4)]
+            while (await handle.stats.remote())["channel_generations"] < 4:
+                await asyncio.sleep(0.05)  # the others are attached to the channel
+            opener.cancel()  # its client closes the connection
+            return await asyncio.wait_for(asyncio.gather(*riders), 60)
+
+    try:
+        results = asyncio.run(run())
+        assert [(status, len(ids), ended) for status, ids, ended in results] == [(200, TOKENS, True)] * 4
+        stats = handle.stats.remote().result()
+        assert stats["channels_opened"] == 1 and stats["stream_messages"] > 0, stats  # the opener came by its own
+    finally:
+        serve.delete(app)

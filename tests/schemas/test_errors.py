@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import pickle
 
+import pytest
 from ray.exceptions import TaskCancelledError
 
-from schemas import InvalidRequest, quiet_client_errors
+from schemas import ChannelLost, EncoderUnavailable, InvalidRequest, Overloaded, quiet_client_errors
 
 
 def _log_failure(logger: logging.Logger, error: Exception) -> None:
@@ -43,3 +45,21 @@ def test_a_task_left_failed_by_a_client_that_left_is_one_info_line(caplog):
     left, bug = caplog.records
     assert (left.levelno, left.exc_info) == (logging.INFO, None) and "closed its connection" in left.getMessage()
     assert bug.levelno == logging.ERROR and bug.exc_info is not None
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        InvalidRequest("bad image", param="messages[0]", code="invalid_image", status=413),
+        Overloaded("queue full", retry_after_s=5),
+        EncoderUnavailable("encoder gone", [0, 2]),
+        ChannelLost("r1"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_errors_cross_processes_whole(error):
+    """Ray pickles an error raised in a replica to its caller: one that cannot be rebuilt reaches the ingress as
+    Ray's own error (a ChannelLost once did, and its requests failed without the retry they were owed)."""
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error) and again.args == error.args
+    assert vars(again) == vars(error)
