@@ -140,10 +140,11 @@ bench-encoder-scaling: $(STAMP)
 
 # The long soak (bench/soak.py, about 15 min here): 30,000 good, bad, cancelled and streaming requests, then no 5xx,
 # bounded replica memory (total, and fitted growth per 1,000 requests over the second half), object store, no KV
-# blocks held, clean logs. `make soak SOAK_ARGS="--requests 300 --rounds 4"`: a short one.
+# blocks held, clean logs; behind the front door `make serve` opens (INGRESS). `make soak SOAK_ARGS="--requests 300
+# --rounds 4"`: a short one.
 SOAK_ARGS ?= --concurrency 16
 soak: $(STAMP)
-	$(PY) -m bench.soak $(SOAK_ARGS)
+	$(PY) -m bench.soak --ingress $(INGRESS) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(CHECKPOINT)

@@ -72,20 +72,27 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 @contextmanager
-def ray_serve(num_cpus: int = 4) -> Iterator[int]:
-    """Ray + Serve in this process, HTTP on a free port (yielded); always shut down, even when the run fails."""
+def ray_serve(num_cpus: int = 4, ingress: str = "proxy") -> Iterator[int]:
+    """Ray + Serve in this process, HTTP on a free port; always shut down, even when the run fails. `ingress`: Serve's
+    front door as `make serve INGRESS=...` opens it (proxy, direct or haproxy); the port yielded is the one clients
+    use (under direct, the Ingress replica's own)."""
     import ray
     from ray import serve
+
+    from bench.peer_servers import ingress_ports, serve_env
 
     # NOTE: as tests/conftest.py: Serve's default proxy readiness checks (5 s / 10 s) kill the
     # proxy on a loaded 2-core machine; the controller reads these from the driver's environment at ray.init.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
+    port = free_port()
+    client_port, door_env, _ = ingress_ports(ingress, port)
+    if ingress != "proxy":
+        os.environ.update(serve_env(ingress) | door_env)  # NOTE: before ray.init: every process Ray starts reads them
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="warning")
     try:
-        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=QUIET)
-        yield port
+        yield client_port
     finally:
         try:
             serve.shutdown()
@@ -98,14 +105,19 @@ QUIET = {"log_level": "WARNING", "enable_access_log": False}  # per-request INFO
 
 @contextmanager
 def serve_app(
-    checkpoint: Path, *, max_images: int, max_model_len: int = 4096, overrides: dict | None = None
+    checkpoint: Path,
+    *,
+    max_images: int,
+    max_model_len: int = 4096,
+    overrides: dict | None = None,
+    ingress: str = "proxy",
 ) -> Iterator[str]:
-    """Our app at route / of an in-process Ray Serve (`ray_serve`)."""
+    """Our app at route / of an in-process Ray Serve (`ray_serve`), behind the front door `ingress`."""
     from ray import serve
 
     from deployments import build_app
 
-    with ray_serve() as port:
+    with ray_serve(ingress=ingress) as port:
         args = _merge(
             {
                 "model": str(checkpoint),

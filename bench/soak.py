@@ -1,7 +1,9 @@
 """A bounded soak: thousands of mixed requests (good, bad, cancelled, streaming) against the app, then its leaks.
 
 `python -m bench.soak --requests 30000 --rounds 12 --concurrency 16` (`make soak`) starts the app here as `make bench`
-does (tiny demo checkpoint, the end-to-end tests' small LIMITS, so bad inputs hit limits cheaply);
+does (tiny demo checkpoint, the end-to-end tests' small LIMITS, so bad inputs hit limits cheaply), behind the front
+door `make serve` opens (`--ingress`, direct by default: the Ingress replica's own port, where a request a client
+leaves has its calls cancelled with it; tests/deployments/test_soak.py soaks Serve's proxy);
 `--url http://127.0.0.1:8000 --app vlm` drives one already running (this process then joins its Ray cluster,
 which must be on this machine: replica memory is read from /proc). tests/deployments/test_soak.py runs a short one.
 
@@ -212,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=12, help="samples during the load, one after each round")
     parser.add_argument("--url", help="an app already running (default: start one here)")
     parser.add_argument("--app", default="vlm", help="its Serve application name, with --url")
+    parser.add_argument(
+        "--ingress",
+        default="direct",
+        choices=["direct", "proxy", "haproxy"],
+        help="the front door of the app started here (default: direct, as `make serve`)",
+    )
     parser.add_argument("--max-rss-growth-mib", type=float, default=Bounds.max_rss_growth_mib)
     parser.add_argument("--max-object-store-growth-mib", type=float, default=Bounds.max_object_store_growth_mib)
     parser.add_argument("--settle-s", type=float, default=Bounds.settle_s)
@@ -252,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
 
         build_tiny(["--out", "demo/qwen2-vl-tiny"])  # as `make checkpoint`: a no-op when it is there
         with serve_app(
-            Path("demo/qwen2-vl-tiny"), max_images=4, overrides={"limits": LIMITS, "llm": {"max_model_len": 1024}}
+            Path("demo/qwen2-vl-tiny"),
+            max_images=4,
+            overrides={"limits": LIMITS, "llm": {"max_model_len": 1024}},
+            ingress=args.ingress,
         ) as url:
             result = run(url, "bench")
     print(report(result))
