@@ -59,7 +59,8 @@ class ImageBatcher:
                 item = self._queue.get_nowait()
             except asyncio.QueueEmpty:
                 try:
-                    item = await asyncio.wait_for(self._queue.get(), max(0.0, deadline - loop.time()))
+                    async with asyncio.timeout_at(deadline):  # NOTE: not wait_for: see tests/test_house.py
+                        item = await self._queue.get()
                 except TimeoutError:
                     break
             if patches + item.patches > self.max_patches:

@@ -53,7 +53,8 @@ class Outbox:
         try:
             while True:
                 try:
-                    await asyncio.wait_for(self.wake.wait(), self.idle_s)
+                    async with asyncio.timeout(self.idle_s):  # NOTE: not wait_for: see tests/test_house.py
+                        await self.wake.wait()
                 except TimeoutError:
                     if not self.attached:
                         return  # idle: closed; the ingress reopens it when it needs it

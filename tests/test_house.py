@@ -1,4 +1,5 @@
-"""House rules a reader relies on: non-test files stay small, and pytest never collects the benchmark tools."""
+"""House rules a reader relies on: non-test files stay small, pytest never collects the benchmark tools, and the
+product never waits with `asyncio.wait_for`."""
 
 from __future__ import annotations
 
@@ -25,3 +26,15 @@ def test_pytest_collects_tests_only():
     options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert options["testpaths"] == ["tests"] and "bench" in options["norecursedirs"]
     assert [p for p in (ROOT / "bench").rglob("test_*.py")] == [], "tests of bench/ belong in tests/"
+
+
+def test_the_product_does_not_use_wait_for():
+    """On Python 3.11 `asyncio.wait_for` returns the result of a future that completes in the same turn of the loop as
+    the waiting task's cancellation, and the cancellation is lost. Serve cancels a request's calls just before the
+    request itself when its client leaves (direct ingress), so those futures complete exactly then: the ingress went
+    on to re-encode and generate for nobody (the soak found it). `async with asyncio.timeout(...)` does not drop it;
+    tests/deployments/ingress/test_generate.py shows the difference on the encoder wait."""
+    product = [p for p in _sources() if p.parts[len(ROOT.parts)] in ("deployments", "encoders", "llm", "schemas")]
+    assert len(product) > 40, product
+    found = [str(p.relative_to(ROOT)) for p in product if "wait_for(" in p.read_text()]
+    assert found == [], f"use `async with asyncio.timeout(...)` instead of asyncio.wait_for in {found}"

@@ -95,7 +95,8 @@ class TokenStream:
         try:
             if route_timeout_s is not None:  # NOTE: Serve's call (a private API) returns once a replica took it
                 try:
-                    await asyncio.wait_for(self.call._fetch_future_result_async(), route_timeout_s)
+                    async with asyncio.timeout(route_timeout_s):  # NOTE: not wait_for: see tests/test_house.py
+                        await self.call._fetch_future_result_async()
                 except TimeoutError:
                     self.call.cancel()
                     put(Overloaded(f"no LLM replica took the request in {route_timeout_s:g} s", retry_after_s=5))

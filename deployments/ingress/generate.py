@@ -91,7 +91,11 @@ class Generator:
         refs = asyncio.gather(*(r._to_object_ref() for r in responses))
         refs.add_done_callback(observe)  # a request that ends early leaves it failing unobserved
         try:
-            return list(await asyncio.wait_for(refs, self.args.encoder.timeout_s))
+            # NOTE: not wait_for, which on Python 3.11 returns the result of a future that completes as the task is
+            # cancelled, dropping the cancellation: Serve cancels a request's calls (these) just before the request
+            # itself when its client leaves, and the request went on to re-encode and generate for nobody.
+            async with asyncio.timeout(self.args.encoder.timeout_s):
+                return list(await refs)
         except TimeoutError:
             self.counts["encoder_timeouts"] += 1
             raise Overloaded("no encoder replica took the images in time", retry_after_s=2) from None

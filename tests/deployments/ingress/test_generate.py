@@ -103,6 +103,48 @@ def test_an_image_lost_twice_is_a_503():
     assert gen.counts == {"encoder_retries": 1, "encoder_failures": 1}
 
 
+class _Assigned:
+    """An encoder call whose ObjectRef is `ref` (a future the test completes)."""
+
+    def __init__(self, ref: asyncio.Future):
+        self.ref = ref
+
+    async def _to_object_ref(self):
+        return await self.ref
+
+    def cancel(self):
+        pass
+
+
+@pytest.mark.parametrize("turns", range(8))
+def test_a_request_cancelled_as_its_images_are_assigned_stays_cancelled(turns):
+    """Serve cancels a request's calls, then the request (direct ingress, the client gone): the images' refs complete
+    a few turns of the loop before the cancellation reaches the waiting request. Whatever the turn, the request ends
+    cancelled; with asyncio.wait_for (Python 3.11) one of these turns returned the refs and the request went on to
+    generate for nobody."""
+
+    async def run():
+        ref = asyncio.get_running_loop().create_future()
+        gen = Generator.__new__(Generator)
+        gen.encoder = SimpleNamespace(encode=SimpleNamespace(remote=lambda *a, **k: _Assigned(ref)))
+        gen.args = SimpleNamespace(encoder=SimpleNamespace(timeout_s=30))
+        p = Prepared(jobs=[b"x", b"y"], job_keys=["a", "b"], job_costs=[1.0, 1.0])
+        waiting = asyncio.ensure_future(gen._encode(p, [0, 1], []))
+        await asyncio.sleep(0.01)
+        ref.set_result("ref")
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        done_first = waiting.done()  # then it had its refs before the cancellation: nothing was dropped
+        waiting.cancel()
+        try:
+            return done_first, await waiting
+        except asyncio.CancelledError:
+            return done_first, "cancelled"
+
+    done_first, outcome = asyncio.run(run())
+    assert outcome == (["ref", "ref"] if done_first else "cancelled")
+
+
 class _Call:
     """A Serve streaming call (already taken by a replica): yields `items`, then stays open (its end not yet seen)."""
 

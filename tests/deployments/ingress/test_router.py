@@ -137,3 +137,35 @@ def test_calls_that_share_an_internal_request_id_each_get_their_replica():
         assert all(c.future.done() for c in calls)
 
     asyncio.run(main())
+
+
+class _CancelledMeanwhile(asyncio.Future):
+    """A call's future that another thread cancels just after the router saw it waiting."""
+
+    def done(self) -> bool:
+        was = super().done()
+        if not was:
+            self.cancel()
+        return was
+
+
+def test_a_call_cancelled_as_its_replica_is_chosen_is_dropped_quietly():
+    """Serve cancels a leaving client's calls from another thread than the router's: one cancelled between the check
+    and the answer raised InvalidStateError out of the router (an ERROR traceback per occurrence), and kept its
+    place in the indices. Now it is dropped, and the next call still gets its replica."""
+
+    async def main():
+        router = PrefixAffinityRouter(deployment_id=LLM_ID, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state()
+        gone, next_call = _pending(_generate("k")), _pending(_generate("k"))
+        gone.future = _CancelledMeanwhile()
+        for call in (gone, next_call):
+            router._pending_requests_to_fulfill.append(call)
+            router._add_pending_request_to_indices(call)
+        replicas = _replicas(2)
+        router._fulfill_next_pending_request(replicas[0], gone.metadata)
+        assert gone.future.cancelled()
+        router._fulfill_next_pending_request(replicas[1], next_call.metadata)
+        assert next_call.future.result() is replicas[1]
+
+    asyncio.run(main())
