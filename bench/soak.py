@@ -28,7 +28,7 @@ Bounds (each a flag); a broken one exits non-zero:
 - after settling (polled for up to `--settle-s`, 10 s): no sequence running or waiting in the engine and no KV
   block held by a sequence (`kv_usage` counts blocks with a reference; cached-but-free prefix blocks are free);
 - no ERROR line or traceback in the app's replica logs, the proxy's, or its replica processes' stderr during the load
-  (a client's error is a WARNING line at most); Ray Serve's own router errors (`UPSTREAM`) are counted apart.
+  (a client's error is a WARNING line at most); Ray Serve's own router errors (`UPSTREAM`, with no frame of ours in the traceback) are counted apart.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pathlib import Path
 import httpx
 
 from bench.soak_mix import MIX, Mix, Outcome, drive
-from bench.soak_probe import UPSTREAM, log_problems, sample, serve_logs
+from bench.soak_probe import log_problems, sample, serve_logs, upstream
 from bench.soak_report import MIB, report
 
 __all__ = ["Bounds", "Mix", "SoakResult", "check", "report", "soak"]
@@ -161,7 +161,7 @@ def check(result: SoakResult) -> list[str]:
             f"kv_usage {e['kv_usage']:.6f} (blocks still held by sequences)"
         )
     if b.log_problems:
-        out += [f"log: {line}" for line in result.logs if not any(u in line for u in UPSTREAM)]
+        out += [f"log: {line}" for line in result.logs if not upstream(line)]
     return out
 
 

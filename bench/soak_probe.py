@@ -84,8 +84,16 @@ def serve_logs(app: str) -> dict[Path, int]:
 
 
 # Ray Serve's own errors, not ours: counted apart. Its request router sets the result of a request that its caller
-# cancelled meanwhile (seen on the Encoder's calls to the EmbeddingCache, Ray 2.60).
+# cancelled meanwhile (seen on the Encoder's calls to the EmbeddingCache, Ray 2.60). Only where no frame of the
+# traceback is ours: the same error from our routers' override (deployments/ingress/router.py) was ours, and fixed.
 UPSTREAM = ("Unexpected error in _fulfill_pending_requests",)
+OURS = re.compile(r'File "[^"]*/(deployments|encoders|llm|schemas)/')
+THROUGH_OURS = " [through our code]"
+
+
+def upstream(entry: str) -> bool:
+    """A logged error that is Ray Serve's own (counted apart), not ours (a violation)."""
+    return any(u in entry for u in UPSTREAM) and THROUGH_OURS not in entry
 
 
 ENTRY = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-")  # Serve's line format starts an entry
@@ -93,28 +101,45 @@ ENTRY = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-")  # Serve's li
 
 def log_problems(offsets: dict[Path, int], app: str) -> list[str]:
     """Entries at ERROR or above, and any with a traceback, that the app's replicas and the proxies logged since
-    `offsets` (a file that appeared since, e.g. a new replica's, is read whole): each as its file, its first line,
-    and its last (the exception), for short. Lines that do not start an entry (a traceback's) belong to the one
-    before."""
+    `offsets` (a file that appeared since, e.g. a new replica's, is read whole)."""
     out = []
     for f in {**serve_logs(app), **offsets}:
         if not f.exists():
             continue
         with f.open("rb") as fh:
             fh.seek(offsets.get(f, 0))
-            text = fh.read().decode(errors="replace")
-        entries: list[list[str]] = []
-        for line in text.splitlines():
-            if ENTRY.match(line) or not entries:
-                entries.append([line])
-            else:
-                entries[-1].append(line)
-        out += [
-            f"{f.name}: {e[0][:200]}" + (f" ... {e[-1][:200]}" if len(e) > 1 else "")
-            for e in entries
-            if e[0].startswith(("ERROR", "CRITICAL")) or any(x.startswith("Traceback") for x in e)
-        ]
+            out += problems(f.name, fh.read().decode(errors="replace"))
     return out
 
 
-__all__ = ["UPSTREAM", "log_problems", "object_store", "replica_pids", "rss_bytes", "sample", "serve_logs"]
+def problems(name: str, text: str) -> list[str]:
+    """The entries of a log's `text` at ERROR or above, or with a traceback: each as the file's name, its first line
+    and its last (the exception), for short, marked when a frame of its traceback is ours. Lines that do not start an
+    entry (a traceback's) belong to the one before."""
+    entries: list[list[str]] = []
+    for line in text.splitlines():
+        if ENTRY.match(line) or not entries:
+            entries.append([line])
+        else:
+            entries[-1].append(line)
+    return [
+        f"{name}: {e[0][:200]}"
+        + (f" ... {e[-1][:200]}" if len(e) > 1 else "")
+        + (THROUGH_OURS if any(OURS.search(x) for x in e[1:]) else "")
+        for e in entries
+        if e[0].startswith(("ERROR", "CRITICAL")) or any(x.startswith("Traceback") for x in e)
+    ]
+
+
+__all__ = [
+    "THROUGH_OURS",
+    "UPSTREAM",
+    "log_problems",
+    "problems",
+    "upstream",
+    "object_store",
+    "replica_pids",
+    "rss_bytes",
+    "sample",
+    "serve_logs",
+]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.soak_probe import UPSTREAM
+from bench.soak_probe import upstream
 
 MIB = 1 << 20
 MAX_COLUMNS = 6  # rounds shown; the fit uses every round
@@ -59,7 +59,7 @@ def report(r: Any) -> str:
         "",
         f"per 1k: least-squares growth per 1,000 requests over rounds {r.rounds // 2}..{r.rounds}",
         f"logs: {len(r.logs)} ERROR lines or tracebacks in the app's replica and proxy logs and replica stderr during "
-        f"the load ({sum(any(u in line for u in UPSTREAM) for line in r.logs)} of them Ray Serve's own, not counted)",
+        f"the load ({sum(map(upstream, r.logs))} of them Ray Serve's own, not counted)",
         f"settled in {r.settle_s:.1f}s; bounds: RSS +{b.max_rss_growth_mib:g} MiB per replica{slope}, "
         f"object store +{b.max_object_store_growth_mib:g} MiB, no sequence or KV block held, clean logs",
     ]
