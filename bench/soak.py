@@ -28,7 +28,8 @@ Bounds (each a flag); a broken one exits non-zero:
 - after settling (polled for up to `--settle-s`, 10 s): no sequence running or waiting in the engine and no KV
   block held by a sequence (`kv_usage` counts blocks with a reference; cached-but-free prefix blocks are free);
 - no ERROR line or traceback in the app's replica logs, the proxy's, or its replica processes' stderr during the load
-  (a client's error is a WARNING line at most); Ray Serve's own router errors (`UPSTREAM`, with no frame of ours in the traceback) are counted apart.
+  (a client's error is a WARNING line at most); Ray Serve's own router errors (`UPSTREAM`, with no frame of ours in
+  the traceback) are counted apart.
 """
 
 from __future__ import annotations
