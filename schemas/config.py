@@ -128,9 +128,10 @@ class LLMArgs(_Strict):
     )
     cpu_packed_weights: bool = Field(
         True,
-        description="On cpu in float32: the linear layers' weights are also held in oneDNN's packed layout, built at "
-        "start, and the GEMMs read that (faster for decode batches); costs a second copy of those weights in "
-        "memory (false: MKL's GEMM on the checkpoint's layout alone).",
+        description="On cpu in float32, and in bfloat16 where oneDNN has bfloat16 kernels for the CPU (AVX-512): the "
+        "linear layers' weights are also held in oneDNN's packed layout, built at start, and the GEMMs read that "
+        "(faster for decode batches); costs a second copy of those weights in memory (false: torch's GEMM on the "
+        "checkpoint's layout, and in bfloat16 our kernel for decode rows).",
     )
     cuda_graphs: bool | None = Field(
         None,

@@ -66,7 +66,7 @@ class ModelRunner:
             if packed_weights and isinstance(model, nn.Module):  # one rank (a ParallelLM's ranks keep torch's GEMM)
                 n = pack_linears(model)
                 if n:
-                    logger.info("%d float32 linear weights packed for oneDNN", n)
+                    logger.info("%d linear weights (%s) packed for oneDNN", n, model.lm_head.weight.dtype)
         self.cache = model.new_cache(num_blocks + static, block_size)
         self.cache_blocks = num_blocks  # the pool's; a static decode's extra one is its padding rows' null block
         self.static = (

@@ -2,9 +2,10 @@
 KV blocks in place, and one-op versions of what torch runs as several small ops per layer: the residual add fused
 into RMSNorm, and RoPE. Each rounds where the torch ops it replaces round (to the model's dtype between ops), so
 they compute the same thing; tests hold both paths to transformers. SiLU-mul stays torch's two ops: torch's
-vectorised exp beat a plain C++ loop (BENCHMARKS.md has what each kernel bought). A bfloat16 linear of a few rows
-(decode batches) goes to a kernel of ours too: on CPUs without AVX-512-BF16, ATen runs bfloat16 GEMMs in a scalar
-fallback; ours widens each weight to float32 in registers and feeds FMAs (AVX2 builds only).
+vectorised exp beat a plain C++ loop (BENCHMARKS.md has what each kernel bought). Linears run on oneDNN on packed
+copies of their weights (`pack`): float32 everywhere, bfloat16 where oneDNN has bfloat16 kernels for the CPU
+(AVX-512). Elsewhere a bfloat16 linear of a few rows (decode batches) goes to a kernel of ours: without them ATen runs
+bfloat16 GEMMs in a scalar fallback; ours widens each weight to float32 in registers and feeds FMAs (AVX2 builds).
 
 Attention: the eager path (llm/model/attention.py) gathers every decode row's blocks into a contiguous copy, then runs
 two batched matmuls. This kernel reads each key and value once, where it lies: one task per (sequence, KV head),
@@ -149,15 +150,21 @@ for _var in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
     os.environ.setdefault(_var, str(ONEDNN_CACHE_ENTRIES))
 
 
-def can_pack() -> bool:
-    """Whether this torch can hold float32 linear weights in oneDNN's packed layout (`pack`)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def can_pack(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch can hold linear weights of `dtype` in oneDNN's packed layout (`pack`): float32 wherever
+    oneDNN is built in; bfloat16 where oneDNN also has bfloat16 kernels for this CPU (AVX-512: native with
+    AVX-512-BF16), else the bfloat16 kernel of ours (`linear`) stays."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 weight (N, K) in oneDNN's blocked layout for `linear(..., packed=)`: an opaque tensor, a second
-    copy. NOTE: ATen's float32 linear is MKL's sgemm, which repacks the weight on every call; a decode step's GEMMs
-    have few rows, so that repacking is a large share of them (vLLM's CPU backend prepacks for oneDNN too)."""
+    """A float32 or bfloat16 weight (N, K) in oneDNN's blocked layout for `linear(..., packed=)`: an opaque tensor, a
+    second copy. NOTE: ATen's float32 linear is MKL's sgemm, which repacks the weight on every call; a decode step's
+    GEMMs have few rows, so that repacking is a large share of them (vLLM's CPU backend prepacks for oneDNN too). In
+    bfloat16, on a CPU with AVX-512-BF16, oneDNN on the packed copy measured 2.9x our kernel at 32 rows (whose
+    float32 FMAs on widened weights are for CPUs without it) and 1.1x ATen's bfloat16 GEMM (BENCHMARKS.md)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)  # laid out for ~32 rows; any count works
 
 
@@ -167,7 +174,7 @@ def linear(
     """F.linear(x (T, K), weight (N, K), bias): by oneDNN on `packed` (pack(weight)) where given, by the bfloat16
     kernel where it applies (AVX2 builds, T <= MAX_LINEAR_ROWS[dtype], K a multiple of 8), else by torch."""
     global calls
-    if packed is not None and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+    if packed is not None and x.dtype == packed.dtype and not torch.compiler.is_compiling():
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if (
         x.dim() == 2

@@ -89,8 +89,8 @@ class Rotary:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose bfloat16 decode rows go to the CPU kernel (cpu_kernels.py) where it is built, and whose float32
-    GEMMs read oneDNN's packed copy of the weight once `pack_linears` made one."""
+    """nn.Linear whose GEMMs read oneDNN's packed copy of the weight once `pack_linears` made one, and whose bfloat16
+    decode rows otherwise go to the CPU kernel (cpu_kernels.py) where it is built."""
 
     packed: torch.Tensor | None = None
 
@@ -99,11 +99,12 @@ class Linear(nn.Linear):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """A packed copy (cpu_kernels.pack) of every float32 CPU linear weight of model; returns how many. The weights
-    themselves stay (the reference path, torch.compile, tensor-parallel loading read them)."""
+    """A packed copy (cpu_kernels.pack) of every CPU linear weight of model whose dtype oneDNN can pack here (float32;
+    bfloat16 on CPUs with its bfloat16 kernels); returns how many. The weights themselves stay (the reference path,
+    torch.compile, tensor-parallel loading read them)."""
     linears = [m for m in model.modules() if isinstance(m, Linear | RowParallelLinear)]
-    todo = [m for m in linears if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
-    if not todo or not cpu_kernels.can_pack():
+    todo = [m for m in linears if m.weight.device.type == "cpu" and cpu_kernels.can_pack(m.weight.dtype)]
+    if not todo:
         return 0
     for m in todo:
         m.packed = cpu_kernels.pack(m.weight)

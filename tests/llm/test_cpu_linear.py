@@ -1,4 +1,5 @@
-"""The linear kernel for bfloat16 decode rows (llm/model/cpu_kernels.cpp) against the float32 product rounded once."""
+"""The linear kernel for bfloat16 decode rows (llm/model/cpu_kernels.cpp) against the float32 product rounded once, and
+the linears on oneDNN-packed weights (float32; bfloat16 where oneDNN has bfloat16 kernels) against torch's."""
 
 from __future__ import annotations
 
@@ -96,16 +97,41 @@ def test_packed_float32_linears_equal_torch_and_run_on_the_packed_copy(T, bias):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_the_engine_packs_float32_cpu_linears_unless_told_not_to(checkpoint):
+@pytest.mark.skipif(not cpu_kernels.can_pack(torch.bfloat16), reason="oneDNN has no bfloat16 kernels for this CPU")
+@pytest.mark.parametrize("T", [1, 3, 32, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bfloat16_linears_are_the_float32_product_rounded_once(T, bias):
+    """Where oneDNN has bfloat16 kernels (AVX-512), bfloat16 weights are packed too and every row count runs on them:
+    the float32 product, rounded once to bfloat16, as torch's own bfloat16 linear and our kernel compute it."""
+    torch.manual_seed(T)
+    model = nn.Sequential(Linear(512, 1027, bias=bias), RowParallelLinear(1027, 64, bias, TPGroup())).bfloat16()
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.05)
+    x = torch.randn(T, 512).bfloat16()
+    with torch.no_grad():
+        hidden = F.linear(x.float(), model[0].weight.float(), None if not bias else model[0].bias.float())
+        assert pack_linears(model) == 2
+        with _Ops() as ops:
+            y0 = model[0](x)
+            y = model[1](y0)
+    assert [n for n in ops.names if "linear" in n or "mm" in n] == ["mkldnn._linear_pointwise.default"] * 2
+    assert y.dtype == torch.bfloat16 and y.shape == (T, 64)
+    torch.testing.assert_close(y0.float(), hidden, rtol=2**-7, atol=1e-3 * 512**0.5)
+    ref = F.linear(y0.float(), model[1].weight.float(), None if not bias else model[1].bias.float())
+    torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-3 * 1027**0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_packs_cpu_linears_unless_told_not_to(checkpoint, dtype):
     from llm import Engine, EngineConfig, Qwen2LM
 
     for packed in (True, False):
-        model = Qwen2LM.from_pretrained(checkpoint)
+        model = Qwen2LM.from_pretrained(checkpoint).to(dtype)
         config = EngineConfig(max_model_len=256, num_blocks=32, cpu_packed_weights=packed)
         engine = Engine(model, config, image_token_id=-1, merge_size=2, eos_token_ids=set())
         engine.close()
         linears = [m for m in model.modules() if isinstance(m, Linear | RowParallelLinear)]
-        assert linears and all((m.packed is not None) == (packed and cpu_kernels.can_pack()) for m in linears)
+        assert linears and all((m.packed is not None) == (packed and cpu_kernels.can_pack(dtype)) for m in linears)
 
 
 _GROWTH = """
@@ -113,7 +139,9 @@ import torch
 from llm.model import cpu_kernels
 
 torch.set_num_threads(1)
-weights = [cpu_kernels.pack(torch.randn(n, k)) for n, k in ((1024, 512), (2816, 512), (512, 1408), (512, 512))]
+dtype = getattr(torch, "{dtype}")
+shapes = ((1024, 512), (2816, 512), (512, 1408), (512, 512))
+weights = [cpu_kernels.pack(torch.randn(n, k, dtype=dtype)) for n, k in shapes]
 
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
@@ -121,7 +149,7 @@ def rss_mib():
 def rows(counts):
     for t in counts:
         for w in weights:
-            cpu_kernels.linear(torch.randn(t, w.size(1)), None, None, w)
+            cpu_kernels.linear(torch.randn(t, w.size(1), dtype=dtype), None, None, w)
 
 rows(range(1, 40))
 start = rss_mib()
@@ -130,9 +158,12 @@ print(rss_mib() - start)
 """
 
 
-@pytest.mark.skipif(not cpu_kernels.can_pack(), reason="this torch has no oneDNN weight packing")
-def test_packed_linears_memory_stays_bounded_over_many_row_counts():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_linears_memory_stays_bounded_over_many_row_counts(dtype):
+    if not cpu_kernels.can_pack(getattr(torch, dtype)):
+        pytest.skip(f"this torch has no oneDNN weight packing in {dtype} here")
     # oneDNN caches a compiled primitive per row count and weight shape (cpu_kernels.ONEDNN_CACHE_ENTRIES): 150 row
     # counts x 4 weights grew a process by ~700 MiB before the caches were capped; capped, a few dozen.
-    out = subprocess.run([sys.executable, "-c", _GROWTH], capture_output=True, text=True, timeout=300, check=True)
+    code = _GROWTH.replace("{dtype}", dtype)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert float(out.stdout.strip()) < 150, out.stdout
