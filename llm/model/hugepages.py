@@ -22,16 +22,32 @@ logger = logging.getLogger(__name__)
 
 HUGE = 1 << 21  # a 2 MiB page
 _MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25  # Linux 6.1+: back a range that is already in use by huge pages, now
 _libc = None
 
 
-def _madvise(addr: int, length: int) -> bool:
+def _madvise(addr: int, length: int, advice: int = _MADV_HUGEPAGE) -> bool:
     global _libc
     try:
         _libc = _libc or ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+        return _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice) == 0
     except (OSError, AttributeError):
         return False
+
+
+def collapse(spans: list[tuple[int, int]]) -> int:
+    """Back the 2 MiB pages that lie wholly inside the range covering `spans` ((address, bytes) of buffers already
+    written, e.g. oneDNN's packed weights, which its own allocations put in malloc's heap) by huge pages
+    (`MADV_COLLAPSE`); returns the bytes collapsed, 0 where the kernel cannot (before Linux 6.1, THP "never").
+    Whatever else lies between the spans is collapsed with them: heap memory, already in use."""
+    if not spans:
+        return 0
+    lo = min(a for a, _ in spans)
+    hi = max(a + n for a, n in spans)
+    start, end = -(-lo // HUGE) * HUGE, hi // HUGE * HUGE
+    if end <= start or not _madvise(start, end - start, _MADV_COLLAPSE):
+        return 0
+    return end - start
 
 
 def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -75,4 +91,4 @@ def move_parameters(module: nn.Module) -> int:
     return moved
 
 
-__all__ = ["empty", "move_parameters", "zeros"]
+__all__ = ["collapse", "empty", "move_parameters", "zeros"]

@@ -71,3 +71,42 @@ def test_parameters_move_into_one_huge_arena_with_their_values_and_ties(thp):
 def test_small_tensors_are_plain():
     t = hugepages.empty(1000, torch.float32)
     assert t.shape == (1000,) and t.dtype == torch.float32
+
+
+def test_collapse_asks_for_the_whole_huge_pages_inside_the_spans(monkeypatch):
+    calls = []
+    monkeypatch.setattr(hugepages, "_madvise", lambda addr, n, advice: calls.append((addr, n, advice)) or True)
+    huge = hugepages.HUGE
+    spans = [(3 * huge + 100, huge), (7 * huge - 10, 2 * huge)]  # 3 MiB + 100 B .. 16 MiB - 10 B, with a gap
+    assert hugepages.collapse(spans) == 4 * huge
+    assert calls == [(4 * huge, 4 * huge, hugepages._MADV_COLLAPSE)]  # 4 MiB .. 14 MiB: whole pages only
+    assert hugepages.collapse([(huge + 1, huge)]) == 0 and len(calls) == 1  # no whole page inside: not asked
+    assert hugepages.collapse([]) == 0
+
+
+def test_collapse_keeps_what_the_memory_held(thp):
+    """On a kernel that has MADV_COLLAPSE (Linux 6.1+) and free huge pages, a buffer already written is backed by
+    huge pages afterwards, holding the same bytes; elsewhere collapse says 0 and nothing changes."""
+    buf = torch.randn(6 * hugepages.HUGE // 4)  # 12 MiB: malloc maps it on its own, on 4 KiB pages
+    before = buf.clone()
+    done = hugepages.collapse([(buf.data_ptr(), buf.numel() * 4)])
+    assert torch.equal(buf, before)
+    if done:
+        assert done >= 4 * hugepages.HUGE
+        assert int(_mapping(buf)["AnonHugePages"].split()[0]) > 0
+
+
+def test_packed_linear_weights_are_collapsed_onto_huge_pages(monkeypatch):
+    """oneDNN's packed copies (what a decode step streams) are allocated by oneDNN, on small pages: pack_linears asks
+    for their range to be backed by huge pages."""
+    from llm.model import cpu_kernels
+    from llm.model.layers import Linear, pack_linears
+
+    if not cpu_kernels.can_pack():
+        pytest.skip("this torch has no oneDNN weight packing")
+    seen = []
+    monkeypatch.setattr(hugepages, "collapse", lambda spans: seen.append(spans) or 0)
+    model = nn.Sequential(Linear(512, 1024), Linear(1024, 512))
+    assert pack_linears(model) == 2
+    [spans] = seen
+    assert sorted(spans) == sorted((torch.ops.mkldnn.data_ptr(m.packed), m.weight.numel() * 4) for m in model)
