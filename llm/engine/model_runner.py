@@ -64,9 +64,15 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_kernels.load()  # decode attention in place; built once per machine, loaded in ~1 s after
             if packed_weights and isinstance(model, nn.Module):  # one rank (a ParallelLM's ranks keep torch's GEMM)
-                n = pack_linears(model)
+                started = time.monotonic()
+                n = pack_linears(model)  # and onto huge pages: about 3 s a GB on this VM's core
                 if n:
-                    logger.info("%d linear weights (%s) packed for oneDNN", n, model.lm_head.weight.dtype)
+                    logger.info(
+                        "%d linear weights (%s) packed for oneDNN in %.1f s",
+                        n,
+                        model.lm_head.weight.dtype,
+                        time.monotonic() - started,
+                    )
         self.cache = model.new_cache(num_blocks + static, block_size)
         self.cache_blocks = num_blocks  # the pool's; a static decode's extra one is its padding rows' null block
         self.static = (
