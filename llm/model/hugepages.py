@@ -36,18 +36,23 @@ def _madvise(addr: int, length: int, advice: int = _MADV_HUGEPAGE) -> bool:
 
 
 def collapse(spans: list[tuple[int, int]]) -> int:
-    """Back the 2 MiB pages that lie wholly inside the range covering `spans` ((address, bytes) of buffers already
-    written, e.g. oneDNN's packed weights, which its own allocations put in malloc's heap) by huge pages
-    (`MADV_COLLAPSE`); returns the bytes collapsed, 0 where the kernel cannot (before Linux 6.1, THP "never").
-    Whatever else lies between the spans is collapsed with them: heap memory, already in use."""
-    if not spans:
-        return 0
-    lo = min(a for a, _ in spans)
-    hi = max(a + n for a, n in spans)
-    start, end = -(-lo // HUGE) * HUGE, hi // HUGE * HUGE
-    if end <= start or not _madvise(start, end - start, _MADV_COLLAPSE):
-        return 0
-    return end - start
+    """Back the 2 MiB pages that lie wholly inside `spans` ((address, bytes) of buffers already written, e.g. oneDNN's
+    packed weights, which its own allocations put in malloc's heap) by huge pages (`MADV_COLLAPSE`); returns the bytes
+    collapsed, 0 where the kernel cannot (before Linux 6.1, THP "never"). Spans less than a huge page apart are taken
+    as one range (what lies between them is heap memory already in use); farther apart, each range on its own, so
+    that nothing mapped between them (and maybe never touched) is filled in."""
+    ranges: list[list[int]] = []
+    for addr, n in sorted(spans):
+        if ranges and addr - ranges[-1][1] < HUGE:
+            ranges[-1][1] = max(ranges[-1][1], addr + n)
+        else:
+            ranges.append([addr, addr + n])
+    done = 0
+    for lo, hi in ranges:
+        start, end = -(-lo // HUGE) * HUGE, hi // HUGE * HUGE
+        if end > start and _madvise(start, end - start, _MADV_COLLAPSE):
+            done += end - start
+    return done
 
 
 def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:

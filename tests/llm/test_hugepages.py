@@ -77,10 +77,15 @@ def test_collapse_asks_for_the_whole_huge_pages_inside_the_spans(monkeypatch):
     calls = []
     monkeypatch.setattr(hugepages, "_madvise", lambda addr, n, advice: calls.append((addr, n, advice)) or True)
     huge = hugepages.HUGE
-    spans = [(3 * huge + 100, huge), (7 * huge - 10, 2 * huge)]  # 3 MiB + 100 B .. 16 MiB - 10 B, with a gap
-    assert hugepages.collapse(spans) == 4 * huge
-    assert calls == [(4 * huge, 4 * huge, hugepages._MADV_COLLAPSE)]  # 4 MiB .. 14 MiB: whole pages only
-    assert hugepages.collapse([(huge + 1, huge)]) == 0 and len(calls) == 1  # no whole page inside: not asked
+    spans = [(5 * huge - 10, 2 * huge), (3 * huge + 100, 2 * huge - 200)]  # 1 MiB apart at most: one range
+    assert hugepages.collapse(spans) == 2 * huge
+    assert calls == [(4 * huge, 2 * huge, hugepages._MADV_COLLAPSE)]  # 8 MiB .. 12 MiB: whole pages only
+    calls.clear()
+    far = [(2 * huge, 2 * huge), (40 * huge, 2 * huge)]  # 36 huge pages apart: two ranges, nothing between filled
+    assert hugepages.collapse(far) == 4 * huge
+    assert calls == [(2 * huge, 2 * huge, hugepages._MADV_COLLAPSE), (40 * huge, 2 * huge, hugepages._MADV_COLLAPSE)]
+    calls.clear()
+    assert hugepages.collapse([(huge + 1, huge)]) == 0 and calls == []  # no whole page inside: not asked
     assert hugepages.collapse([]) == 0
 
 
