@@ -3,6 +3,7 @@ and the tensors hold what they held."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -91,14 +92,21 @@ def test_collapse_asks_for_the_whole_huge_pages_inside_the_spans(monkeypatch):
 
 def test_collapse_keeps_what_the_memory_held(thp):
     """On a kernel that has MADV_COLLAPSE (Linux 6.1+) and free huge pages, a buffer already written is backed by
-    huge pages afterwards, holding the same bytes; elsewhere collapse says 0 and nothing changes."""
-    buf = torch.randn(6 * hugepages.HUGE // 4)  # 12 MiB: malloc maps it on its own, on 4 KiB pages
+    huge pages afterwards, holding the same bytes; elsewhere collapse says 0 and nothing changes. The buffer is a
+    mapping of its own: after a long test run, malloc may serve 12 MiB from a thread arena's heap, whose first
+    byte lies in another mapping than its whole pages (CI saw AnonHugePages 0 there after a collapse that worked)."""
+    size = 6 * hugepages.HUGE  # 12 MiB: 5 whole huge pages at least, wherever the mapping starts
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = torch.frombuffer(region, dtype=torch.float32)
+    buf.copy_(torch.randn(buf.numel()))  # written, on 4 KiB pages (the mapping was never madvised)
     before = buf.clone()
-    done = hugepages.collapse([(buf.data_ptr(), buf.numel() * 4)])
+    done = hugepages.collapse([(buf.data_ptr(), size)])
     assert torch.equal(buf, before)
     if done:
         assert done >= 4 * hugepages.HUGE
-        assert int(_mapping(buf)["AnonHugePages"].split()[0]) > 0
+        vmstat = [x for x in Path("/proc/vmstat").read_text().splitlines() if "collapse" in x or "split" in x]
+        assert int(_mapping(buf)["AnonHugePages"].split()[0]) * 1024 >= done, (_mapping(buf), vmstat)
+    del buf, before
 
 
 def test_packed_linear_weights_are_collapsed_onto_huge_pages(monkeypatch):
