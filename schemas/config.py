@@ -126,6 +126,13 @@ class LLMArgs(_Strict):
         "other processes (encoders, ingress) leave cores idle, and gives them back when they want them; default: "
         "a fixed cpu_threads (on 2 cores, following the load measured slower: docs/engine.md).",
     )
+    cpu_threads_max_rows: int = Field(
+        256,
+        ge=0,
+        description="With cpu_threads_max: only steps of at least this many rows (prefill chunks, whose GEMMs "
+        "take milliseconds) take the threads above cpu_threads; smaller ones (decode steps) run on cpu_threads. "
+        "0: every step.",
+    )
     cpu_packed_weights: bool = Field(
         True,
         description="On cpu in float32, and in bfloat16 where oneDNN has bfloat16 kernels for the CPU (AVX-512): the "

@@ -17,6 +17,7 @@ class EngineConfig:
     stream_interval_s: float = 0.02
     cpu_threads: int | None = None  # CPU: torch threads of the worker thread alone (threads.py); None: leave as is
     cpu_threads_max: int | None = None  # above cpu_threads: the worker takes up to this many while the node is idle
+    cpu_threads_max_rows: int = 256  # ...for steps of at least this many rows (prefill chunks); smaller on cpu_threads
     static_decode: bool | None = None  # decode-only steps through decode_step.py; None: on cuda with one rank
     cuda_graphs: bool | None = None  # replay them as CUDA graphs; None: on cuda with one rank
     compile_decode: bool = False  # the static step through torch.compile (decode_step.py)

@@ -186,7 +186,7 @@ class Engine:
             chunks = self.scheduler.schedule()
             stalled = not chunks
             if cores is not None and chunks:
-                self._follow_load(cores)
+                self._follow_load(cores, sum(c.n for c in chunks))
             self._queued = self.scheduler.num_waiting  # the admitted are no longer queued, even during a long step
             try:
                 if not chunks:
@@ -212,9 +212,15 @@ class Engine:
             except RankFailure:  # the other ranks are gone already
                 pass
 
-    def _follow_load(self, cores: CoresFollowLoad) -> None:
-        before = cores.threads
-        if (n := cores.update()) != before:
+    def _follow_load(self, cores: CoresFollowLoad, rows: int) -> None:
+        """The threads of the next step: what the node's load leaves (`cores`) for a step of many rows, whose GEMMs
+        take milliseconds each; cpu_threads for a small one (a decode step), whose many short ops would each wait
+        for a team thread that the ingress or an encoder preempted, and while an encoder works for one of ours
+        (between its batches the node looks idle; taking its core then delays the images; docs/engine.md)."""
+        n = cores.update()  # every step, so that the load is always known
+        if rows < self.config.cpu_threads_max_rows or self.scheduler.awaits_images:
+            n = cores.floor
+        if n != self.counts["cpu_threads"]:
             set_thread_intra_op_threads(n)
             self.counts["cpu_threads"] = n
             self.counts["cpu_thread_changes"] += 1

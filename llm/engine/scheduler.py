@@ -165,5 +165,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def awaits_images(self) -> bool:
+        """Some sequence, running or waiting, has an image not encoded yet: an encoder is busy for this engine."""
+        return any(s.num_missing for s in self.running) or any(s.num_missing for s in self.waiting)
+
 
 __all__ = ["Chunk", "Scheduler"]

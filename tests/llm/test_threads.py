@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
 import torch
 
 from llm.engine.threads import CoresFollowLoad, _loaded_library, set_thread_intra_op_threads
-from tests.llm.reference import make_engine
+from tests.llm.reference import collect, make_engine, request_for
 from tests.llm.test_engine import _seq
 
 
@@ -135,15 +136,70 @@ def test_the_engine_steps_on_the_threads_the_load_leaves(one_thread_process_wide
 
     class Scripted(CoresFollowLoad):
         def __init__(self, floor, ceiling):
-            self.threads, self.ceiling = floor, ceiling
+            self.threads, self.floor, self.ceiling = floor, floor, ceiling
 
         def update(self, now=None):
             self.threads = next(plan, 2)
             return self.threads
 
     monkeypatch.setattr("llm.engine.threads.CoresFollowLoad", Scripted)
-    engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2)
+    engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2, cpu_threads_max_rows=0)
     _, seen = _generate_seeing_threads(engine, max_tokens=4)
     assert seen[:4] == [2, 2, 1, 2]
     assert engine.stats()["cpu_thread_changes"] == 3
     assert torch.get_num_threads() == 1  # the test's thread is untouched
+
+
+def test_only_steps_of_many_rows_take_the_cores_the_load_leaves(one_thread_process_wide, model, reference, monkeypatch):
+    """A prefill chunk of cpu_threads_max_rows rows or more gets what the load leaves; the decode steps after it,
+    one row each, stay on cpu_threads, though the node is idle."""
+
+    class Idle(CoresFollowLoad):
+        def __init__(self, floor, ceiling):
+            self.threads, self.floor, self.ceiling = ceiling, floor, ceiling
+
+        def update(self, now=None):
+            return self.threads
+
+    monkeypatch.setattr("llm.engine.threads.CoresFollowLoad", Idle)
+    engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2, cpu_threads_max_rows=3)
+    _, seen = _generate_seeing_threads(engine, max_tokens=4)  # a prompt of 3 tokens, then 3 decode steps
+    assert seen == [2, 1, 1, 1]
+    assert engine.stats()["cpu_thread_changes"] == 2
+    engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2, cpu_threads_max_rows=4)
+    assert _generate_seeing_threads(engine, max_tokens=4)[1] == [1, 1, 1, 1]
+
+
+def test_steps_keep_cpu_threads_while_an_encoder_works_for_the_engine(
+    one_thread_process_wide, checkpoint, reference, model, vision, monkeypatch
+):
+    """Between an encoder's batches the node looks idle, yet taking its core delays the images the engine waits
+    for: while one of its sequences awaits an image, every step runs on cpu_threads; once it is there, the rest of
+    the prefill takes what the load leaves."""
+
+    class Idle(CoresFollowLoad):
+        def __init__(self, floor, ceiling):
+            self.threads, self.floor, self.ceiling = ceiling, floor, ceiling
+
+        def update(self, now=None):
+            return self.threads
+
+    monkeypatch.setattr("llm.engine.threads.CoresFollowLoad", Idle)
+    inp, _ = request_for(checkpoint, reference, vision, [(64, 48)], seed=1, prefix=[11, 12, 13], max_tokens=2)
+    engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2, cpu_threads_max_rows=1)
+    seen, step = [], engine._step
+    engine._step = lambda chunks: seen.append((torch.get_num_threads(), chunks[0].n)) or step(chunks)
+
+    async def scenario():
+        late = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(collect(engine, dataclasses.replace(inp, image_embeds=[late])))
+        while not seen:
+            await asyncio.sleep(0.01)
+        late.set_result(inp.image_embeds[0])
+        return await task
+
+    asyncio.run(scenario())
+    image_at = inp.prompt_token_ids.index(reference.config.image_token_id)
+    assert seen[0] == (1, image_at)  # the text before the image, while it is encoded: one thread
+    assert seen[1] == (2, len(inp.prompt_token_ids) - image_at)  # the rest, the image there: two
+    engine.close()
