@@ -213,10 +213,9 @@ class Engine:
                 pass
 
     def _follow_load(self, cores: CoresFollowLoad, rows: int) -> None:
-        """The threads of the next step: what the node's load leaves (`cores`) for a step of many rows, whose GEMMs
-        take milliseconds each; cpu_threads for a small one (a decode step), whose many short ops would each wait
-        for a team thread that the ingress or an encoder preempted, and while an encoder works for one of ours
-        (between its batches the node looks idle; taking its core then delays the images; docs/engine.md)."""
+        """The next step's threads: what the node's load leaves (`cores`) for a step of many rows (ms-long GEMMs);
+        cpu_threads for a small one (a decode step's short ops would each wait for a preempted team thread), and
+        while an encoder works for one of ours (idle between its batches: taking its core delays the images)."""
         n = cores.update()  # every step, so that the load is always known
         if rows < self.config.cpu_threads_max_rows or self.scheduler.awaits_images:
             n = cores.floor
