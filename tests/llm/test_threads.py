@@ -150,18 +150,20 @@ def test_the_engine_steps_on_the_threads_the_load_leaves(one_thread_process_wide
     assert torch.get_num_threads() == 1  # the test's thread is untouched
 
 
+class _Idle(CoresFollowLoad):
+    """An idle node: the worker may take its ceiling at every look."""
+
+    def __init__(self, floor, ceiling):
+        self.threads, self.floor, self.ceiling = ceiling, floor, ceiling
+
+    def update(self, now=None):
+        return self.threads
+
+
 def test_only_steps_of_many_rows_take_the_cores_the_load_leaves(one_thread_process_wide, model, reference, monkeypatch):
     """A prefill chunk of cpu_threads_max_rows rows or more gets what the load leaves; the decode steps after it,
     one row each, stay on cpu_threads, though the node is idle."""
-
-    class Idle(CoresFollowLoad):
-        def __init__(self, floor, ceiling):
-            self.threads, self.floor, self.ceiling = ceiling, floor, ceiling
-
-        def update(self, now=None):
-            return self.threads
-
-    monkeypatch.setattr("llm.engine.threads.CoresFollowLoad", Idle)
+    monkeypatch.setattr("llm.engine.threads.CoresFollowLoad", _Idle)
     engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2, cpu_threads_max_rows=3)
     _, seen = _generate_seeing_threads(engine, max_tokens=4)  # a prompt of 3 tokens, then 3 decode steps
     assert seen == [2, 1, 1, 1]
@@ -176,15 +178,7 @@ def test_steps_keep_cpu_threads_while_an_encoder_works_for_the_engine(
     """Between an encoder's batches the node looks idle, yet taking its core delays the images the engine waits
     for: while one of its sequences awaits an image, every step runs on cpu_threads; once it is there, the rest of
     the prefill takes what the load leaves."""
-
-    class Idle(CoresFollowLoad):
-        def __init__(self, floor, ceiling):
-            self.threads, self.floor, self.ceiling = ceiling, floor, ceiling
-
-        def update(self, now=None):
-            return self.threads
-
-    monkeypatch.setattr("llm.engine.threads.CoresFollowLoad", Idle)
+    monkeypatch.setattr("llm.engine.threads.CoresFollowLoad", _Idle)
     inp, _ = request_for(checkpoint, reference, vision, [(64, 48)], seed=1, prefix=[11, 12, 13], max_tokens=2)
     engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2, cpu_threads_max_rows=1)
     seen, step = [], engine._step
