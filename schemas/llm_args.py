@@ -69,8 +69,8 @@ class LLMArgs(BaseModel):
         256,
         ge=0,
         description="With cpu_threads_max: only steps of at least this many rows (prefill chunks, whose GEMMs "
-        "take milliseconds) take the threads above cpu_threads; smaller ones (decode steps) run on cpu_threads. "
-        "0: every step.",
+        "take milliseconds) take the threads above cpu_threads; smaller ones (decode steps) run on cpu_threads, and "
+        "so do steps while an image is being encoded for the engine, which keep to this many rows. 0: every step.",
     )
     cpu_packed_weights: bool = Field(
         True,

@@ -34,7 +34,7 @@ from llm.engine.grammar import Grammars
 from llm.engine.model_runner import ModelRunner, Sampled
 from llm.engine.scheduler import Chunk, Scheduler
 from llm.engine.sequence import Sequence, make_sequence
-from llm.engine.threads import CoresFollowLoad, set_thread_intra_op_threads, worker_threads
+from llm.engine.threads import StepThreads
 from llm.model.parallel import RankFailure
 from schemas import GenerateRequest, InvalidRequest, Overloaded, TokenChunk
 
@@ -178,15 +178,16 @@ class Engine:
             self.cancel(seq)  # a consumer that went away frees the sequence at the next step
 
     def _loop(self) -> None:
-        cores = worker_threads(self.config.cpu_threads, self.config.cpu_threads_max)
+        threads = StepThreads.start(self.config, self.counts)  # None: the worker's threads stay as they are
         keepalive = getattr(self.model, "keepalive", None)  # tensor-parallel: the other ranks wait on us
         stalled = False  # the last schedule had nothing to run: only the inbox (an image, a request) changes that
         while not self._closing:
             self._take_inbox(block=stalled or not (self.scheduler.running or self.scheduler.waiting))
-            chunks = self.scheduler.schedule()
+            awaits = threads is not None and self.scheduler.awaits_images
+            chunks = self.scheduler.schedule(threads.budget(awaits) if threads is not None else None)
             stalled = not chunks
-            if cores is not None and chunks:
-                self._follow_load(cores, sum(c.n for c in chunks))
+            if threads is not None and chunks:
+                threads.before_step(sum(c.n for c in chunks), awaits)
             self._queued = self.scheduler.num_waiting  # the admitted are no longer queued, even during a long step
             try:
                 if not chunks:
@@ -211,18 +212,6 @@ class Engine:
                 close()
             except RankFailure:  # the other ranks are gone already
                 pass
-
-    def _follow_load(self, cores: CoresFollowLoad, rows: int) -> None:
-        """The next step's threads: what the node's load leaves (`cores`) for a step of many rows (ms-long GEMMs);
-        cpu_threads for a small one (a decode step's short ops would each wait for a preempted team thread), and
-        while an encoder works for one of ours (idle between its batches: taking its core delays the images)."""
-        n = cores.update()  # every step, so that the load is always known
-        if rows < self.config.cpu_threads_max_rows or self.scheduler.awaits_images:
-            n = cores.floor
-        if n != self.counts["cpu_threads"]:
-            set_thread_intra_op_threads(n)
-            self.counts["cpu_threads"] = n
-            self.counts["cpu_thread_changes"] += 1
 
     def _dead_error(self) -> Overloaded:
         return Overloaded(

@@ -42,9 +42,10 @@ class Scheduler:
     def _blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.pool.block_size)
 
-    def schedule(self) -> list[Chunk]:
+    def schedule(self, budget: int | None = None) -> list[Chunk]:
+        """The next step's chunks, at most `budget` rows (default max_num_batched_tokens, never more)."""
         self._drop_cancelled()
-        budget, out, i = self.max_num_batched_tokens, [], 0
+        budget, out, i = min(budget or self.max_num_batched_tokens, self.max_num_batched_tokens), [], 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_schedulable(seq.num_computed), budget)

@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -150,4 +151,35 @@ def worker_threads(floor: int | None, ceiling: int | None) -> CoresFollowLoad | 
     return cores
 
 
-__all__ = ["CoresFollowLoad", "set_thread_intra_op_threads", "worker_threads"]
+class StepThreads:
+    """The engine worker's threads, step by step, where they follow the load (`llm.cpu_threads_max`): a step of
+    `min_rows` rows or more (a prefill chunk, whose GEMMs take milliseconds each) takes what the node's load leaves
+    (`cores`); a smaller one (a decode step: a hundred short ops, each waiting for any team thread the ingress
+    preempted) keeps the floor, and so does every step while an encoder works for one of the engine's sequences: it
+    looks idle between its batches, and taking its core then delays the very images the prefill waits for. Those
+    steps also keep to `min_rows` rows, so that the step after the last image arrives is not a long one on the floor."""
+
+    def __init__(self, cores: CoresFollowLoad, min_rows: int, counts: dict[str, int]):
+        self.cores, self.min_rows, self.counts = cores, min_rows, counts  # counts: the engine's stats, updated here
+
+    @classmethod
+    def start(cls, config: Any, counts: dict[str, int]) -> StepThreads | None:
+        """Sets the calling worker's threads (config.cpu_threads); None where they do not follow the load."""
+        cores = worker_threads(config.cpu_threads, config.cpu_threads_max)
+        return cls(cores, config.cpu_threads_max_rows, counts) if cores is not None else None
+
+    def budget(self, awaits_images: bool) -> int | None:
+        """The next step's most rows (None: the scheduler's own budget)."""
+        return self.min_rows if awaits_images and self.min_rows else None
+
+    def before_step(self, rows: int, awaits_images: bool) -> None:
+        n = self.cores.update()  # every step, so that the load is always known
+        if rows < self.min_rows or awaits_images:
+            n = self.cores.floor
+        if n != self.counts["cpu_threads"]:
+            set_thread_intra_op_threads(n)
+            self.counts["cpu_threads"] = n
+            self.counts["cpu_thread_changes"] += 1
+
+
+__all__ = ["CoresFollowLoad", "StepThreads", "set_thread_intra_op_threads", "worker_threads"]

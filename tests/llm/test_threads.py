@@ -176,24 +176,27 @@ def test_steps_keep_cpu_threads_while_an_encoder_works_for_the_engine(
     one_thread_process_wide, checkpoint, reference, model, vision, monkeypatch
 ):
     """Between an encoder's batches the node looks idle, yet taking its core delays the images the engine waits
-    for: while one of its sequences awaits an image, every step runs on cpu_threads; once it is there, the rest of
-    the prefill takes what the load leaves."""
+    for: while one of its sequences awaits an image, every step runs on cpu_threads, and keeps to
+    cpu_threads_max_rows rows (so that the step after the image arrives is not a long one on one thread); once it
+    is there, the rest of the prefill, in one step, takes what the load leaves."""
     monkeypatch.setattr("llm.engine.threads.CoresFollowLoad", _Idle)
-    inp, _ = request_for(checkpoint, reference, vision, [(64, 48)], seed=1, prefix=[11, 12, 13], max_tokens=2)
-    engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2, cpu_threads_max_rows=1)
+    prefix = [11, 12, 13, 14, 15, 16, 17]
+    inp, _ = request_for(checkpoint, reference, vision, [(64, 48)], seed=1, prefix=prefix, max_tokens=2)
+    engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2, cpu_threads_max_rows=3)
     seen, step = [], engine._step
-    engine._step = lambda chunks: seen.append((torch.get_num_threads(), chunks[0].n)) or step(chunks)
+    engine._step = lambda chunks: seen.append((torch.get_num_threads(), chunks[0].start, chunks[0].n)) or step(chunks)
+    image_at = inp.prompt_token_ids.index(reference.config.image_token_id)  # 8: the prefix and the vision start
 
     async def scenario():
         late = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(collect(engine, dataclasses.replace(inp, image_embeds=[late])))
-        while not seen:
+        while sum(n for _, _, n in seen) < image_at:  # all the text before the image, while it is encoded
             await asyncio.sleep(0.01)
         late.set_result(inp.image_embeds[0])
         return await task
 
     asyncio.run(scenario())
-    image_at = inp.prompt_token_ids.index(reference.config.image_token_id)
-    assert seen[0] == (1, image_at)  # the text before the image, while it is encoded: one thread
-    assert seen[1] == (2, len(inp.prompt_token_ids) - image_at)  # the rest, the image there: two
+    assert seen[:3] == [(1, 0, 3), (1, 3, 3), (1, 6, 2)]  # one thread, at most 3 rows a step
+    assert seen[3] == (2, image_at, len(inp.prompt_token_ids) - image_at)  # the rest, the image there: two threads
+    assert seen[4:] == [(1, len(inp.prompt_token_ids), 1)]  # the decode step: one
     engine.close()
