@@ -69,6 +69,7 @@ test: $(STAMP) browser lint
 # docs/configuration.md's field tables, from the descriptions in schemas/config.py (a test fails while they differ).
 docs: $(STAMP)
 	$(PY) -m schemas.config_docs
+	$(PY) -m deployments.k8s.render
 
 # The unit tier: every test that starts no Ray cluster (tests/conftest.py marks the others `cluster`) and is not
 # marked `slow` (process groups, the Triton interpreter, a training run). `make test` runs them all.
