@@ -66,7 +66,8 @@ lint: $(STAMP)
 test: $(STAMP) browser lint
 	$(PY) -m pytest
 
-# docs/configuration.md's field tables, from the descriptions in schemas/config.py (a test fails while they differ).
+# Derived files: docs/configuration.md's field tables, from the descriptions in schemas/config.py and llm_args.py,
+# and the KubeRay manifest from serve_config.yaml (a test fails while either is stale).
 docs: $(STAMP)
 	$(PY) -m schemas.config_docs
 	$(PY) -m deployments.k8s.render

@@ -18,9 +18,12 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from llm.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +166,7 @@ class StepThreads:
         self.cores, self.min_rows, self.counts = cores, min_rows, counts  # counts: the engine's stats, updated here
 
     @classmethod
-    def start(cls, config: Any, counts: dict[str, int]) -> StepThreads | None:
+    def start(cls, config: EngineConfig, counts: dict[str, int]) -> StepThreads | None:
         """Sets the calling worker's threads (config.cpu_threads); None where they do not follow the load."""
         cores = worker_threads(config.cpu_threads, config.cpu_threads_max)
         return cls(cores, config.cpu_threads_max_rows, counts) if cores is not None else None
