@@ -6,6 +6,9 @@ scaled to one target queueing delay (the leading signal: it rises with the arriv
 mean cost of an image it took, and the cost one replica should hold (`encoder.target_cost_per_replica`, by default
 its measured GFLOP/s times `encoder.target_queue_delay_s`). Images the ingress could not place yet (every replica
 at `max_ongoing_requests`) are Serve's own handle metric, `total_queued_requests`; they count at the mean cost.
+Serve averages each metric over `look_back_period_s`, which follows a load step seconds late; the policy also reads
+each replica's newest report (`raw_metrics`) and takes the larger of the two decisions: scale-up follows the newest
+report, scale-down waits until the window's mean has come down too (and then Serve's `downscale_delay_s`).
 Serve's controller runs `cost_policy` (it pickles this module by value: keep it free of the project's imports), then
 applies min/max_replicas and upscale/downscale_delay_s as for its own policy. serve_config.yaml names it; without
 `policy:` the Encoder scales on requests in flight, Serve's default."""
@@ -68,20 +71,34 @@ def desired_replicas(
     return math.ceil(need / target)
 
 
-def cost_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
-    """Serve's `autoscaling_config.policy.policy_function` (an AutoscalingContext in; replicas and policy state
-    out). The metrics are each replica's values averaged over `look_back_period_s` (Serve's aggregation)."""
-    metrics = ctx.aggregated_metrics or {}
+def newest(raw: dict[str, dict[Any, list[Any]]]) -> dict[str, dict[Any, float]]:
+    """Each replica's newest reported value of each metric, from Serve's raw time series (TimeStampedValue)."""
+    return {
+        name: {replica: max(series, key=lambda p: p.timestamp).value for replica, series in by.items() if series}
+        for name, by in raw.items()
+    }
+
+
+def _decide(metrics: dict[str, dict[Any, float]], queued_requests: float, current: int) -> int:
     means = [m for m in metrics.get(MEAN_COST, {}).values() if m > 0]
-    queued_cost = (ctx.total_queued_requests or 0.0) * (sum(means) / len(means) if means else 0.0)
-    replicas = desired_replicas(
+    queued_cost = queued_requests * (sum(means) / len(means) if means else 0.0)
+    return desired_replicas(
         metrics.get(PENDING_COST, {}),
         metrics.get(TARGET_COST, {}),
-        ctx.target_num_replicas,
+        current,
         metrics.get(ARRIVING_COST, {}),
         queued_cost,
     )
-    return replicas, {}
+
+
+def cost_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
+    """Serve's `autoscaling_config.policy.policy_function` (an AutoscalingContext in; replicas and policy state
+    out): the larger of the decisions on the window's means (Serve's aggregation over `look_back_period_s`) and on
+    each replica's newest report."""
+    queued, current = ctx.total_queued_requests or 0.0, ctx.target_num_replicas
+    views = (ctx.aggregated_metrics or {}, newest(ctx.raw_metrics or {}))
+    decisions = [_decide(metrics, queued, current) for metrics in views if metrics.get(TARGET_COST)]
+    return (max(decisions) if decisions else current), {}
 
 
 __all__ = [
@@ -93,4 +110,5 @@ __all__ = [
     "ArrivalMeter",
     "cost_policy",
     "desired_replicas",
+    "newest",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from ray.serve import autoscaling_policy as serve_policy
-from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from encoders.autoscaling import (
@@ -43,7 +43,14 @@ def test_a_few_large_images_scale_where_counting_requests_would_not():
 
 
 def _context(
-    pending: dict, current: int, target: int, state: dict, config: AutoscalingConfig, queued: float = 0.0, **metrics
+    pending: dict,
+    current: int,
+    target: int,
+    state: dict,
+    config: AutoscalingConfig,
+    queued: float = 0.0,
+    raw: dict | None = None,
+    **metrics,
 ) -> AutoscalingContext:
     return AutoscalingContext(
         deployment_id=ENCODER,
@@ -55,7 +62,7 @@ def _context(
         total_num_requests=float(len(pending)),
         total_queued_requests=queued,
         aggregated_metrics={PENDING_COST: pending, TARGET_COST: {r: 10.0 for r in pending}, **metrics},
-        raw_metrics={},
+        raw_metrics=raw or {},
         capacity_adjusted_min_replicas=config.min_replicas,
         capacity_adjusted_max_replicas=config.max_replicas,
         policy_state=state,
@@ -140,3 +147,23 @@ def test_the_arrival_meter_is_the_cost_over_its_window():
 def test_the_target_is_as_set_else_the_measured_rate_times_the_delay(set_to, gflops, expected):
     opts = EncoderArgs(target_cost_per_replica=set_to, target_queue_delay_s=0.5)
     assert Encoder.func_or_class._target_cost(opts, gflops) == expected
+
+
+def test_a_step_scales_on_the_newest_report_and_down_only_once_the_window_has_come_down():
+    """Serve's window mean follows a step seconds late: 35 GFLOP pending in the newest report, the five-second
+    mean still 7 (one replica's worth): four replicas now. Back to idle in the newest report while the mean still
+    holds 35: the mean keeps four (scale-down also waits for it)."""
+    config = AutoscalingConfig(min_replicas=1, max_replicas=8, policy={"policy_function": POLICY_PATH})
+
+    def series(*values: float) -> list[TimeStampedValue]:  # oldest first, as Serve keeps them; newest last
+        return [TimeStampedValue(100.0 + i, v) for i, v in enumerate(values)]
+
+    def raw(*values: float) -> dict:
+        return {PENDING_COST: {REPLICAS[0]: series(*values)}, TARGET_COST: {REPLICAS[0]: series(10.0)}}
+
+    step = _context({REPLICAS[0]: 7.0}, 1, 1, {}, config, raw=raw(0, 0, 0, 0, 35))
+    assert cost_policy(step)[0] == 4
+    assert cost_policy(_context({REPLICAS[0]: 7.0}, 1, 1, {}, config))[0] == 1  # the mean alone: not yet
+    calm = _context({REPLICAS[0]: 35.0}, 4, 4, {}, config, raw=raw(35, 35, 35, 35, 0))
+    assert cost_policy(calm)[0] == 4
+    assert cost_policy(_context({REPLICAS[0]: 0.0}, 4, 4, {}, config, raw=raw(35, 0)))[0] == 0  # both low
