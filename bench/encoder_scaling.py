@@ -13,7 +13,8 @@ add capacity as GPUs would, on a 2-core machine. Each configuration starts at on
 - `cost`: the cost policy and the cost router (deployments/ingress/encoder_router.py), as shipped.
 Both cost configurations take the target the replica measures at start (bench/slow_vit.py's sleep included).
 Reported per configuration: p50/p99 image TTFT (all, thumbnails, large), Encoder replica-seconds over the run, the
-most replicas, and when the second one started serving after the step."""
+most replicas, when the policy first asked for more (a replica STARTING) and when the second one started serving
+after the step: the policy's own delay apart from the replica's start."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class Run:
     name: str
     latencies: list[tuple[bool, float, int]] = field(default_factory=list)  # (large, seconds, status)
     replicas: list[tuple[float, int]] = field(default_factory=list)  # (seconds after the step, RUNNING replicas)
+    asked: list[tuple[float, int]] = field(default_factory=list)  # (seconds after the step, replicas asked for)
     end: float = 0.0
     target_cost: float | None = None  # GFLOP per replica, as the Encoder measured it at start (cost policy)
 
@@ -68,6 +70,9 @@ class Run:
 
     def second_replica_at(self) -> float | None:
         return next((t for t, n in self.replicas if n >= 2), None)
+
+    def scale_up_asked_at(self) -> float | None:
+        return next((t for t, n in self.asked if n >= 2), None)
 
     def errors(self) -> int:
         return sum(status != 200 for _, _, status in self.latencies)
@@ -112,10 +117,16 @@ def deploy(name: str, checkpoint: Path, max_replicas: int, seconds_per_gflop: fl
     return name
 
 
-def running(app: str) -> int:
+def replica_counts(app: str) -> tuple[int, int]:
+    """(RUNNING, asked for: RUNNING and those on their way) Encoder replicas of `app`."""
     from ray import serve
 
-    return serve.status().applications[app].deployments["Encoder"].replica_states.get("RUNNING", 0)
+    states = serve.status().applications[app].deployments["Encoder"].replica_states
+    return states.get("RUNNING", 0), sum(states.get(s, 0) for s in ("RUNNING", "STARTING", "UPDATING", "RECOVERING"))
+
+
+def running(app: str) -> int:
+    return replica_counts(app)[0]
 
 
 async def drive(url: str, model: str, load: list[Request], run: Run) -> None:
@@ -134,12 +145,18 @@ async def drive(url: str, model: str, load: list[Request], run: Run) -> None:
     limits = httpx.Limits(max_connections=len(load))
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         start = time.monotonic()
-        run.replicas.append((0.0, running(run.name)))
         stop = threading.Event()
+
+        def look(at: float) -> None:
+            live, asked = replica_counts(run.name)
+            run.replicas.append((at, live))
+            run.asked.append((at, asked))
+
+        look(0.0)
 
         def poll() -> None:
             while not stop.wait(0.25):
-                run.replicas.append((time.monotonic() - start, running(run.name)))
+                look(time.monotonic() - start)
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
@@ -179,14 +196,17 @@ def report(runs: list[Run], load: list[Request], args: argparse.Namespace) -> st
         f"seed {args.seed}, 1-{args.max_replicas} Encoder replicas, ViT {args.large_s:g} s per 1 MP photo",
         "",
         f"{'config':<12}{'p50 s':>8}{'p99 s':>8}{'p99 thumb':>11}{'p99 large':>11}{'replica-s':>11}"
-        f"{'max':>5}{'2nd at s':>10}{'errors':>8}{'target GFLOP':>14}",
+        f"{'max':>5}{'asked at s':>12}{'2nd at s':>10}{'errors':>8}{'target GFLOP':>14}",
     ]
+
+    def seconds(t: float | None, width: int) -> str:
+        return f"{'-' if t is None else format(t, '.1f'):>{width}}"
+
     for r in runs:
-        second = r.second_replica_at()
         lines.append(
             f"{r.name:<12}{r.pct(0.5):>8.2f}{r.pct(0.99):>8.2f}{r.pct(0.99, False):>11.2f}{r.pct(0.99, True):>11.2f}"
             f"{r.replica_seconds():>11.1f}{max(n for _, n in r.replicas):>5}"
-            f"{'-' if second is None else format(second, '.1f'):>10}{r.errors():>8}"
+            f"{seconds(r.scale_up_asked_at(), 12)}{seconds(r.second_replica_at(), 10)}{r.errors():>8}"
             f"{'-' if r.target_cost is None else format(r.target_cost, '.2f'):>14}"
         )
     by = {r.name: r for r in runs}
