@@ -116,6 +116,15 @@ class CoresFollowLoad:
         busy, total = _cpu_jiffies(self.cpus, self._read_stat())
         return busy, total, _own_jiffies(self._read_self())
 
+    def images_arrived(self, now: float | None = None) -> None:
+        """The encoder work that the last look saw was for this engine, and it is done: the cores it held are free.
+        Take them now (up to the ceiling) and start a new window, whose look puts the count right if others want
+        them after all. (Without this, the first prefill step after the images ran on the floor, for what the
+        encoder had used before.)"""
+        self._last = self._sample()
+        self._next = (time.monotonic() if now is None else now) + self.interval_s
+        self.threads = self.ceiling
+
     def update(self, now: float | None = None) -> int:
         """The worker's thread count for the next step (looks at the load at most once per `interval_s`)."""
         now = time.monotonic() if now is None else now
@@ -160,10 +169,13 @@ class StepThreads:
     (`cores`); a smaller one (a decode step: a hundred short ops, each waiting for any team thread the ingress
     preempted) keeps the floor, and so does every step while an encoder works for one of the engine's sequences: it
     looks idle between its batches, and taking its core then delays the very images the prefill waits for. Those
-    steps also keep to `min_rows` rows, so that the step after the last image arrives is not a long one on the floor."""
+    steps also keep to `min_rows` rows, so that the step after the last image arrives is not a long one on the floor;
+    and that step takes the cores the encoder held (`CoresFollowLoad.images_arrived`), which the last look still
+    counted as busy."""
 
     def __init__(self, cores: CoresFollowLoad, min_rows: int, counts: dict[str, int]):
         self.cores, self.min_rows, self.counts = cores, min_rows, counts  # counts: the engine's stats, updated here
+        self.awaited = False  # the last step awaited an image
 
     @classmethod
     def start(cls, config: EngineConfig, counts: dict[str, int]) -> StepThreads | None:
@@ -176,6 +188,9 @@ class StepThreads:
         return self.min_rows if awaits_images and self.min_rows else None
 
     def before_step(self, rows: int, awaits_images: bool) -> None:
+        if self.awaited and not awaits_images:  # the last of the images the engine awaited is here
+            self.cores.images_arrived()
+        self.awaited = awaits_images
         n = self.cores.update()  # every step, so that the load is always known
         if rows < self.min_rows or awaits_images:
             n = self.cores.floor

@@ -116,6 +116,23 @@ def test_the_engine_takes_the_cores_the_others_leave_and_gives_them_back():
         assert cores.others == pytest.approx(others, abs=0.02)
 
 
+def test_the_cores_an_encoder_held_for_the_engine_are_taken_when_its_images_arrive():
+    """The last look saw the encoder busy (0.9 cores): one thread. Its images arrive: two at once, without waiting
+    for the next look, which starts afresh and gives the core back if the others want it after all."""
+    node = _Node()
+    cores = _follower(node)
+    node.tick(0.9, 1.0)
+    assert cores.update(now=1.0) == 1
+    node.tick(0.9, 1.0)  # the encoder's last batch, before the images arrive at t = 1.5
+    cores.images_arrived(now=1.5)
+    assert cores.update(now=1.6) == 2  # within the new window: no look yet
+    node.tick(0.1, 1.9)
+    assert cores.update(now=2.6) == 2  # the window after the images: the others idle
+    assert cores.others == pytest.approx(0.1, abs=0.02)  # not the encoder's 0.9 before the images
+    node.tick(0.9, 1.1)
+    assert cores.update(now=3.6) == 1  # others want it after all: given back
+
+
 def test_the_load_is_read_at_most_once_per_interval():
     node = _Node()
     cores = _follower(node)
@@ -156,8 +173,19 @@ class _Idle(CoresFollowLoad):
     def __init__(self, floor, ceiling):
         self.threads, self.floor, self.ceiling = ceiling, floor, ceiling
 
+    def images_arrived(self, now=None):
+        self.threads = self.ceiling
+
     def update(self, now=None):
         return self.threads
+
+
+class _EncoderBusy(_Idle):
+    """A node whose every look saw an encoder at work: the floor, unless the engine is told its images are here."""
+
+    def __init__(self, floor, ceiling):
+        super().__init__(floor, ceiling)
+        self.threads = floor
 
 
 def test_only_steps_of_many_rows_take_the_cores_the_load_leaves(one_thread_process_wide, model, reference, monkeypatch):
@@ -178,8 +206,9 @@ def test_steps_keep_cpu_threads_while_an_encoder_works_for_the_engine(
     """Between an encoder's batches the node looks idle, yet taking its core delays the images the engine waits
     for: while one of its sequences awaits an image, every step runs on cpu_threads, and keeps to
     cpu_threads_max_rows rows (so that the step after the image arrives is not a long one on one thread); once it
-    is there, the rest of the prefill, in one step, takes what the load leaves."""
-    monkeypatch.setattr("llm.engine.threads.CoresFollowLoad", _Idle)
+    is there, the rest of the prefill, in one step, takes the core the encoder held, though the last look of the
+    load saw it busy."""
+    monkeypatch.setattr("llm.engine.threads.CoresFollowLoad", _EncoderBusy)
     prefix = [11, 12, 13, 14, 15, 16, 17]
     inp, _ = request_for(checkpoint, reference, vision, [(64, 48)], seed=1, prefix=prefix, max_tokens=2)
     engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2, cpu_threads_max_rows=3)
