@@ -109,8 +109,12 @@ class CoresFollowLoad:
         self._read_self = read_self or (lambda: Path("/proc/self/stat").read_text())
         self.threads = floor
         self.others = 0.0  # the other processes' demand at the last look, in cores
+        self._new_window(now)
+
+    def _new_window(self, now: float | None) -> None:
+        """The next look measures the load from now on, once `interval_s` has passed."""
         self._last = self._sample()
-        self._next = (time.monotonic() if now is None else now) + interval_s
+        self._next = (time.monotonic() if now is None else now) + self.interval_s
 
     def _sample(self) -> tuple[int, int, int]:
         busy, total = _cpu_jiffies(self.cpus, self._read_stat())
@@ -121,8 +125,7 @@ class CoresFollowLoad:
         Take them now (up to the ceiling) and start a new window, whose look puts the count right if others want
         them after all. (Without this, the first prefill step after the images ran on the floor, for what the
         encoder had used before.)"""
-        self._last = self._sample()
-        self._next = (time.monotonic() if now is None else now) + self.interval_s
+        self._new_window(now)
         self.threads = self.ceiling
 
     def update(self, now: float | None = None) -> int:
