@@ -43,6 +43,18 @@ def _per_replica(port: int, name: str) -> dict[str, float]:
     return per_replica(port, APP, name)
 
 
+def _settled(port: int, name: str) -> dict[str, float]:
+    """The series once it has stopped moving: a count read while the last test's requests are still being exported
+    would charge them to this test (seen: 42 requests counted for 40 on a slow machine)."""
+    last, deadline = _per_replica(port, name), time.monotonic() + 20
+    while time.monotonic() < deadline:
+        time.sleep(1.5)  # metrics arrive every second
+        if (now := _per_replica(port, name)) == last:
+            break
+        last = now
+    return last
+
+
 def _grown(port: int, before: dict[str, dict[str, float]], want: dict[str, float]) -> dict[str, dict[str, float]]:
     """Per-replica growth of each series since `before`, once the sums reach `want` (metrics arrive every second)."""
     deadline, grown = time.monotonic() + 60, {}
@@ -90,7 +102,7 @@ def test_turns_of_a_conversation_land_on_the_replica_with_their_prefix(routed, a
     blocks = [_blocks(prep, c) for c in conversations]
     queries, shared = sum(q for q, _ in blocks), sum(sum(s) for _, s in blocks)
     names = ("ray_vlm_prefix_cache_hits_total", "ray_vlm_prefix_cache_queries_total")
-    before = {name: _per_replica(metrics_port, name) for name in names}
+    before = {name: _settled(metrics_port, name) for name in names}
 
     async def talk(client: httpx.AsyncClient, turns: list[list[dict]]) -> list[int]:
         cached = []
@@ -121,7 +133,7 @@ def test_turns_of_a_conversation_land_on_the_replica_with_their_prefix(routed, a
 
 def test_unrelated_requests_spread_over_both_replicas(routed, metrics_port):
     name = "ray_serve_deployment_request_counter_total"
-    before = {name: _per_replica(metrics_port, name)}
+    before = {name: _settled(metrics_port, name)}
     n = 40
 
     async def one(client: httpx.AsyncClient, i: int) -> None:

@@ -183,14 +183,16 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(checkpoint, referenc
     parallel.new_cache(64, 16)
     inp, ref = request_for(checkpoint, reference, vision, [(64, 48)], seed=3, prefix=[11, 12, 13])
     ids = torch.tensor(inp.prompt_token_ids)
-    with torch.inference_mode():  # one prefill through both: the logits agree to float32 rounding
+    # One prefill through both: the logits agree to float32 rounding, which is relative to the logits' scale (the
+    # ranks sum their partial products in another order; 1.1e-4 seen on logits of up to 23.5, on an AVX-only CPU).
+    with torch.inference_mode():
         embeds = model.embed(ids)
         positions = torch.arange(len(ids)).expand(3, -1)
         meta = lambda: BatchMeta.build([ChunkSpec(list(range(8)), 0, len(ids))], 16, CPU)  # noqa: E731
         one = model.logits(model(embeds, positions, model.new_cache(64, 16), meta()), [len(ids) - 1])
         cache = parallel.local.new_cache(64, 16)
         two = parallel.logits(parallel(embeds, positions, cache, meta()), [len(ids) - 1])
-    torch.testing.assert_close(two, one, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(two, one, rtol=1e-4, atol=1e-5 * one.abs().max().item())
 
     # Mixed batches through the engine, images included: transformers' tokens exactly.
     requests = [
