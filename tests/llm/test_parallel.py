@@ -184,7 +184,7 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(checkpoint, referenc
     inp, ref = request_for(checkpoint, reference, vision, [(64, 48)], seed=3, prefix=[11, 12, 13])
     ids = torch.tensor(inp.prompt_token_ids)
     # One prefill through both: the logits agree to float32 rounding, which is relative to the logits' scale (the
-    # ranks sum their partial products in another order; 1.1e-4 seen on logits of up to 23.5, on an AVX-only CPU).
+    # ranks sum their partial products in another order; 1.1e-4 seen on logits of up to 23.5, on a VM without AVX-512).
     with torch.inference_mode():
         embeds = model.embed(ids)
         positions = torch.arange(len(ids)).expand(3, -1)
