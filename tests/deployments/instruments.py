@@ -101,13 +101,15 @@ class SlowEncoder:
         return self.forward([self.preprocess(im) for im in images])
 
 
-def per_replica(port: int, app: str, name: str, deployment: str = "LLM") -> dict[str, float]:
-    """One Prometheus series of one deployment of `app`, summed by replica (Ray's metrics endpoint at `port`)."""
+def per_replica(port: int, app: str, name: str, deployment: str = "LLM", **labels: str) -> dict[str, float]:
+    """One Prometheus series of one deployment of `app`, summed by replica (Ray's metrics endpoint at `port`), over
+    the samples that carry `labels`."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    want = {"application": app, "deployment": deployment, **labels}
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == name and s.labels.get("application") == app and s.labels.get("deployment") == deployment:
+            if s.name == name and all(s.labels.get(k) == v for k, v in want.items()):
                 out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
     return out
 
