@@ -1,9 +1,11 @@
 """Child of `bench/step_ab.py`: times one decode step (forward + logits + argmax) of the bench checkpoint with
 the `llm` package of the tree given as argv[1] (the current one or a baseline commit's), on a worker thread with
 the threads the engine gives it, and counts the ops it dispatches per layer (views excluded: they move no data).
-Prints one JSON line: {"<dtype> b<batch>": [ms, ops per layer], ...}. Uses only the API both trees share."""
+Prints one JSON line: {"<dtype> b<batch>": [ms, ops per layer], ...}. Uses only the API both trees share.
+VLM_ATTENTION_HELPER=0: decode attention on the worker's thread alone (llm.cpu_attention_helper: false)."""
 
 import json
+import os
 import random
 import statistics
 import sys
@@ -54,6 +56,8 @@ def main() -> None:
     torch.set_num_threads(1)  # as the LLM replica: one thread process-wide, the worker's own team
     if kernels is not None:  # trees with CPU kernels: their model runner builds them at start, so do the same here
         kernels.load()
+        if hasattr(kernels, "share_decode"):  # trees with the attention helper: as the model runner sets it
+            kernels.share_decode(os.environ.get("VLM_ATTENTION_HELPER", "1") == "1")
     result: dict[str, list[float]] = {}
 
     def worker() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -53,6 +54,7 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         compile_decode: bool = False,
         packed_weights: bool = False,
+        attention_helper: bool = False,
     ):
         self.model, self.block_size = model, block_size
         self.device = model.lm_head.weight.device
@@ -63,6 +65,12 @@ class ModelRunner:
         static = (single_cuda if static_decode is None else static_decode) or graphs
         if self.device.type == "cpu":
             cpu_kernels.load()  # decode attention in place; built once per machine, loaded in ~1 s after
+            if cpu_kernels.available():  # one rank: its tasks shared with a helper thread where there is a second CPU
+                helper = attention_helper and isinstance(model, nn.Module) and len(os.sched_getaffinity(0)) > 1
+                cpu_kernels.share_decode(helper)
+                logger.info(
+                    "decode attention: %s", "shared with a helper thread" if helper else "on the engine's thread"
+                )
             if packed_weights and isinstance(model, nn.Module):  # one rank (a ParallelLM's ranks keep torch's GEMM)
                 started = time.monotonic()
                 n = pack_linears(model)  # and onto huge pages: about 3 s a GB on this VM's core

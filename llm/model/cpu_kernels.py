@@ -1,19 +1,22 @@
-"""The engine's CPU kernels (llm/model/cpu_kernels.cpp), built at replica start: paged decode attention that reads the
-KV blocks in place, and one-op versions of what torch runs as several small ops per layer: the residual add fused
-into RMSNorm, and RoPE. Each rounds where the torch ops it replaces round (to the model's dtype between ops), so
-they compute the same thing; tests hold both paths to transformers. SiLU-mul stays torch's two ops: torch's
-vectorised exp beat a plain C++ loop (BENCHMARKS.md has what each kernel bought). Linears run on oneDNN on packed
-copies of their weights (`pack`): float32 everywhere, bfloat16 where oneDNN has bfloat16 kernels for the CPU
-(AVX-512). Elsewhere a bfloat16 linear of a few rows (decode batches) goes to a kernel of ours: without them ATen runs
-bfloat16 GEMMs in a scalar fallback; ours widens each weight to float32 in registers and feeds FMAs (AVX2 builds).
+"""The engine's CPU kernels (llm/model/cpu_kernels.cpp, cpu_attention.cpp), built at replica start: paged decode
+attention that reads the KV blocks in place, and one-op versions of what torch runs as several small ops per layer:
+the residual add fused into RMSNorm, and RoPE. Each rounds where the torch ops it replaces round (to the model's
+dtype between ops), so they compute the same thing; tests hold both paths to transformers. SiLU-mul stays torch's two
+ops: torch's vectorised exp beat a plain C++ loop (BENCHMARKS.md has what each kernel bought). Linears run on oneDNN
+on packed copies of their weights (`pack`): float32 everywhere, bfloat16 where oneDNN has bfloat16 kernels for the
+CPU (AVX-512). Elsewhere a bfloat16 linear of a few rows (decode batches) goes to a kernel of ours: without them ATen
+runs bfloat16 GEMMs in a scalar fallback; ours widens each weight to float32 in registers and feeds FMAs (AVX2
+builds).
 
 Attention: the eager path (llm/model/attention.py) gathers every decode row's blocks into a contiguous copy, then runs
 two batched matmuls. This kernel reads each key and value once, where it lies: one task per (sequence, KV head),
 the KV head's keys loaded once for its whole GQA group of query heads; scores, a float32 softmax and the weighted
 sum of values per task, nothing materialised but the scores. Keys past a row's context are never read. NOTE: the
-kernels run on the calling thread alone (built without -fopenmp, so at::parallel_for is serial: a second OpenMP
-runtime next to torch's libgomp is not worth it while the engine runs one thread), and without the GIL. The idea
-is vLLM's and SGLang's CPU decode kernels (paged attention per sequence and head); the code is ours.
+kernels run on the calling thread (built without -fopenmp, so at::parallel_for is serial: a second OpenMP runtime
+next to torch's libgomp is not worth it), without the GIL; once `share_decode(True)`, the attention's tasks are
+shared with a helper thread that takes them while it runs, and the caller never waits for one it has not started
+(cpu_share.h: a core the node leaves partly idle helps without a preempted thread stalling the step). The idea is
+vLLM's and SGLang's CPU decode kernels (paged attention per sequence and head); the code is ours.
 
 The kernels are compiled with torch's cpp_extension (ninja, the machine's C++ compiler, -O3 -march=native) the
 first time a process asks for them; the build is cached under TORCH_EXTENSIONS_DIR, so later processes load it in
@@ -38,7 +41,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.cpp", "cpu_attention.cpp")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_share.h")]
 
 _lock = threading.Lock()
 # Kernel calls so far: the dispatcher does not see these calls, so op counts (tests, `make bench-kernels`) add them.
@@ -90,9 +94,10 @@ def load():
             t0 = time.monotonic()
             try:
                 flags = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
-                name = f"vlm_cpu_kernels_{_cpu_key()}_{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:8]}"
+                text = b"".join(f.read_bytes() for f in _SOURCES + _HEADERS)
+                name = f"vlm_cpu_kernels_{_cpu_key()}_{hashlib.sha256(text).hexdigest()[:8]}"
                 with _builder_lock(name):
-                    _module = build(name, sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+                    _module = build(name, sources=[str(f) for f in _SOURCES], extra_cflags=flags, verbose=False)
                 logger.info("CPU kernels ready in %.1f s", time.monotonic() - t0)
             except Exception as e:  # no compiler, no ninja, no headers: torch's ops still work
                 logger.warning("CPU kernels could not be built (%s); the layers use torch's ops", e)
@@ -132,6 +137,18 @@ def paged_decode_cpu(
     global calls
     calls += 1
     return _module.paged_decode(q, kv_cache, block_tables, context_lens, scale)
+
+
+def share_decode(on: bool, delay_us: int = 0) -> None:
+    """Share `paged_decode_cpu`'s tasks with the helper thread (started at the first True; it lives with the process),
+    or stop sharing. `delay_us` (tests): the helper sleeps that long in each task it takes, as if preempted.
+    `load()` must have returned the module."""
+    _module.share_decode(on, delay_us)
+
+
+def share_stats() -> tuple[int, int, int]:
+    """(calls shared with the helper, tasks it computed, tasks it had started that the caller took over) so far."""
+    return tuple(_module.share_stats())
 
 
 # Rows up to which a linear goes to the kernel, per dtype: a bfloat16 decode batch (ATen's bfloat16 GEMM is a scalar
@@ -201,4 +218,6 @@ __all__ = [
     "pack",
     "paged_decode_cpu",
     "rope_",
+    "share_decode",
+    "share_stats",
 ]

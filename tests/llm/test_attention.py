@@ -23,13 +23,17 @@ def _reference(q_seq, k_seq, v_seq, start):
     return F.scaled_dot_product_attention(q_seq.transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
 
 
-@pytest.fixture(params=["in-place kernel", "gather"])
+@pytest.fixture(params=["in-place kernel", "in-place kernel, shared", "gather"])
 def decode_path(request, monkeypatch):
-    """Decode rows through llm/model/cpu_kernels.py's kernel (built here if need be), or the gather it replaces."""
+    """Decode rows through llm/model/cpu_kernels.py's kernel (built here if need be), alone or sharing its tasks with
+    the helper thread, or the gather it replaces."""
     assert cpu_kernels.load() is not None, "the CPU kernel must build here (C++ compiler and ninja)"
+    module = cpu_kernels.load()
+    module.share_decode(request.param.endswith("shared"), 0)
     if request.param == "gather":
         monkeypatch.setattr(cpu_kernels, "_module", None)
-    return request.param
+    yield request.param.removesuffix(", shared")
+    module.share_decode(False, 0)
 
 
 @pytest.mark.parametrize("HD", [8, 64, 12])  # one 8-wide chunk, eight (a real head), not a multiple of 8

@@ -1,0 +1,171 @@
+// The helper thread that shares an op's tasks with the calling thread, never making it wait for a task the helper
+// has not started (cpu_attention.cpp's decode attention uses it; llm/model/cpu_kernels.py documents it).
+#pragma once
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+static inline void relax() { _mm_pause(); }
+#else
+static inline void relax() { std::this_thread::yield(); }
+#endif
+
+// NOTE: the helper thread. A decode step's attention is one op of B * nkv independent tasks, and on a CPU node the
+// engine's worker runs it on one thread, while the node's other core is often partly idle (BENCHMARKS.md: half a core
+// during decode). Two OpenMP threads lost served: every op waits for the slower thread, and a team thread that the
+// kernel preempted for the ingress stalls the step. So the tasks are shared differently: a helper thread claims tasks
+// while it runs, and the caller never waits for one it has not started. Each task has a state; both claim tasks in
+// order (a CAS from FREE); the helper computes into its own buffer and copies into the output only after a CAS from
+// HELPER to COMMITTING. When the caller has claimed the last task, it waits a little (one task's time) for a task
+// the helper is computing, then takes it over (HELPER -> STOLEN) and computes it itself; the helper's late result is
+// dropped. The idea is work-stealing's (Cilk; OpenMP's dynamic schedule), with the caller free to redo a task
+// instead of joining; the code is ours.
+enum : uint8_t { FREE, MAIN, HELPER, COMMITTING, DONE, STOLEN };
+
+// One op's tasks: n of them, task i's result task_bytes at out + i * task_bytes. `run` computes task i into a buffer
+// and owns (holds) everything it reads.
+struct Job {
+  int64_t n;
+  size_t task_bytes;
+  char* out;
+  std::function<void(int64_t, void*)> run;
+  std::atomic<int64_t> next{0};
+  std::unique_ptr<std::atomic<uint8_t>[]> state;
+
+  Job(int64_t n, size_t task_bytes, char* out, std::function<void(int64_t, void*)> run)
+      : n(n), task_bytes(task_bytes), out(out), run(std::move(run)), state(new std::atomic<uint8_t>[n]) {
+    for (int64_t i = 0; i < n; ++i) state[i].store(FREE, std::memory_order_relaxed);
+  }
+};
+
+class Helper {
+ public:
+  static Helper& get() {
+    static Helper* helper = new Helper();  // never destroyed: its thread is detached and lives with the process
+    return *helper;
+  }
+
+  // delay_us: the helper sleeps this long in each task it claimed (tests: a helper preempted mid-task).
+  void enable(bool on, int64_t delay_us = 0) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (on && !started_) {
+      std::thread([this] { loop(); }).detach();
+      started_ = true;
+    }
+    delay_us_.store(delay_us);
+    enabled_.store(on);
+  }
+
+  bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
+
+  // NOTE: a job holds tensors, and dropping a Python-made tensor's last reference takes the GIL (torch hands the
+  // tensor's PyObject back to Python): on the helper, that would block it behind the engine's Python, and during
+  // interpreter shutdown it ends the thread (pthread_exit through C++ frames: std::terminate, seen). So callers keep
+  // every job they offered until the helper has let go of it, and drop it here, on their own thread.
+  void offer(std::shared_ptr<Job> job) {
+    std::vector<std::shared_ptr<Job>> released;  // dropped when this returns, outside the lock
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      const auto held = std::partition(retired_.begin(), retired_.end(), [](const auto& j) { return j.use_count() > 1; });
+      released.assign(std::make_move_iterator(held), std::make_move_iterator(retired_.end()));
+      retired_.erase(held, retired_.end());
+      retired_.push_back(job);
+      job_ = std::move(job);
+      ++generation_;
+    }
+    cv_.notify_one();
+    offered.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  std::atomic<int64_t> offered{0}, tasks{0}, stolen{0};
+
+ private:
+  void loop() {
+#ifdef __linux__
+    // The lowest priority (nice 19, this thread only): the helper runs on what the node leaves idle; any other
+    // runnable thread (an encoder, the ingress) preempts it, and the caller takes its task over.
+    setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
+#endif
+    std::vector<char> buf;
+    uint64_t seen = 0;
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return generation_ != seen; });
+        seen = generation_;
+        job = std::move(job_);
+      }
+      if (!job) continue;
+      buf.resize(job->task_bytes);
+      for (int64_t i; (i = job->next.fetch_add(1)) < job->n;) {
+        uint8_t st = FREE;
+        if (!job->state[i].compare_exchange_strong(st, HELPER)) continue;
+        if (const int64_t us = delay_us_.load()) std::this_thread::sleep_for(std::chrono::microseconds(us));
+        job->run(i, buf.data());
+        st = HELPER;
+        if (job->state[i].compare_exchange_strong(st, COMMITTING)) {
+          std::memcpy(job->out + i * job->task_bytes, buf.data(), job->task_bytes);
+          job->state[i].store(DONE, std::memory_order_release);
+          tasks.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::shared_ptr<Job> job_;                   // the last offer, until the helper takes it
+  std::vector<std::shared_ptr<Job>> retired_;  // offers the helper may still hold (see offer)
+  uint64_t generation_ = 0;
+  bool started_ = false;
+  std::atomic<bool> enabled_{false};
+  std::atomic<int64_t> delay_us_{0};
+};
+
+// Runs the job's tasks on the calling thread, and on the helper while it takes them; returns when all are in `out`.
+inline void run_shared(std::shared_ptr<Job> job) {
+  Helper& helper = Helper::get();
+  helper.offer(job);
+  const auto started = std::chrono::steady_clock::now();
+  int64_t mine = 0;
+  for (int64_t i; (i = job->next.fetch_add(1)) < job->n;) {
+    uint8_t st = FREE;
+    if (!job->state[i].compare_exchange_strong(st, MAIN)) continue;
+    job->run(i, job->out + i * job->task_bytes);
+    ++mine;
+  }
+  // One of the caller's tasks' time, as the wait for a task the helper is computing before taking it over.
+  const auto patience = (std::chrono::steady_clock::now() - started) / std::max<int64_t>(mine, 1);
+  for (int64_t i = 0; i < job->n; ++i) {
+    const auto waiting = std::chrono::steady_clock::now();
+    for (;;) {
+      uint8_t st = job->state[i].load(std::memory_order_acquire);
+      if (st == MAIN || st == DONE || st == STOLEN) break;
+      if (st == COMMITTING || (st == HELPER && std::chrono::steady_clock::now() - waiting < patience)) {
+        relax();
+        continue;
+      }
+      if (job->state[i].compare_exchange_strong(st, STOLEN)) {  // FREE (claimed, not yet taken) or HELPER
+        job->run(i, job->out + i * job->task_bytes);
+        if (st == HELPER) helper.stolen.fetch_add(1, std::memory_order_relaxed);
+        break;
+      }
+    }
+  }
+}
+
