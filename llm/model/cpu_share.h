@@ -29,15 +29,17 @@ static inline void relax() { std::this_thread::yield(); }
 // during decode). Two OpenMP threads lost served: every op waits for the slower thread, and a team thread that the
 // kernel preempted for the ingress stalls the step. So the tasks are shared differently: a helper thread claims tasks
 // while it runs, and the caller never waits for one it has not started. Each task has a state; both claim tasks in
-// order (a CAS from FREE); the helper computes into its own buffer and copies into the output only after a CAS from
-// HELPER to COMMITTING. When the caller has claimed the last task, it waits a little (one task's time) for a task
-// the helper is computing, then takes it over (HELPER -> STOLEN) and computes it itself; the helper's late result is
-// dropped. The idea is work-stealing's (Cilk; OpenMP's dynamic schedule), with the caller free to redo a task
-// instead of joining; the code is ours.
-enum : uint8_t { FREE, MAIN, HELPER, COMMITTING, DONE, STOLEN };
+// order (a CAS from FREE); the helper computes into the job's own result slot and publishes it with a CAS from HELPER
+// to DONE; the caller copies done results into the output. When the caller has claimed the last task, it waits a
+// little (one task's time) for a task the helper is computing, then takes it over (HELPER -> STOLEN) and computes it
+// itself; the helper's late result stays in its slot, unread. NOTE: the helper runs at nice 19, so a loaded node may
+// leave it off the CPU for long: the caller never blocks on anything the helper holds (no lock: `offer` only tries
+// it; no half-written output to wait for). The idea is work-stealing's (Cilk; OpenMP's dynamic schedule), with the
+// caller free to redo a task instead of joining; the code is ours.
+enum : uint8_t { FREE, MAIN, HELPER, DONE, STOLEN };
 
 // One op's tasks: n of them, task i's result task_bytes at out + i * task_bytes. `run` computes task i into a buffer
-// and owns (holds) everything it reads.
+// and owns (holds) everything it reads. The helper's results go to `slots` (the job's own memory), never to `out`.
 struct Job {
   int64_t n;
   size_t task_bytes;
@@ -45,9 +47,11 @@ struct Job {
   std::function<void(int64_t, void*)> run;
   std::atomic<int64_t> next{0};
   std::unique_ptr<std::atomic<uint8_t>[]> state;
+  std::unique_ptr<char[]> slots;
 
   Job(int64_t n, size_t task_bytes, char* out, std::function<void(int64_t, void*)> run)
-      : n(n), task_bytes(task_bytes), out(out), run(std::move(run)), state(new std::atomic<uint8_t>[n]) {
+      : n(n), task_bytes(task_bytes), out(out), run(std::move(run)), state(new std::atomic<uint8_t>[n]),
+        slots(new char[n * task_bytes]) {
     for (int64_t i = 0; i < n; ++i) state[i].store(FREE, std::memory_order_relaxed);
   }
 };
@@ -76,10 +80,12 @@ class Helper {
   // tensor's PyObject back to Python): on the helper, that would block it behind the engine's Python, and during
   // interpreter shutdown it ends the thread (pthread_exit through C++ frames: std::terminate, seen). So callers keep
   // every job they offered until the helper has let go of it, and drop it here, on their own thread.
-  void offer(std::shared_ptr<Job> job) {
+  // Whether the helper was offered the job: not while it holds the lock (it may be off the CPU holding it).
+  bool offer(std::shared_ptr<Job> job) {
     std::vector<std::shared_ptr<Job>> released;  // dropped when this returns, outside the lock
     {
-      std::lock_guard<std::mutex> lk(mu_);
+      std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+      if (!lk.owns_lock()) return false;
       const auto held = std::partition(retired_.begin(), retired_.end(), [](const auto& j) { return j.use_count() > 1; });
       released.assign(std::make_move_iterator(held), std::make_move_iterator(retired_.end()));
       retired_.erase(held, retired_.end());
@@ -89,6 +95,7 @@ class Helper {
     }
     cv_.notify_one();
     offered.fetch_add(1, std::memory_order_relaxed);
+    return true;
   }
 
   std::atomic<int64_t> offered{0}, tasks{0}, stolen{0};
@@ -100,7 +107,6 @@ class Helper {
     // runnable thread (an encoder, the ingress) preempts it, and the caller takes its task over.
     setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
 #endif
-    std::vector<char> buf;
     uint64_t seen = 0;
     for (;;) {
       std::shared_ptr<Job> job;
@@ -111,18 +117,14 @@ class Helper {
         job = std::move(job_);
       }
       if (!job) continue;
-      buf.resize(job->task_bytes);
       for (int64_t i; (i = job->next.fetch_add(1)) < job->n;) {
         uint8_t st = FREE;
         if (!job->state[i].compare_exchange_strong(st, HELPER)) continue;
         if (const int64_t us = delay_us_.load()) std::this_thread::sleep_for(std::chrono::microseconds(us));
-        job->run(i, buf.data());
-        st = HELPER;
-        if (job->state[i].compare_exchange_strong(st, COMMITTING)) {
-          std::memcpy(job->out + i * job->task_bytes, buf.data(), job->task_bytes);
-          job->state[i].store(DONE, std::memory_order_release);
+        job->run(i, job->slots.get() + i * job->task_bytes);
+        st = HELPER;  // published (release) unless the caller took the task over meanwhile
+        if (job->state[i].compare_exchange_strong(st, DONE, std::memory_order_acq_rel))
           tasks.fetch_add(1, std::memory_order_relaxed);
-        }
       }
     }
   }
@@ -140,7 +142,10 @@ class Helper {
 // Runs the job's tasks on the calling thread, and on the helper while it takes them; returns when all are in `out`.
 inline void run_shared(std::shared_ptr<Job> job) {
   Helper& helper = Helper::get();
-  helper.offer(job);
+  if (!helper.offer(job)) {
+    for (int64_t i = 0; i < job->n; ++i) job->run(i, job->out + i * job->task_bytes);
+    return;
+  }
   const auto started = std::chrono::steady_clock::now();
   int64_t mine = 0;
   for (int64_t i; (i = job->next.fetch_add(1)) < job->n;) {
@@ -155,8 +160,12 @@ inline void run_shared(std::shared_ptr<Job> job) {
     const auto waiting = std::chrono::steady_clock::now();
     for (;;) {
       uint8_t st = job->state[i].load(std::memory_order_acquire);
-      if (st == MAIN || st == DONE || st == STOLEN) break;
-      if (st == COMMITTING || (st == HELPER && std::chrono::steady_clock::now() - waiting < patience)) {
+      if (st == MAIN || st == STOLEN) break;
+      if (st == DONE) {
+        std::memcpy(job->out + i * job->task_bytes, job->slots.get() + i * job->task_bytes, job->task_bytes);
+        break;
+      }
+      if (st == HELPER && std::chrono::steady_clock::now() - waiting < patience) {
         relax();
         continue;
       }
