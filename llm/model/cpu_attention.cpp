@@ -65,7 +65,7 @@ static inline void prefetch_row(const T* row, int64_t hd) {
 // One call's operands. The tensors are held, not borrowed: the helper may still be reading them after the call
 // returned (a task it had started and the caller took over: cpu_share.h).
 struct Problem {
-  torch::Tensor q, kv, tables, lens, out;
+  torch::Tensor q, kv, tables, lens;
   int64_t nh, nkv, hd, head_stride, bs, W, q_stride;
   float scale;
 };
@@ -175,7 +175,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
   TORCH_CHECK(tables.scalar_type() == torch::kInt32 && lens.scalar_type() == torch::kInt32);
   const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), nkv = kv_cache.size(0) / 2;
   auto out = torch::empty({B, nh, hd}, q.options());
-  const Problem p{q, kv_cache, tables, lens, out, nh, nkv, hd, kv_cache.size(1) * kv_cache.size(2) * hd,
+  const Problem p{q, kv_cache, tables, lens, nh, nkv, hd, kv_cache.size(1) * kv_cache.size(2) * hd,
                   kv_cache.size(2), tables.size(1), q.stride(0), static_cast<float>(scale)};
   const int64_t n = B * nkv;
   const size_t task_bytes = (nh / nkv) * hd * q.element_size();
