@@ -35,6 +35,7 @@ from llm.engine.model_runner import ModelRunner, Sampled
 from llm.engine.scheduler import Chunk, Scheduler
 from llm.engine.sequence import Sequence, make_sequence
 from llm.engine.threads import StepThreads
+from llm.engine.trace import StepTrace
 from llm.model.parallel import RankFailure
 from schemas import GenerateRequest, InvalidRequest, Overloaded, TokenChunk
 
@@ -182,6 +183,7 @@ class Engine:
         threads = StepThreads.start(self.config, self.counts)  # None: the worker's threads stay as they are
         keepalive = getattr(self.model, "keepalive", None)  # tensor-parallel: the other ranks wait on us
         stalled = False  # the last schedule had nothing to run: only the inbox (an image, a request) changes that
+        trace = StepTrace.from_env()
         while not self._closing:
             self._take_inbox(block=stalled or not (self.scheduler.running or self.scheduler.waiting))
             awaits = threads is not None and self.scheduler.awaits_images
@@ -195,8 +197,11 @@ class Engine:
                     if keepalive is not None:
                         keepalive()
                     continue
+                started = time.monotonic()
                 with torch.inference_mode():
                     self._step(chunks)
+                if trace is not None:
+                    trace.record(started, chunks)
                 self.delivery.flush()
             except RankFailure as e:  # the ranks are out of step for good: fail everything, serve nothing more
                 return self._die(e)
