@@ -2,7 +2,8 @@
 the `llm` package of the tree given as argv[1] (the current one or a baseline commit's), on a worker thread with
 the threads the engine gives it, and counts the ops it dispatches per layer (views excluded: they move no data).
 Prints one JSON line: {"<dtype> b<batch>": [ms, ops per layer], ...}. Uses only the API both trees share.
-VLM_ATTENTION_HELPER=0: decode attention on the worker's thread alone (llm.cpu_attention_helper: false)."""
+VLM_HELPER_THREAD=0: decode attention and GEMMs on the worker's thread alone (llm.cpu_helper_thread: false);
+VLM_HELPER_LINEARS=0: the helper shares the attention only (weights packed whole)."""
 
 import json
 import os
@@ -56,8 +57,11 @@ def main() -> None:
     torch.set_num_threads(1)  # as the LLM replica: one thread process-wide, the worker's own team
     if kernels is not None:  # trees with CPU kernels: their model runner builds them at start, so do the same here
         kernels.load()
-        if hasattr(kernels, "share_decode"):  # trees with the attention helper: as the model runner sets it
-            kernels.share_decode(os.environ.get("VLM_ATTENTION_HELPER", "1") == "1")
+        helper = os.environ.get("VLM_HELPER_THREAD", "1") == "1"
+        if hasattr(kernels, "use_helper"):  # trees whose helper shares the GEMMs too: as the model runner sets it
+            kernels.use_helper(helper)
+        elif hasattr(kernels, "share_decode"):  # trees with the attention helper alone
+            kernels.share_decode(helper)
     result: dict[str, list[float]] = {}
 
     def worker() -> None:
@@ -65,7 +69,12 @@ def main() -> None:
         for dtype in dict.fromkeys(d for d, _ in cases):
             model = Qwen2LM.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
             if pack_linears is not None:  # trees whose model runner packs float32 weights at start: the same here
+                whole = os.environ.get("VLM_HELPER_LINEARS", "1") == "0" and hasattr(kernels, "use_helper")
+                if whole:  # pack_linears chunks the weights while the helper is on
+                    kernels.use_helper(False)
                 pack_linears(model)
+                if whole:
+                    kernels.use_helper(os.environ.get("VLM_HELPER_THREAD", "1") == "1")
             cache = model.new_cache(NUM_BLOCKS, BS)
             for b in (b for d, b in cases if d == dtype):
                 chunks = _batch(b)

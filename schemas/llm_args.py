@@ -79,9 +79,10 @@ class LLMArgs(BaseModel):
         "(faster for decode batches); costs a second copy of those weights in memory (false: torch's GEMM on the "
         "checkpoint's layout, and in bfloat16 our kernel for decode rows).",
     )
-    cpu_attention_helper: bool = Field(
+    cpu_helper_thread: bool = Field(
         True,
-        description="On cpu with one rank: a decode step's attention shares its tasks with a helper thread at the "
+        description="On cpu with one rank: a decode step's attention, and the GEMMs of a step on one thread, share "
+        "their tasks (the attention's rows and heads, the GEMMs' column chunks) with a helper thread at the "
         "lowest priority, which takes tasks while the node leaves a core idle; the engine never waits for a task the "
         "helper has not started, and takes over one it was preempted in (docs/engine.md). Needs 2 CPUs or more.",
     )

@@ -22,7 +22,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # replay them as CUDA graphs; None: on cuda with one rank
     compile_decode: bool = False  # the static step through torch.compile (decode_step.py)
     cpu_packed_weights: bool = True  # CPU, one rank: GEMMs on oneDNN-packed copies (layers.pack_linears)
-    cpu_attention_helper: bool = True  # CPU, one rank, 2+ CPUs: decode attention shares tasks with a helper thread
+    cpu_helper_thread: bool = True  # CPU, one rank, 2+ CPUs: decode attention and GEMMs share tasks with a helper
 
     def __post_init__(self) -> None:
         assert self.num_blocks * self.block_size >= self.max_model_len, "the cache must hold one full sequence"

@@ -72,7 +72,7 @@ class Engine:
             cuda_graphs=config.cuda_graphs,
             compile_decode=config.compile_decode,
             packed_weights=config.cpu_packed_weights,
-            attention_helper=config.cpu_attention_helper,
+            helper_thread=config.cpu_helper_thread,
         )
         # make_sequence's settings: context, decoder config (positions, vocabulary), where images and videos are
         self._sequence_kwargs = dict(

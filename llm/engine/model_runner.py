@@ -54,7 +54,7 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         compile_decode: bool = False,
         packed_weights: bool = False,
-        attention_helper: bool = False,
+        helper_thread: bool = False,
     ):
         self.model, self.block_size = model, block_size
         self.device = model.lm_head.weight.device
@@ -66,10 +66,11 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_kernels.load()  # decode attention in place; built once per machine, loaded in ~1 s after
             if cpu_kernels.available():  # one rank: its tasks shared with a helper thread where there is a second CPU
-                helper = attention_helper and isinstance(model, nn.Module) and len(os.sched_getaffinity(0)) > 1
-                cpu_kernels.share_decode(helper)
+                helper = helper_thread and isinstance(model, nn.Module) and len(os.sched_getaffinity(0)) > 1
+                cpu_kernels.use_helper(helper)  # before pack_linears, which chunks the weights for it
                 logger.info(
-                    "decode attention: %s", "shared with a helper thread" if helper else "on the engine's thread"
+                    "decode attention and GEMMs: %s",
+                    "shared with a helper thread" if helper else "on the engine's threads",
                 )
             if packed_weights and isinstance(model, nn.Module):  # one rank (a ParallelLM's ranks keep torch's GEMM)
                 started = time.monotonic()

@@ -199,10 +199,4 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
 void bind_attention(py::module& m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode", &paged_decode, nogil);
-  m.def("share_decode", [](bool on, int64_t delay_us) { Helper::get().enable(on, delay_us); }, py::arg("on"),
-        py::arg("delay_us") = 0, nogil);
-  m.def("share_stats", [] {
-    Helper& h = Helper::get();
-    return py::make_tuple(h.offered.load(), h.tasks.load(), h.stolen.load());
-  });
 }

@@ -11,6 +11,7 @@
 #include "cpu_simd.h"
 
 void bind_attention(py::module& m);  // cpu_attention.cpp: paged decode attention
+void bind_linear(py::module& m);     // cpu_linear.cpp: oneDNN linears in column chunks, shared
 
 // Rounds a float through T, as a torch op producing a T tensor would.
 template <typename T>
@@ -146,6 +147,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // tokens) and Ray's threads run beside a step instead of waiting for it.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   bind_attention(m);
+  bind_linear(m);
   m.def("add_rms_norm", &add_rms_norm, nogil);
   m.def("rope_", &rope_, nogil);
 #ifdef HAVE_LINEAR

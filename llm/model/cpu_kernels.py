@@ -13,9 +13,10 @@ two batched matmuls. This kernel reads each key and value once, where it lies: o
 the KV head's keys loaded once for its whole GQA group of query heads; scores, a float32 softmax and the weighted
 sum of values per task, nothing materialised but the scores. Keys past a row's context are never read. NOTE: the
 kernels run on the calling thread (built without -fopenmp, so at::parallel_for is serial: a second OpenMP runtime
-next to torch's libgomp is not worth it), without the GIL; once `share_decode(True)`, the attention's tasks are
-shared with a helper thread that takes them while it runs, and the caller never waits for one it has not started
-(cpu_share.h: a core the node leaves partly idle helps without a preempted thread stalling the step). The idea is
+next to torch's libgomp is not worth it), without the GIL; once `use_helper(True)`, the attention's tasks, and the
+column chunks of linears on weights packed in chunks (`pack_chunks`, cpu_linear.cpp), are shared with a helper
+thread that takes them while it runs, and the caller never waits for one it has not started (cpu_share.h: a core
+the node leaves partly idle helps without a preempted thread stalling the step). The idea is
 vLLM's and SGLang's CPU decode kernels (paged attention per sequence and head); the code is ours.
 
 The kernels are compiled with torch's cpp_extension (ninja, the machine's C++ compiler, -O3 -march=native) the
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.cpp", "cpu_attention.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_linear.cpp")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_share.h")]
 
 _lock = threading.Lock()
@@ -49,6 +50,7 @@ _lock = threading.Lock()
 calls = 0
 _module: object | None = None
 _tried = False
+_helper = False
 
 
 def _cpu_key() -> str:
@@ -139,16 +141,24 @@ def paged_decode_cpu(
     return _module.paged_decode(q, kv_cache, block_tables, context_lens, scale)
 
 
-def share_decode(on: bool, delay_us: int = 0) -> None:
-    """Share `paged_decode_cpu`'s tasks with the helper thread (started at the first True; it lives with the process),
-    or stop sharing. `delay_us` (tests): the helper sleeps that long in each task it takes, as if preempted.
-    `load()` must have returned the module."""
-    _module.share_decode(on, delay_us)
+def use_helper(on: bool, delay_us: int = 0) -> None:
+    """Share the decode attention's tasks (`paged_decode_cpu`) and the linears' column chunks (`linear` on
+    `pack_chunks`) with the helper thread (started at the first True; it lives with the process), or stop sharing.
+    `delay_us` (tests): the helper sleeps that long in each task it takes, as if preempted. `load()` must have
+    returned the module."""
+    global _helper
+    _module.use_helper(on, delay_us)
+    _helper = on
 
 
-def share_stats() -> tuple[int, int, int]:
+def helper_on() -> bool:
+    """Whether `use_helper(True)` holds in this process."""
+    return _helper
+
+
+def helper_stats() -> tuple[int, int, int]:
     """(calls shared with the helper, tasks it computed, tasks it had started that the caller took over) so far."""
-    return tuple(_module.share_stats())
+    return tuple(_module.helper_stats())
 
 
 # Rows up to which a linear goes to the kernel, per dtype: a bfloat16 decode batch (ATen's bfloat16 GEMM is a scalar
@@ -185,14 +195,38 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)  # laid out for ~32 rows; any count works
 
 
+# A weight's column chunks when it is packed for sharing (`pack_chunks`): with 4, a helper preempted mid-chunk costs
+# the caller a quarter of the linear again, at most; more chunks cost more oneDNN calls (~30 us each here).
+SHARE_CHUNKS = 4
+
+
+def pack_chunks(weight: torch.Tensor, chunks: int = SHARE_CHUNKS) -> tuple[torch.Tensor, ...]:
+    """`pack(weight)` as `chunks` packed slices of equal height (rows of weight, columns of the output) for
+    `linear`, whose calls then share the chunks with the helper thread; one slice where the height does not split
+    into multiples of 8."""
+    n = weight.shape[0]
+    k = next((c for c in range(chunks, 1, -1) if n % c == 0 and n // c % 8 == 0), 1)
+    return tuple(pack(w) for w in weight.chunk(k))
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
-    """F.linear(x (T, K), weight (N, K), bias): by oneDNN on `packed` (pack(weight)) where given, by the bfloat16
-    kernel where it applies (AVX2 builds, T <= MAX_LINEAR_ROWS[dtype], K a multiple of 8), else by torch."""
+    """F.linear(x (T, K), weight (N, K), bias): by oneDNN on `packed` (pack(weight), or pack_chunks(weight), whose
+    chunks the helper thread shares) where given, by the bfloat16 kernel where it applies (AVX2 builds, T <=
+    MAX_LINEAR_ROWS[dtype], K a multiple of 8), else by torch."""
     global calls
-    if packed is not None and x.dtype == packed.dtype and not torch.compiler.is_compiling():
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed is not None and not torch.compiler.is_compiling():
+        if isinstance(packed, tuple) and len(packed) > 1 and x.dtype == packed[0].dtype:
+            calls += 1
+            y = _module.chunked_linear(x.reshape(-1, x.shape[-1]), packed, bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        packed = packed[0] if isinstance(packed, tuple) else packed
+        if x.dtype == packed.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if (
         x.dim() == 2
         and x.shape[0] <= MAX_LINEAR_ROWS.get(x.dtype, 0)
@@ -215,9 +249,11 @@ __all__ = [
     "linear",
     "load",
     "on",
+    "helper_on",
+    "helper_stats",
     "pack",
+    "pack_chunks",
     "paged_decode_cpu",
     "rope_",
-    "share_decode",
-    "share_stats",
+    "use_helper",
 ]

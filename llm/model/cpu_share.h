@@ -1,5 +1,6 @@
 // The helper thread that shares an op's tasks with the calling thread, never making it wait for a task the helper
-// has not started (cpu_attention.cpp's decode attention uses it; llm/model/cpu_kernels.py documents it).
+// has not started (cpu_attention.cpp's decode attention and cpu_linear.cpp's chunked GEMMs use it; cpu_kernels.py
+// documents it).
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -37,6 +38,11 @@ static inline void relax() { std::this_thread::yield(); }
 // it; no half-written output to wait for). The idea is work-stealing's (Cilk; OpenMP's dynamic schedule), with the
 // caller free to redo a task instead of joining; the code is ours.
 enum : uint8_t { FREE, MAIN, HELPER, DONE, STOLEN };
+
+// How long the helper spins for the next offer before it sleeps (see Helper::loop).
+constexpr int64_t SPIN_US = 200;
+
+extern "C" void omp_set_num_threads(int);  // torch's OpenMP runtime (libgomp), which oneDNN's GEMMs run on
 
 // One op's tasks: n of them, task i's result task_bytes at out + i * task_bytes. `run` computes task i into a buffer
 // and owns (holds) everything it reads. The helper's results go to `slots` (the job's own memory), never to `out`.
@@ -91,7 +97,7 @@ class Helper {
       retired_.erase(held, retired_.end());
       retired_.push_back(job);
       job_ = std::move(job);
-      ++generation_;
+      generation_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_one();
     offered.fetch_add(1, std::memory_order_relaxed);
@@ -107,13 +113,22 @@ class Helper {
     // runnable thread (an encoder, the ingress) preempts it, and the caller takes its task over.
     setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
 #endif
+    // A task that calls into oneDNN (cpu_linear.cpp) runs on this thread alone: a new thread's OpenMP teams would
+    // otherwise take the runtime's default size, every core.
+    omp_set_num_threads(1);
     uint64_t seen = 0;
     for (;;) {
+      // A step's next op comes within microseconds of the last (a few of torch's small ops between): spin a little
+      // before sleeping, so the helper is on the CPU when it comes, not a wake-up (tens of us on a VM) behind.
+      const auto idle = std::chrono::steady_clock::now();
+      while (generation_.load(std::memory_order_acquire) == seen &&
+             std::chrono::steady_clock::now() - idle < std::chrono::microseconds(SPIN_US))
+        relax();
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return generation_ != seen; });
-        seen = generation_;
+        cv_.wait(lk, [&] { return generation_.load() != seen; });
+        seen = generation_.load();
         job = std::move(job_);
       }
       if (!job) continue;
@@ -133,7 +148,7 @@ class Helper {
   std::condition_variable cv_;
   std::shared_ptr<Job> job_;                   // the last offer, until the helper takes it
   std::vector<std::shared_ptr<Job>> retired_;  // offers the helper may still hold (see offer)
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};  // offers so far (written under mu_, read by the spinning helper)
   bool started_ = false;
   std::atomic<bool> enabled_{false};
   std::atomic<int64_t> delay_us_{0};

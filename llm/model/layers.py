@@ -92,26 +92,28 @@ class Linear(nn.Linear):
     """nn.Linear whose GEMMs read oneDNN's packed copy of the weight once `pack_linears` made one, and whose bfloat16
     decode rows otherwise go to the CPU kernel (cpu_kernels.py) where it is built."""
 
-    packed: torch.Tensor | None = None
+    packed: tuple[torch.Tensor, ...] | None = None  # the weight's packed column chunks (one unless shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.linear(x, self.weight, self.bias, self.packed)
 
 
 def pack_linears(model: nn.Module) -> int:
-    """A packed copy (cpu_kernels.pack) of every CPU linear weight of model whose dtype oneDNN can pack here (float32;
-    bfloat16 on CPUs with its bfloat16 kernels); returns how many. The weights themselves stay (the reference path,
-    torch.compile, tensor-parallel loading read them)."""
+    """A packed copy of every CPU linear weight of model whose dtype oneDNN can pack here (float32; bfloat16 on CPUs
+    with its bfloat16 kernels); returns how many. In column chunks (cpu_kernels.pack_chunks) while the helper thread
+    is on (`cpu_kernels.use_helper`), so that it shares the GEMMs; else whole. The weights themselves stay (the
+    reference path, torch.compile, tensor-parallel loading read them)."""
     linears = [m for m in model.modules() if isinstance(m, Linear | RowParallelLinear)]
     todo = [m for m in linears if m.weight.device.type == "cpu" and cpu_kernels.can_pack(m.weight.dtype)]
     if not todo:
         return 0
+    chunks = cpu_kernels.SHARE_CHUNKS if cpu_kernels.helper_on() else 1
     for m in todo:
-        m.packed = cpu_kernels.pack(m.weight)
+        m.packed = cpu_kernels.pack_chunks(m.weight, chunks)
     # NOTE: the copies are what a decode step streams, and oneDNN's allocations are on 4 KiB pages: on huge pages
     # the bench model's batch-1 step measured 5.6 ms steady against 5.7-6.7 (bfloat16), 9.2-9.8 against 10.2-11.7
     # (float32). hugepages.collapse backs them after the fact.
-    spans = [(torch.ops.mkldnn.data_ptr(m.packed), m.weight.numel() * m.weight.element_size()) for m in todo]
+    spans = [(torch.ops.mkldnn.data_ptr(p), p.numel() * p.element_size()) for m in todo for p in m.packed]
     hugepages.collapse(spans)
     return len(todo)
 
@@ -120,7 +122,7 @@ class RowParallelLinear(nn.Module):
     """nn.Linear over this rank's slice of the input features: the ranks' partial products are summed (one
     all-reduce), then the bias is added once. With one rank it is nn.Linear."""
 
-    packed: torch.Tensor | None = None  # as Linear's
+    packed: tuple[torch.Tensor, ...] | None = None  # as Linear's
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
         super().__init__()

@@ -28,12 +28,12 @@ def decode_path(request, monkeypatch):
     """Decode rows through llm/model/cpu_kernels.py's kernel (built here if need be), alone or sharing its tasks with
     the helper thread, or the gather it replaces."""
     assert cpu_kernels.load() is not None, "the CPU kernel must build here (C++ compiler and ninja)"
-    module = cpu_kernels.load()
-    module.share_decode(request.param.endswith("shared"), 0)
+    cpu_kernels.use_helper(request.param.endswith("shared"))
     if request.param == "gather":
         monkeypatch.setattr(cpu_kernels, "_module", None)
     yield request.param.removesuffix(", shared")
-    module.share_decode(False, 0)
+    monkeypatch.undo()
+    cpu_kernels.use_helper(False)
 
 
 @pytest.mark.parametrize("HD", [8, 64, 12])  # one 8-wide chunk, eight (a real head), not a multiple of 8

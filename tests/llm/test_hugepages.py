@@ -122,4 +122,4 @@ def test_packed_linear_weights_are_collapsed_onto_huge_pages(monkeypatch):
     model = nn.Sequential(Linear(512, 1024), Linear(1024, 512))
     assert pack_linears(model) == 2
     [spans] = seen
-    assert sorted(spans) == sorted((torch.ops.mkldnn.data_ptr(m.packed), m.weight.numel() * 4) for m in model)
+    assert sorted(spans) == sorted((torch.ops.mkldnn.data_ptr(m.packed[0]), m.weight.numel() * 4) for m in model)

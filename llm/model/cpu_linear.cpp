@@ -1,0 +1,72 @@
+// A linear on oneDNN's packed weights, its output columns in chunks that the helper thread (cpu_share.h) shares with
+// the caller (llm/model/cpu_kernels.py documents it).
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#include "cpu_share.h"
+
+namespace {
+
+// torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], None): the op torch's packed linears run.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::string_view,
+                            c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+}
+
+// x (T, K) times the weight whose row chunks of equal height Nc were packed one by one (`chunks`), plus bias (N):
+// (T, N). Chunk i is a task; its (T, Nc) result is laid out chunk-major in a (n, T, Nc) buffer, which is transposed
+// into the output at the end (T * N values: small beside the weight the GEMMs read). The chunks are shared with the
+// helper when the caller runs one OpenMP thread (a decode step); a caller with a team (a prefill chunk on a node's
+// idle cores) runs them itself.
+torch::Tensor chunked_linear(torch::Tensor x, std::vector<torch::Tensor> chunks, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && !chunks.empty());
+  // One op of ours to a Python dispatch mode (op counts, tests), as the other kernels are: not the ops inside it.
+  c10::impl::ExcludeDispatchKeyGuard no_python(
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+  const bool share = at::get_num_threads() == 1 && Helper::get().enabled();
+  x = x.contiguous();
+  const int64_t n = static_cast<int64_t>(chunks.size()), T = x.size(0), Nc = chunks[0].size(0), N = n * Nc;
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), "bias must have n * Nc values");
+  std::vector<std::optional<torch::Tensor>> biases(n);
+  if (bias.has_value())
+    for (int64_t i = 0; i < n; ++i) biases[i] = bias->narrow(0, i * Nc, Nc);
+  auto buf = torch::empty({n, T, Nc}, x.options());
+  const size_t task_bytes = static_cast<size_t>(T * Nc) * x.element_size();
+  auto run = [x, chunks = std::move(chunks), biases = std::move(biases), task_bytes](int64_t i, void* into) {
+    c10::InferenceMode guard;  // thread-local: the helper's thread has none of the caller's modes
+    const at::Tensor r = onednn_linear(x, chunks[i], biases[i]);
+    std::memcpy(into, r.data_ptr(), task_bytes);
+  };
+  char* dst = static_cast<char*>(buf.data_ptr());
+  if (share && n > 1) {
+    run_shared(std::make_shared<Job>(n, task_bytes, dst, run));
+  } else {
+    for (int64_t i = 0; i < n; ++i) run(i, dst + i * task_bytes);
+  }
+  if (n == 1 || T == 1) return buf.view({T, N});
+  return buf.permute({1, 0, 2}).reshape({T, N});
+}
+
+}  // namespace
+
+void bind_linear(py::module& m) {
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("chunked_linear", &chunked_linear, nogil);
+  m.def("use_helper", [](bool on, int64_t delay_us) { Helper::get().enable(on, delay_us); }, py::arg("on"),
+        py::arg("delay_us") = 0, nogil);
+  m.def("helper_stats", [] {
+    Helper& h = Helper::get();
+    return py::make_tuple(h.offered.load(), h.tasks.load(), h.stolen.load());
+  });
+}
