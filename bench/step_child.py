@@ -69,12 +69,11 @@ def main() -> None:
         for dtype in dict.fromkeys(d for d, _ in cases):
             model = Qwen2LM.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
             if pack_linears is not None:  # trees whose model runner packs float32 weights at start: the same here
-                whole = os.environ.get("VLM_HELPER_LINEARS", "1") == "0" and hasattr(kernels, "use_helper")
-                if whole:  # pack_linears chunks the weights while the helper is on
-                    kernels.use_helper(False)
-                pack_linears(model)
-                if whole:
-                    kernels.use_helper(os.environ.get("VLM_HELPER_THREAD", "1") == "1")
+                if hasattr(kernels, "pack_chunks"):  # as the model runner of a one-thread decode worker packs them
+                    shared = kernels.helper_on() and os.environ.get("VLM_HELPER_LINEARS", "1") == "1"
+                    pack_linears(model, kernels.SHARE_CHUNKS if shared else 1)
+                else:
+                    pack_linears(model)
             cache = model.new_cache(NUM_BLOCKS, BS)
             for b in (b for d, b in cases if d == dtype):
                 chunks = _batch(b)

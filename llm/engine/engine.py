@@ -73,6 +73,7 @@ class Engine:
             compile_decode=config.compile_decode,
             packed_weights=config.cpu_packed_weights,
             helper_thread=config.cpu_helper_thread,
+            decode_threads=config.cpu_threads,
         )
         # make_sequence's settings: context, decoder config (positions, vocabulary), where images and videos are
         self._sequence_kwargs = dict(

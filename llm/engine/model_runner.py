@@ -55,6 +55,7 @@ class ModelRunner:
         compile_decode: bool = False,
         packed_weights: bool = False,
         helper_thread: bool = False,
+        decode_threads: int | None = None,
     ):
         self.model, self.block_size = model, block_size
         self.device = model.lm_head.weight.device
@@ -67,14 +68,17 @@ class ModelRunner:
             cpu_kernels.load()  # decode attention in place; built once per machine, loaded in ~1 s after
             if cpu_kernels.available():  # one rank: its tasks shared with a helper thread where there is a second CPU
                 helper = helper_thread and isinstance(model, nn.Module) and len(os.sched_getaffinity(0)) > 1
-                cpu_kernels.use_helper(helper)  # before pack_linears, which chunks the weights for it
+                cpu_kernels.use_helper(helper)
                 logger.info(
                     "decode attention and GEMMs: %s",
                     "shared with a helper thread" if helper else "on the engine's threads",
                 )
             if packed_weights and isinstance(model, nn.Module):  # one rank (a ParallelLM's ranks keep torch's GEMM)
                 started = time.monotonic()
-                n = pack_linears(model)  # and onto huge pages: about 3 s a GB on this VM's core
+                # In chunks for the helper where decode steps run on one thread (a linear with a team of its own runs
+                # its chunks one by one, each a oneDNN call more: cpu_kernels.SHARE_CHUNKS).
+                chunks = cpu_kernels.SHARE_CHUNKS if cpu_kernels.helper_on() and decode_threads == 1 else 1
+                n = pack_linears(model, chunks)  # and onto huge pages: about 3 s a GB on this VM's core
                 if n:
                     logger.info(
                         "%d linear weights (%s) packed for oneDNN in %.1f s",

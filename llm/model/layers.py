@@ -98,16 +98,15 @@ class Linear(nn.Linear):
         return cpu_kernels.linear(x, self.weight, self.bias, self.packed)
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, chunks: int = 1) -> int:
     """A packed copy of every CPU linear weight of model whose dtype oneDNN can pack here (float32; bfloat16 on CPUs
-    with its bfloat16 kernels); returns how many. In column chunks (cpu_kernels.pack_chunks) while the helper thread
-    is on (`cpu_kernels.use_helper`), so that it shares the GEMMs; else whole. The weights themselves stay (the
-    reference path, torch.compile, tensor-parallel loading read them)."""
+    with its bfloat16 kernels); returns how many. In `chunks` column chunks (cpu_kernels.pack_chunks), which a
+    linear called on one thread shares with the helper thread (`cpu_kernels.use_helper`); 1: whole. The weights
+    themselves stay (the reference path, torch.compile, tensor-parallel loading read them)."""
     linears = [m for m in model.modules() if isinstance(m, Linear | RowParallelLinear)]
     todo = [m for m in linears if m.weight.device.type == "cpu" and cpu_kernels.can_pack(m.weight.dtype)]
     if not todo:
         return 0
-    chunks = cpu_kernels.SHARE_CHUNKS if cpu_kernels.helper_on() else 1
     for m in todo:
         m.packed = cpu_kernels.pack_chunks(m.weight, chunks)
     # NOTE: the copies are what a decode step streams, and oneDNN's allocations are on 4 KiB pages: on huge pages

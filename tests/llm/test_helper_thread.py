@@ -4,6 +4,7 @@ the call returned, and a process with a helper exits cleanly."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import subprocess
 import sys
@@ -104,10 +105,11 @@ def test_chunked_linears_equal_the_whole_packed_linear_and_share_their_chunks(ke
         torch.nn.init.normal_(p, std=0.05)
     x = torch.randn(T, 512)
     with torch.no_grad():
-        assert pack_linears(model) == 2 and all(len(m.packed) == 1 for m in model)  # helper off: whole
+        assert pack_linears(model) == 2 and all(len(m.packed) == 1 for m in model)
         whole = model(x)
         kernels.use_helper(True)
-        assert pack_linears(model) == 2 and [len(m.packed) for m in model] == [kernels.SHARE_CHUNKS] * 2
+        assert pack_linears(model, kernels.SHARE_CHUNKS) == 2
+        assert [len(m.packed) for m in model] == [kernels.SHARE_CHUNKS] * 2
         calls = kernels.calls
         alone = model(x)
         assert kernels.calls == calls + 2  # one kernel call per linear (op counts add these)
@@ -152,6 +154,28 @@ def test_a_linear_never_waits_for_a_stuck_helper_nor_takes_its_late_result(kerne
     assert kernels.helper_stats()[2] > stolen, "the helper never claimed a chunk in 30 s"
     time.sleep(2.5)
     assert torch.count_nonzero(out) == 0
+
+
+@pack_needed
+@pytest.mark.parametrize("case", [[(64, 48)], [(30, 200), (120, 60)]])
+def test_greedy_through_shared_linears_matches_transformers(checkpoint, reference, model, vision, case):
+    """An engine whose decode steps run on one thread (as a served CPU replica's) packs its weights in chunks and
+    shares them with the helper; its greedy tokens are transformers'. One with a team packs them whole."""
+    from tests.llm.reference import collect, make_engine, reference_generate, request_for
+
+    inp, ref = request_for(checkpoint, reference, vision, case, seed=5, prefix=[11, 12, 13], max_tokens=20)
+    engine = make_engine(model, reference, cpu_threads=1)
+    chunks = lambda: {len(m.packed) for m in model.modules() if isinstance(m, Linear)}  # noqa: E731
+    assert cpu_kernels.helper_on() and cpu_kernels.SHARE_CHUNKS in chunks()
+    offered = cpu_kernels.helper_stats()[0]
+    try:
+        ours, _ = asyncio.run(collect(engine, inp))
+    finally:
+        engine.close()
+    assert cpu_kernels.helper_stats()[0] > offered
+    assert ours == reference_generate(reference, ref, max_new_tokens=20)
+    make_engine(model, reference, cpu_threads=2).close()
+    assert chunks() == {1}
 
 
 _EXITS = """
