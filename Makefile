@@ -42,12 +42,16 @@ INGRESS_ENV_haproxy := RAY_SERVE_ENABLE_HA_PROXY=1 $(NO_DRAIN)
 INGRESS_ENV = $(if $(filter $(INGRESS),proxy direct haproxy),$(INGRESS_ENV_$(INGRESS)),\
   $(error INGRESS=$(INGRESS): proxy, direct or haproxy))
 
+# Ray starts its workers (every replica) at nice 15, below the GCS, the raylet and whatever else the machine runs; on a
+# node that is there to serve, the engine then yields its core to all of them (docs/operations.md, BENCHMARKS.md).
+WORKER_ENV := RAY_worker_niceness=0
+
 serve: $(STAMP)
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(INGRESS_ENV) $(VENV)/bin/serve run serve_config.yaml
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(WORKER_ENV) $(INGRESS_ENV) $(VENV)/bin/serve run serve_config.yaml
 
 # What `make serve` puts in Ray's environment (bench/peer_servers.py starts ours with it).
 serve-env:
-	@echo $(INGRESS_ENV)
+	@echo $(WORKER_ENV) $(INGRESS_ENV)
 
 # The playground's browser test drives Debian's Chromium; installed here when missing (as root, with apt). Without
 # it the test skips, or fails under .ci/run (VLM_REQUIRE_ALL_TESTS=1).
