@@ -1,18 +1,18 @@
 """The engine on one GPU (`python -m bench.gpu_decode`, needs CUDA): a correctness check, then decode speed of a
 Qwen2-VL-2B-shaped random checkpoint in bfloat16 against the memory-bandwidth limit, then kernel launches per step.
 
-1. Tiny checkpoint: greedy tokens of our engine on cuda float32 (eager; the static decode step run eagerly; and
-   replayed as CUDA graphs) equal those on cpu float32 (mixed prompt lengths, so decode groups and prefill chunks
-   both run), and cuda bfloat16 with graphs generates.
+1. Tiny checkpoint: greedy tokens of our engine on cuda float32 (eager; the static decode step run eagerly;
+   replayed as CUDA graphs; and each step launched before the last one's tokens reach the host, "ahead"; and that
+   compiled) equal those on cpu float32 (mixed prompt lengths, so decode groups and prefill chunks both run), and
+   cuda bfloat16 generates.
 2. A random checkpoint of Qwen2-VL-2B's language-model shape (hidden 1536, 28 layers, 12 heads on 2 KV heads,
    FFN 8960; our 1k-token vocabulary, so no 150k-row embedding or lm_head), bfloat16 on cuda. B concurrent
    text requests (128 prompt tokens, `--output-len` tokens with ignore_eos) through the Engine, eager (the step
-   before issue 19) and with CUDA graphs. Decode reads every weight and the batch's KV once per step, so the limit
-   is steps/s = HBM bandwidth / (weight bytes + mean KV bytes of a step); the bandwidth is measured here (a
-   device-to-device copy, bytes read + written). Prints a markdown table.
+   before issue 19), with CUDA graphs, with graphs launched ahead, and compiled. Decode reads every weight and the
+   batch's KV once per step, so the limit is steps/s = HBM bandwidth / (weight bytes + mean KV bytes of a step); the
+   bandwidth is measured here (a device-to-device copy, bytes read + written). Prints a markdown table.
 3. The torch profiler over the same engine: kernel launches (cudaLaunchKernel and kin, cudaGraphLaunch), kernels
-   run and their GPU time per decode step, eager and with graphs (a run of 1 + K tokens minus a run of 1 token,
-   over K).
+   run and their GPU time per decode step, for each mode (a run of 1 + K tokens minus a run of 1 token, over K).
 
 `--device cpu --shape tiny` runs the same code on CPU (a check of the script; graphs are cuda only).
 """
@@ -40,15 +40,17 @@ SHAPES = {
     "tiny": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
                  vision_embed_dim=32, vision_depth=1, vision_heads=2, init_std=0.02),
 }  # fmt: skip
-# mode: (static_decode, cuda_graphs, compile_decode)
-MODES = {"eager": (False, False, False), "static": (True, False, False), "graphs": (True, True, False),
-         "compiled": (True, True, True)}  # fmt: skip
+# mode: (static_decode, cuda_graphs, compile_decode, async_decode); "ahead": each decode step launched before the
+# last one's tokens reach the host (the default on cuda), "graphs" without that
+MODES = {"eager": (False, False, False, False), "static": (True, False, False, False),
+         "graphs": (True, True, False, False), "ahead": (True, True, False, True),
+         "compiled": (True, True, True, True)}  # fmt: skip
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 PROMPT = 128
 
 
 def _engine(model: Qwen2LM, blocks: int, max_seqs: int, mode: str) -> Engine:
-    static, graphs, compiled = MODES[mode]
+    static, graphs, compiled, ahead = MODES[mode]
     config = EngineConfig(
         max_model_len=2048,
         num_blocks=blocks,
@@ -60,6 +62,7 @@ def _engine(model: Qwen2LM, blocks: int, max_seqs: int, mode: str) -> Engine:
         static_decode=static,
         cuda_graphs=graphs,
         compile_decode=compiled,
+        async_decode=ahead,
     )
     return Engine(model, config, image_token_id=-1, merge_size=2, eos_token_ids=set())
 
@@ -88,7 +91,7 @@ def check(tmp: Path, device: str, modes: tuple[str, ...] = tuple(MODES)) -> None
     ckpt = build_checkpoint(tmp / "tiny", init_std=0.5)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 900, (n,), generator=g).tolist() for n in (5, 40, 130, 300, 17, 77)]
-    runs = [(device, torch.float32, m) for m in (modes if device == "cuda" else ("static",))]
+    runs = [(device, torch.float32, m) for m in (modes if device == "cuda" else ("static", "ahead"))]
     outs = {}
     for dev, dtype, mode in [("cpu", torch.float32, "eager"), *runs, (device, torch.bfloat16, runs[-1][2])]:
         model = Qwen2LM.from_pretrained(ckpt, device=dev, dtype=dtype)
@@ -193,14 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-batch", type=int, default=8)
     p.add_argument("--parts", default="check,decode,launches")
     p.add_argument("--check-modes", default=",".join(MODES), help="of the check (cuda)")
-    p.add_argument("--modes", help="of the decode table; default eager,graphs,compiled (cpu: eager,static)")
+    p.add_argument("--modes", help="of the decode table; default eager,graphs,ahead,compiled (cpu: eager,static,ahead)")
     args = p.parse_args(argv)
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("llm.engine.decode_step").setLevel(logging.INFO)  # compile and capture times
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA device (or --device cpu --shape tiny)")
         return 2
-    modes = (args.modes or ("eager,graphs,compiled" if args.device == "cuda" else "eager,static")).split(",")
+    default = "eager,graphs,ahead,compiled" if args.device == "cuda" else "eager,static,ahead"
+    modes = (args.modes or default).split(",")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     failed, engines = 0, {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -55,10 +55,14 @@ class StaticDecode:
             torch.full((rows, width), self.null_block, dtype=torch.int32, device=device),
             torch.ones(rows, dtype=torch.int32, device=device),
         )
-        # One host-side staging row per buffer (pinned on cuda), filled by the step's Python and copied over once.
+        # Host-side staging per buffer (pinned on cuda), filled by the step's Python and copied over once; two sets,
+        # used in turn: a step launched ahead (engine.py) fills one while the last step's copies may still be queued.
         pin = device.type == "cuda"
-        self._host = {name: torch.empty_like(buf, device="cpu", pin_memory=pin) for name, buf in self._buffers()}
-        self._np = {name: t.numpy() for name, t in self._host.items()}  # the same memory, for prepare's numpy
+        self._hosts = [
+            {name: torch.empty_like(buf, device="cpu", pin_memory=pin) for name, buf in self._buffers()} for _ in "ab"
+        ]
+        self._np = [{name: t.numpy() for name, t in host.items()} for host in self._hosts]  # the same memory
+        self._turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.step = self.compile(max_num_seqs) if compiled else self.forward
         if cuda_graphs:
@@ -83,14 +87,19 @@ class StaticDecode:
         )  # (rows, D)
         return self.model.logits(hidden)  # (rows, V)
 
-    def prepare(self, tokens: list[int], positions: list[int], block_ids: list[list[int]], lengths: list[int]) -> int:
+    def prepare(
+        self, tokens: list[int] | torch.Tensor, positions: list[int], block_ids: list[list[int]], lengths: list[int]
+    ) -> int:
         """Fill the buffers for n sequences (token, its position, its blocks, keys after it); returns the bucket.
-        NOTE: numpy over the host rows, one assignment per buffer (a block table row each): a torch.tensor per row
-        cost ~23 us a sequence, most of the host's time between two graph replays at batch 64."""
-        n, rows, bs = len(tokens), bucket_for(len(tokens)), self.block_size
-        h = self._np
+        `tokens` on the device, (n,) long, is copied from there (a step launched before the last one's tokens
+        reached the host). NOTE: numpy over the host rows, one assignment per buffer (a block table row each): a
+        torch.tensor per row cost ~23 us a sequence, most of the host's time between two graph replays at batch 64."""
+        n, rows, bs = len(positions), bucket_for(len(positions)), self.block_size
+        host, h, self._turn = self._hosts[self._turn], self._np[self._turn], 1 - self._turn
         h["input_ids"][:rows], h["positions"][:rows], h["lens"][:rows] = 0, 0, 1
-        h["input_ids"][:n], h["positions"][:n], h["lens"][:n] = tokens, positions, lengths
+        h["positions"][:n], h["lens"][:n] = positions, lengths
+        if not isinstance(tokens, torch.Tensor):
+            h["input_ids"][:n] = tokens
         tables = h["tables"]
         tables[:rows] = self.null_block
         for i, blocks in enumerate(block_ids):
@@ -99,7 +108,9 @@ class StaticDecode:
         h["slots"][:rows] = self.null_block * bs
         h["slots"][:n] = tables[np.arange(n), last // bs] * bs + last % bs
         for name, buf in self._buffers():
-            buf[:rows].copy_(self._host[name][:rows], non_blocking=True)
+            buf[:rows].copy_(host[name][:rows], non_blocking=True)
+        if isinstance(tokens, torch.Tensor):
+            self.input_ids[:n].copy_(tokens)  # after the staging's copy, on the same stream
         return rows
 
     def run(self, n: int, rows: int) -> torch.Tensor:

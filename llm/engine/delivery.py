@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import time
+from collections.abc import AsyncIterator, Callable
 
 from llm.engine.sequence import Sequence
-from schemas import TokenChunk
+from schemas import GenerateRequest, TokenChunk
 
 Sink = Callable[[TokenChunk | BaseException], None]
 Item = tuple[Sequence, Sink, TokenChunk | BaseException]
@@ -50,4 +51,40 @@ class Delivery:
                 sink(item)
 
 
-__all__ = ["Delivery", "Sink"]
+async def coalesced(
+    submit: Callable[[GenerateRequest, Sink], Sequence],
+    cancel: Callable[[Sequence], None],
+    inp: GenerateRequest,
+    interval_s: float,
+) -> AsyncIterator[TokenChunk]:
+    """`Engine.generate`: one sequence's chunks as a stream, at most one per `interval_s` (first and last at once);
+    a consumer that goes away cancels the sequence."""
+    out: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
+    seq = submit(inp, out.put_nowait)
+    last_yield = 0.0
+    try:
+        while True:
+            items = [await out.get()]
+            wait = last_yield + interval_s - time.monotonic()
+            if wait > 0 and not isinstance(items[0], BaseException) and items[0].finish_reason is None:
+                await asyncio.sleep(wait)  # coalesce: at most one message per interval per stream
+            while not out.empty():
+                items.append(out.get_nowait())
+            chunk, error = TokenChunk(), None
+            for item in items:
+                if isinstance(item, BaseException):
+                    error = item  # the worker sends nothing after an error
+                    break
+                chunk.merge(item)
+            if chunk.token_ids:  # tokens made before a fault still reach the client
+                last_yield = time.monotonic()
+                yield chunk
+            if error is not None:
+                raise error
+            if chunk.finish_reason is not None:
+                return
+    finally:
+        cancel(seq)  # a consumer that went away frees the sequence at the next step
+
+
+__all__ = ["Delivery", "Sink", "coalesced"]

@@ -29,9 +29,9 @@ import torch
 from llm.engine.arrivals import Arrival, on_arrival, split_pending, take_arrival
 from llm.engine.block_pool import BlockPool
 from llm.engine.config import EngineConfig
-from llm.engine.delivery import Delivery, Sink
+from llm.engine.delivery import Delivery, Sink, coalesced
 from llm.engine.grammar import Grammars
-from llm.engine.model_runner import ModelRunner, Sampled
+from llm.engine.model_runner import Launched, ModelRunner, Sampled
 from llm.engine.scheduler import Chunk, Scheduler
 from llm.engine.sequence import Sequence, make_sequence
 from llm.engine.threads import StepThreads
@@ -84,7 +84,14 @@ class Engine:
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         # written by the worker only
-        self.counts = dict(finished=0, failed=0, steps=0, cpu_threads=config.cpu_threads or 0, cpu_thread_changes=0)
+        self.counts = dict(
+            finished=0, failed=0, steps=0, ahead_steps=0, cpu_threads=config.cpu_threads or 0, cpu_thread_changes=0
+        )
+        # A decode step whose next one is launched before its tokens reach the host (vLLM's asynchronous scheduling,
+        # for decode-only steps of plain rows): the host's work between two steps overlaps the device's.
+        auto = self.runner.device.type == "cuda"
+        self.ahead = self.runner.static is not None and (auto if config.async_decode is None else config.async_decode)
+        self._in_flight: tuple[list[Chunk], Launched] | None = None
         # Seconds from arrival to first scheduled, and between two tokens of a sequence; the worker appends,
         # `drain_timings` takes them (deque appends and pops are thread-safe; bounded if nobody drains).
         self.queue_times: deque[float] = deque(maxlen=65536)
@@ -151,34 +158,9 @@ class Engine:
         seq.cancelled.set()
         self._inbox.put(None)  # wake the worker if it sleeps
 
-    async def generate(self, inp: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    def generate(self, inp: GenerateRequest) -> AsyncIterator[TokenChunk]:
         """One sequence's chunks, coalesced to at most one per `stream_interval_s` (first and last at once)."""
-        out: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
-        seq = self.submit(inp, out.put_nowait)
-        last_yield = 0.0
-        try:
-            while True:
-                items = [await out.get()]
-                wait = last_yield + self.config.stream_interval_s - time.monotonic()
-                if wait > 0 and not isinstance(items[0], BaseException) and items[0].finish_reason is None:
-                    await asyncio.sleep(wait)  # coalesce: at most one message per interval per stream
-                while not out.empty():
-                    items.append(out.get_nowait())
-                chunk, error = TokenChunk(), None
-                for item in items:
-                    if isinstance(item, BaseException):
-                        error = item  # the worker sends nothing after an error
-                        break
-                    chunk.merge(item)
-                if chunk.token_ids:  # tokens made before a fault still reach the client
-                    last_yield = time.monotonic()
-                    yield chunk
-                if error is not None:
-                    raise error
-                if chunk.finish_reason is not None:
-                    return
-        finally:
-            self.cancel(seq)  # a consumer that went away frees the sequence at the next step
+        return coalesced(self.submit, self.cancel, inp, self.config.stream_interval_s)
 
     def _loop(self) -> None:
         threads = StepThreads.start(self.config, self.counts)  # None: the worker's threads stay as they are
@@ -187,11 +169,14 @@ class Engine:
         trace = StepTrace.from_env()
         while not self._closing:
             self._take_inbox(block=stalled or not (self.scheduler.running or self.scheduler.waiting))
-            awaits = threads is not None and self.scheduler.awaits_images
-            chunks = self.scheduler.schedule(threads.budget(awaits) if threads is not None else None)
-            stalled = not chunks
-            if threads is not None and chunks:
-                threads.before_step(sum(c.n for c in chunks), awaits)
+            if self._in_flight is not None:  # its tokens come in next (after the step ahead of it is launched)
+                chunks = self._in_flight[0]
+            else:
+                awaits = threads is not None and self.scheduler.awaits_images
+                chunks = self.scheduler.schedule(threads.budget(awaits) if threads is not None else None)
+                stalled = not chunks
+                if threads is not None and chunks:
+                    threads.before_step(sum(c.n for c in chunks), awaits)
             self._queued = self.scheduler.num_waiting  # the admitted are no longer queued, even during a long step
             try:
                 if not chunks:
@@ -208,6 +193,7 @@ class Engine:
                 return self._die(e)
             except Exception as e:  # a fault in a step fails the sequences in it; the engine keeps serving
                 logger.exception("engine step failed for %d sequences", len(chunks))
+                self._in_flight = None  # a step launched ahead holds some of the same sequences
                 self.delivery.drop()  # the failed step's tokens: the error goes out instead (after earlier ones)
                 for c in chunks:
                     self.delivery.emit(c.seq, e)
@@ -259,17 +245,33 @@ class Engine:
             self.delivery.flush()
 
     def _step(self, chunks: list[Chunk]) -> None:
+        if (flight := self._in_flight) is not None:  # launch the step after it if it is known, then take its tokens
+            self._in_flight = None
+            if (ahead := self.scheduler.schedule_ahead(flight[0])) is not None:
+                self._in_flight = (ahead[0], self.runner.launch(ahead[0], flight[1], ahead[1]))
+                self.counts["steps"] += 1
+                self.counts["ahead_steps"] += 1
+            live = {id(s) for s in self.scheduler.running}  # a sequence that ended a step before wastes its row
+            return self._advance([c for c in flight[0] if id(c.seq) in live], self.runner.collect(flight[1]))
         chunks = sorted(chunks, key=lambda c: (c.n != 1, c.start))  # one-token chunks first, shortest context first
-        sampled = self.runner.run(chunks)
         self.counts["steps"] += 1
+        if self.ahead and self.runner.can_launch(chunks):
+            self._in_flight = (chunks, self.runner.launch(chunks))
+            return None
+        return self._advance(chunks, self.runner.run(chunks))
+
+    def _advance(self, chunks: list[Chunk], sampled: list[Sampled]) -> None:
+        """A step's chunks are computed and their tokens sampled (`sampled` may hold rows of ended sequences)."""
         now = time.monotonic()
         for c in chunks:
             self.scheduler.advance(c)
             if c.seq.scheduled_at is None:
                 c.seq.scheduled_at = now
                 self.queue_times.append(now - c.seq.arrived_at)
+        live = {id(c.seq) for c in chunks}
         for s in sampled:
-            self._append(s, now)
+            if id(s.seq) in live:
+                self._append(s, now)
 
     def _append(self, s: Sampled, now: float) -> None:
         """A sampled token: the scheduler applies the stop rules; its chunk goes to the sequence's sink."""

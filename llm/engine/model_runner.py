@@ -15,7 +15,7 @@ from torch import nn
 from llm.engine.decode_step import StaticDecode
 from llm.engine.grammar import fill_bitmask
 from llm.engine.logits import RowState
-from llm.engine.sampling import prompt_logprobs, sample
+from llm.engine.sampling import on_device, prompt_logprobs, sample, sample_tokens
 from llm.engine.scheduler import Chunk
 from llm.engine.sequence import Sequence
 from llm.model import cpu_kernels
@@ -34,6 +34,29 @@ class Sampled:
     seq: Sequence
     token: int
     logprob: TokenLogprob | None
+
+
+@dataclass(slots=True)
+class Launched:
+    """A decode step queued on the device (`ModelRunner.launch`): its rows' sequences and sampled tokens, (B,) long on
+    the device, their copy on the host once `event` (cuda) has passed."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: torch.cuda.Event | None
+
+
+def _plain(params, state: RowState | None, matcher) -> bool:
+    """The row's sampling needs nothing of the host's token history, so it can run before its last token is known."""
+    return (
+        matcher is None
+        and not params.logprobs
+        and state is not None
+        and state.counts is None
+        and state.seen is None
+        and state.num_generated >= params.min_tokens
+    )
 
 
 class ModelRunner:
@@ -191,14 +214,54 @@ class ModelRunner:
     def _decode(self, chunks: list[Chunk]) -> list[Sampled]:
         """A decode-only step through the static buffers (every chunk is one generated token)."""
         seqs = [c.seq for c in chunks]
-        rows = self.static.prepare(
-            [s.token_ids[c.start] for s, c in zip(seqs, chunks)],
-            [c.start + s.rope_delta for s, c in zip(seqs, chunks)],
-            [s.block_ids for s in seqs],
-            [c.start + 1 for c in chunks],
-        )
+        rows = self._prepare(chunks, [s.token_ids[c.start] for s, c in zip(seqs, chunks)])
         mask = self._grammar_mask(seqs)
         return self._sample_logits(self.static.run(len(chunks), rows), seqs, mask)
+
+    def _prepare(self, chunks: list[Chunk], tokens: list[int] | torch.Tensor) -> int:
+        return self.static.prepare(
+            tokens, [c.start + c.seq.rope_delta for c in chunks], [c.seq.block_ids for c in chunks],
+            [c.start + 1 for c in chunks],
+        )  # fmt: skip
+
+    def can_launch(self, chunks: list[Chunk]) -> bool:
+        """A decode-only step whose rows sample from the logits alone (no grammar, penalty, pending min_tokens or
+        logprobs: those read the host's token history), so that `launch` queues it without waiting for the device."""
+        return self.static is not None and all(
+            c.n == 1 and c.start >= c.seq.prompt_len and _plain(c.seq.params, c.seq.logits_state, c.seq.matcher)
+            for c in chunks
+        )
+
+    def launch(self, chunks: list[Chunk], after: Launched | None = None, rows: list[int] | None = None) -> Launched:
+        """Queue a `can_launch` step and its sampling on the device, no host sync; `collect` takes its tokens.
+        `after`: the step before, not collected yet; row i of this one feeds on the token of its row `rows[i]`."""
+        seqs = [c.seq for c in chunks]
+        if after is None:
+            tokens = [s.token_ids[c.start] for s, c in zip(seqs, chunks)]
+        else:
+            assert rows is not None and len(rows) == len(chunks), (rows, len(chunks))
+            device = after.tokens.device
+            same = rows == list(range(len(rows)))
+            tokens = after.tokens[: len(rows)] if same else after.tokens[on_device(rows, torch.long, device)]
+        logits = self.static.run(len(chunks), self._prepare(chunks, tokens))
+        states = [s.logits_state for s in seqs]
+        out = sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs], states)
+        if not out.is_cuda:
+            return Launched(seqs, out, out, None)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return Launched(seqs, out, host, event)
+
+    def collect(self, step: Launched) -> list[Sampled]:
+        """A launched step's tokens (waits for it), added to each row's history."""
+        if step.event is not None:
+            step.event.synchronize()
+        tokens = step.host.tolist()
+        for s, token in zip(step.seqs, tokens, strict=True):
+            s.logits_state.add(token)
+        return [Sampled(s, t, None) for s, t in zip(step.seqs, tokens, strict=True)]
 
     def _grammar_mask(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
         """The grammar rows' bitmask, filled on the host before the forward is launched (it overlaps the device)."""
@@ -219,4 +282,4 @@ class ModelRunner:
         return [Sampled(s, t, lp) for s, t, lp in zip(seqs, tokens, logprobs, strict=True)]
 
 
-__all__ = ["ModelRunner", "Sampled"]
+__all__ = ["Launched", "ModelRunner", "Sampled"]

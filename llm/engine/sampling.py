@@ -34,6 +34,54 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return torch.zeros_like(sorted_p).scatter_(-1, order, sorted_p)
 
 
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without a host sync (pinned, non-blocking on cuda): `torch.tensor(values,
+    device="cuda")` waits for the device's queue, which would stall a step launched ahead (engine.py)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    states: list[RowState],
+    grammar_mask: tuple[torch.Tensor, list[int]] | None = None,
+) -> torch.Tensor:
+    """logits (B, V) float32 -> one token id per row, (B,) long on the logits' device, without a host sync where no
+    row has a grammar or a penalty (their history is on the host). In place on `logits`. See `sample`."""
+    B, V = logits.shape
+    device = logits.device
+    grammar_rows = set(grammar_mask[1]) if grammar_mask is not None else set()
+    apply_before_temperature(logits, params, states, [i not in grammar_rows for i in range(B)])
+    if grammar_mask is not None:  # after the penalties; the logprobs above stay the raw distribution's
+        apply_bitmask(logits, *grammar_mask)
+    rand = [i for i, p in enumerate(params) if p.temperature > 0.0]
+    if not rand:
+        return logits.argmax(-1)
+    tokens = torch.empty(B, dtype=torch.long, device=device)
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    if greedy:
+        index = on_device(greedy, torch.long, device)
+        tokens[index] = logits[index].argmax(-1)
+    temps = on_device([params[i].temperature for i in rand], torch.float32, device)
+    index = on_device(rand, torch.long, device)
+    x = logits[index] / temps[:, None]  # (R, V)
+    if any(params[i].min_p > 0.0 for i in rand):  # after the temperature, before top-k/top-p (vLLM's order)
+        x = apply_min_p(x, on_device([params[i].min_p for i in rand], torch.float32, device))
+    if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rand):
+        top_k = on_device([params[i].top_k or V for i in rand], torch.long, device)
+        top_p = on_device([params[i].top_p for i in rand], torch.float32, device)
+        probs = _filter_top_k_top_p(x, top_k, top_p)
+    else:
+        probs = torch.softmax(x, dim=-1)
+    # Gumbel-max in its exponential form, argmax(p / E) with E ~ Exp(1), as nano-vllm samples; each row
+    # draws from its own generator so a request's tokens do not depend on its neighbours.
+    noise = torch.stack([torch.empty(V, device=device).exponential_(1.0, generator=generators[i]) for i in rand])
+    tokens[index] = (probs / noise).argmax(-1)
+    return tokens
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -44,35 +92,9 @@ def sample(
     """logits (B, V) float32 -> one token id per row (one host sync for the batch), and logprobs where asked.
     `states`: each row's token history (logits.RowState; the caller adds the sampled tokens to it).
     `grammar_mask`: (bitmask, rows) from grammar.fill_bitmask; those rows sample only the tokens it allows."""
-    B, V = logits.shape
-    device = logits.device
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs for p in params) else None
-    grammar_rows = set(grammar_mask[1]) if grammar_mask is not None else set()
-    apply_before_temperature(logits, params, states, [i not in grammar_rows for i in range(B)])
-    if grammar_mask is not None:  # after the penalties; the logprobs above stay the raw distribution's
-        apply_bitmask(logits, *grammar_mask)
-    tokens = torch.empty(B, dtype=torch.long, device=device)
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
-    if greedy:
-        tokens[greedy] = logits[greedy].argmax(-1)
-    rand = [i for i, p in enumerate(params) if p.temperature > 0.0]
-    if rand:
-        temps = torch.tensor([params[i].temperature for i in rand], device=device)
-        x = logits[rand] / temps[:, None]  # (R, V)
-        if any(params[i].min_p > 0.0 for i in rand):  # after the temperature, before top-k/top-p (vLLM's order)
-            x = apply_min_p(x, torch.tensor([params[i].min_p for i in rand], device=device))
-        if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rand):
-            top_k = torch.tensor([params[i].top_k or V for i in rand], device=device)
-            top_p = torch.tensor([params[i].top_p for i in rand], device=device)
-            probs = _filter_top_k_top_p(x, top_k, top_p)
-        else:
-            probs = torch.softmax(x, dim=-1)
-        # Gumbel-max in its exponential form, argmax(p / E) with E ~ Exp(1), as nano-vllm samples; each row
-        # draws from its own generator so a request's tokens do not depend on its neighbours.
-        noise = torch.stack([torch.empty(V, device=device).exponential_(1.0, generator=generators[i]) for i in rand])
-        tokens[rand] = (probs / noise).argmax(-1)
-    token_ids = tokens.tolist()
-    logprobs: list[TokenLogprob | None] = [None] * B
+    token_ids = sample_tokens(logits, params, generators, states, grammar_mask).tolist()
+    logprobs: list[TokenLogprob | None] = [None] * len(params)
     if raw_logprobs is not None:
         for i, p in enumerate(params):
             if p.logprobs:
@@ -94,4 +116,4 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[To
     return [TokenLogprob(c, p) for c, p in zip(chosen, pairs, strict=True)]
 
 
-__all__ = ["make_generator", "prompt_logprobs", "sample"]
+__all__ = ["make_generator", "on_device", "prompt_logprobs", "sample", "sample_tokens"]

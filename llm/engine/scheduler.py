@@ -69,6 +69,22 @@ class Scheduler:
                 budget -= chunk.n
         return out
 
+    def schedule_ahead(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int]] | None:
+        """The decode step after `chunks`, a decode-only step whose tokens are not known yet, when it is the step
+        `schedule` would pick: every running sequence is in it, none waits or was cancelled, and the blocks of their
+        next tokens are free without preempting. A sequence whose max_tokens that step reaches is left out. Returns
+        the chunks and each one's row in `chunks`; None: `schedule` once the tokens are in."""
+        if self.waiting or len(self.running) != len(chunks) or any(c.seq.cancelled.is_set() for c in chunks):
+            return None
+        rows = [i for i, c in enumerate(chunks) if c.seq.num_generated + 1 < c.seq.params.max_tokens]
+        ends = [chunks[i].start + 2 for i in rows]  # tokens the sequence holds after the step ahead
+        need = sum(max(0, self._blocks_for(n) - len(chunks[i].seq.block_ids)) for i, n in zip(rows, ends))
+        if not rows or need > self.pool.num_free:
+            return None
+        for i, n in zip(rows, ends):
+            self._reserve(chunks[i].seq, n)
+        return [Chunk(chunks[i].seq, chunks[i].start + 1, 1) for i in rows], rows
+
     def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
         bs = self.pool.block_size
         # At least one token left to compute; none cached for a prefill that must compute the prompt's logprobs
