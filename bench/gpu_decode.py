@@ -160,7 +160,7 @@ def decode(model: Qwen2LM, device: str, batches: list[int], output_len: int, mod
     return engines
 
 
-def launches(engines: dict, device: str, b: int, k: int = 16) -> None:
+def launches(engines: dict, device: str, b: int, k: int = 16, top: int = 10) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -170,9 +170,9 @@ def launches(engines: dict, device: str, b: int, k: int = 16) -> None:
         "| step | launches | kernels run | GPU busy ms | wall ms |\n| --- | --- | --- | --- | --- |",
         flush=True,
     )
-    g = torch.Generator().manual_seed(2)
+    g, tops = torch.Generator().manual_seed(2), {}
     for mode, engine in engines.items():  # fresh prompts each run: no prefix-cache hits
-        seen = []
+        seen, names = [], []
         for tokens in (1, 1 + k):
             with profile(activities=activities) as prof:
                 t = time.perf_counter()
@@ -183,8 +183,21 @@ def launches(engines: dict, device: str, b: int, k: int = 16) -> None:
             kernels = [e for e in events if e.device_type == DeviceType.CUDA]
             busy = sum(e.time_range.elapsed_us() for e in kernels) / 1000
             seen.append((sum(e.name in LAUNCHES for e in events), len(kernels), busy, 1000 * wall))
+            by_name: dict[str, list[float]] = {}
+            for e in kernels:
+                entry = by_name.setdefault(e.name, [0, 0.0])
+                entry[0], entry[1] = entry[0] + 1, entry[1] + e.time_range.elapsed_us()
+            names.append(by_name)
         per = [(after - before) / k for before, after in zip(*seen, strict=True)]
         print(f"| {mode} | {per[0]:.0f} | {per[1]:.0f} | {per[2]:.2f} | {per[3]:.2f} |", flush=True)
+        step = {n: [(c - names[0].get(n, [0, 0.0])[0]) / k, (us - names[0].get(n, [0, 0.0])[1]) / k]
+                for n, (c, us) in names[1].items()}  # fmt: skip
+        tops[mode] = sorted(step.items(), key=lambda kv: -kv[1][1])[:top]
+    for mode, rows in tops.items():
+        print(f"\n{mode}: the {top} kernels of most GPU time per step\n\n| kernel | per step | us per step |\n"
+              "| --- | --- | --- |", flush=True)  # fmt: skip
+        for name, (count, us) in rows:
+            print(f"| `{name[:90]}` | {count:.1f} | {us:.0f} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

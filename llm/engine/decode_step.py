@@ -122,18 +122,25 @@ class StaticDecode:
         return self.step(rows)[:n]
 
     def compile(self, max_num_seqs: int):
-        """`forward` through torch.compile (Inductor: Triton kernels on cuda, C++ on cpu), one graph for every bucket
-        (the rows are symbolic), compiled now on padding rows. A step that cannot be compiled runs eagerly, said in
-        the log. Fuses the elementwise ops between the GEMMs: RMSNorm, RoPE, SiLU-mul, residual adds."""
-        t0, step = time.monotonic(), torch.compile(self.forward, dynamic=True)
+        """`forward` through torch.compile (Inductor: Triton kernels on cuda, C++ on cpu), compiled now on padding
+        rows. A step that cannot be compiled runs eagerly, said in the log. Fuses the elementwise ops between the
+        GEMMs: RMSNorm, RoPE, SiLU-mul, residual adds. On cpu one graph for every bucket (the rows are symbolic); on
+        cuda one per bucket: the attention kernel's grid (its splits) follows the rows, which a symbolic graph would
+        guard on bucket by bucket until Dynamo's recompile limit (8) sent the rest back to eager."""
+        cuda = self.input_ids.device.type == "cuda"
+        buckets = buckets_up_to(max_num_seqs) if cuda else sorted({bucket_for(1), bucket_for(max_num_seqs)})
+        if cuda:
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, len(buckets) + 1)
+        t0, step = time.monotonic(), torch.compile(self.forward, dynamic=not cuda)
         try:
             with torch.inference_mode():  # as the engine's steps run: the graph Dynamo guards on
-                for rows in sorted({bucket_for(1), bucket_for(max_num_seqs)}):
+                for rows in buckets:
                     step(rows)
         except Exception as e:  # noqa: BLE001 (Dynamo and Inductor raise many kinds; eager still works)
             logger.warning("the decode step could not be compiled, it runs eagerly: %s", e)
             return self.forward
-        logger.info("decode step compiled in %.1f s", time.monotonic() - t0)
+        logger.info("decode step compiled for %d batch buckets in %.1f s", len(buckets), time.monotonic() - t0)
         return step
 
     def capture(self, buckets: list[int]) -> None:
