@@ -100,8 +100,9 @@ class LLM:
             gpu_memory_utilization=llm_args.gpu_memory_utilization,
             cpu_kv_cache_gib=llm_args.cpu_kv_cache_gib,
         )
+        # named the same in llm.* and in EngineConfig
         same = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "cuda_graphs")
-        same += ("compile_decode", "cpu_packed_weights", "cpu_helper_thread", "cpu_threads_max_rows")  # both
+        same += ("compile_decode", "async_decode", "cpu_packed_weights", "cpu_helper_thread", "cpu_threads_max_rows")
         engine_config = EngineConfig(
             max_model_len=max_model_len,
             num_blocks=num_blocks,

@@ -98,6 +98,13 @@ class LLMArgs(BaseModel):
         "graph is captured: Inductor fuses the elementwise ops between the GEMMs. Compiling takes time at replica "
         "start (logged); a step that cannot be compiled runs eagerly, said in the log.",
     )
+    async_decode: bool | None = Field(
+        None,
+        description="Launch each decode-only step before the last one's tokens reach the host (its input tokens "
+        "taken on the device), so that the host's work between two steps overlaps the device's, as vLLM's "
+        "asynchronous scheduling does; rows with a grammar, penalties, logprobs or a pending min_tokens run "
+        "synchronously. Default: on with the static decode step (cuda, one rank), where it is the host's time alone.",
+    )
     tensor_parallel_size: int = Field(
         1,
         ge=1,

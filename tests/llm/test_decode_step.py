@@ -155,3 +155,22 @@ def test_the_compiled_step_equals_the_eager_step_across_buckets(model):
             cache.kv.nan_to_num_(0.0)  # the step's keys of an earlier round stay: both steps see the same cache
             rows = static.prepare(list(range(5, 5 + n)), starts[:n], blocks[:n], [s + 1 for s in starts[:n]])
             torch.testing.assert_close(static.run(n, rows), static.forward(rows)[:n], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_the_compiled_step_writes_the_cache_in_place(model):
+    """The KV write is an op of its own in the compiled graph (attention.kv_write), written in place: as index_copy_ on
+    a view of the cache it was functionalized into copies of the cache and a whole-cache copy back every step."""
+    from torch._inductor.utils import run_and_get_code
+
+    starts = [3, 10, 40]
+    with torch.inference_mode():
+        cache, blocks = _filled(model, starts, seed=2)
+        static = StaticDecode(model, cache, max_num_seqs=4, max_model_len=MAX_LEN, cuda_graphs=False)
+        rows = static.prepare([5, 6, 7], starts, blocks, [s + 1 for s in starts])
+        before = cache.kv.data_ptr()
+        torch._dynamo.reset()
+        _, code = run_and_get_code(torch.compile(static.forward, dynamic=False), rows)
+    code = "\n".join(code)
+    assert code.count("llm.kv_write.default(") == model.config.num_layers
+    assert "copy__view" not in code and cache.kv.data_ptr() == before
