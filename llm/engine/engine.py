@@ -252,7 +252,8 @@ class Engine:
                 self.counts["steps"] += 1
                 self.counts["ahead_steps"] += 1
             live = {id(s) for s in self.scheduler.running}  # a sequence that ended a step before wastes its row
-            return self._advance([c for c in flight[0] if id(c.seq) in live], self.runner.collect(flight[1]))
+            sampled = [s for s in self.runner.collect(flight[1]) if id(s.seq) in live]
+            return self._advance([c for c in flight[0] if id(c.seq) in live], sampled)
         chunks = sorted(chunks, key=lambda c: (c.n != 1, c.start))  # one-token chunks first, shortest context first
         self.counts["steps"] += 1
         if self.ahead and self.runner.can_launch(chunks):
@@ -261,17 +262,15 @@ class Engine:
         return self._advance(chunks, self.runner.run(chunks))
 
     def _advance(self, chunks: list[Chunk], sampled: list[Sampled]) -> None:
-        """A step's chunks are computed and their tokens sampled (`sampled` may hold rows of ended sequences)."""
+        """A step's chunks are computed and their tokens sampled."""
         now = time.monotonic()
         for c in chunks:
             self.scheduler.advance(c)
             if c.seq.scheduled_at is None:
                 c.seq.scheduled_at = now
                 self.queue_times.append(now - c.seq.arrived_at)
-        live = {id(c.seq) for c in chunks}
         for s in sampled:
-            if id(s.seq) in live:
-                self._append(s, now)
+            self._append(s, now)
 
     def _append(self, s: Sampled, now: float) -> None:
         """A sampled token: the scheduler applies the stop rules; its chunk goes to the sequence's sink."""

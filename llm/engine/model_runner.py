@@ -47,10 +47,11 @@ class Launched:
     event: torch.cuda.Event | None
 
 
-def _plain(params, state: RowState | None, matcher) -> bool:
+def _plain(seq: Sequence) -> bool:
     """The row's sampling needs nothing of the host's token history, so it can run before its last token is known."""
+    params, state = seq.params, seq.logits_state
     return (
-        matcher is None
+        seq.matcher is None
         and not params.logprobs
         and state is not None
         and state.counts is None
@@ -228,8 +229,7 @@ class ModelRunner:
         """A decode-only step whose rows sample from the logits alone (no grammar, penalty, pending min_tokens or
         logprobs: those read the host's token history), so that `launch` queues it without waiting for the device."""
         return self.static is not None and all(
-            c.n == 1 and c.start >= c.seq.prompt_len and _plain(c.seq.params, c.seq.logits_state, c.seq.matcher)
-            for c in chunks
+            c.n == 1 and c.start >= c.seq.prompt_len and _plain(c.seq) for c in chunks
         )
 
     def launch(self, chunks: list[Chunk], after: Launched | None = None, rows: list[int] | None = None) -> Launched:

@@ -119,15 +119,17 @@ def decode_groups(num_blocks: list[int], slack: float = 0.3, min_slack: int = 8)
     return groups[::-1]
 
 
-@torch.library.custom_op("llm::kv_write", mutates_args=("kv_cache",))
-def kv_write(kv_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
-    """kv (T, 2 * nkv, hd) into kv_cache (2 * nkv, num_blocks, block_size, hd) at the flat slots (T,), in place.
-    An op of its own for torch.compile (llm.compile_decode): written as index_copy_ on a view of the cache inside the
-    graph, the write was functionalized into a copy of each layer's cache and a copy of the whole cache back at the end
-    of every step (Inductor's `fused_copy__view` kernels, ~0.5 ms a step on an H200); a custom op that declares the
-    mutation is written in place. Eager steps call the function directly (a custom op's dispatch costs microseconds)."""
+def write_kv(kv_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """kv (T, 2 * nkv, hd) into kv_cache (2 * nkv, num_blocks, block_size, hd) at the flat slots (T,), in place."""
     two_nkv, hd = kv.shape[1], kv.shape[2]
     kv_cache.view(two_nkv, -1, hd).index_copy_(1, slots, kv.transpose(0, 1))
+
+
+# The same write as an op of its own, for torch.compile (llm.compile_decode): written as index_copy_ on a view of the
+# cache inside the graph, it was functionalized into a copy of each layer's cache and a copy of the whole cache back at
+# the end of every step (Inductor's `fused_copy__view` kernels, ~0.5 ms a step on an H200); a custom op that declares
+# the mutation is written in place. Eager steps call `write_kv` itself: the op's dispatch costs ~25 us a call on CPU.
+kv_write = torch.library.custom_op("llm::kv_write", write_kv, mutates_args=("kv_cache",))
 
 
 def paged_attention(
@@ -138,10 +140,8 @@ def paged_attention(
     cache in one write; a step's gathers read keys and values of all heads in one index_select."""
     two_nkv, hd = kv.shape[1], kv.shape[2]
     nkv = two_nkv // 2
-    if torch.compiler.is_compiling():  # in place, not a functional copy of the cache (kv_write's docstring)
-        torch.ops.llm.kv_write(kv_cache, meta.slot_mapping, kv)
-    else:
-        kv_write(kv_cache, meta.slot_mapping, kv)
+    write = kv_write if torch.compiler.is_compiling() else write_kv  # in place either way (see kv_write)
+    write(kv_cache, meta.slot_mapping, kv)
     if isinstance(meta, StaticMeta):  # the blocks read in place (Triton on cuda), a static shape for CUDA graphs
         return paged_decode_attention(q, kv_cache[:nkv], kv_cache[nkv:], meta.block_tables, meta.context_lens, scale)
     # NOTE: blocks as rows of a 3-D view: index_select copies whole rows, several times faster on CPU than
