@@ -11,8 +11,6 @@ import torch
 from PIL import Image
 from torch import nn
 from transformers import AutoConfig
-from transformers.models.clip.modeling_clip import CLIPVisionModel
-from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
 from encoders.cost import VisionCost, linear_flops
 from encoders.family import ImageTokens
@@ -63,6 +61,11 @@ class LlavaVisionEncoder:
 
     def _load(self, config: Any, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> None:
         """Build the tower and the projector from the vision component's weights (LLaVA-NeXT's encoder too)."""
+        # Imported here, in the process that builds a tower: transformers' modeling modules pull in torch._dynamo
+        # and torch.distributed.tensor (~2-3 s a process), which the ingress and the LLM replica never need.
+        from transformers.models.clip.modeling_clip import CLIPVisionModel
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
         self.device, self.dtype = torch.device(device), dtype
         vc = copy.deepcopy(config.vision_config)
         self.feature_layers = _feature_layers(config.vision_feature_layer, vc.num_hidden_layers)

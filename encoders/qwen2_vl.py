@@ -13,10 +13,6 @@ import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoConfig
-from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-    Qwen2VisionTransformerPretrainedModel,
-    Qwen2VLVisionRotaryEmbedding,
-)
 
 from encoders.cost import VisionCost, linear_flops
 from encoders.family import ImageTokens
@@ -158,9 +154,19 @@ def qwen2_vl_cost(config: Any) -> VisionCost:
 class Qwen2VLVisionEncoder:
     """Qwen2-VL's ViT and patch merger, loaded alone from the checkpoint's `visual.*` weights."""
 
-    # transformers' modules of this family's ViT, and the vision config field that is the LM's width.
-    vit_class, rotary_class = Qwen2VisionTransformerPretrainedModel, Qwen2VLVisionRotaryEmbedding
-    out_width = "hidden_size"
+    out_width = "hidden_size"  # the vision config field that is the LM's width
+
+    @staticmethod
+    def tower_classes() -> tuple[type, type]:
+        """transformers' modules of this family's ViT (its model and rotary embedding), imported only in the process
+        that builds one: transformers' modeling pulls in torch._dynamo and torch.distributed.tensor (~2-3 s a
+        process), which the ingress and the LLM replica, importing this module for its preprocessing, never need."""
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+            Qwen2VisionTransformerPretrainedModel,
+            Qwen2VLVisionRotaryEmbedding,
+        )
+
+        return Qwen2VisionTransformerPretrainedModel, Qwen2VLVisionRotaryEmbedding
 
     def __init__(
         self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, config: Any = None
@@ -170,10 +176,11 @@ class Qwen2VLVisionEncoder:
         self.processing = Qwen2VLImageProcessing.from_pretrained(model_dir)
         self.device, self.dtype = torch.device(device), dtype
         weights = load_components(model_dir, {"vision"})["vision"]
+        vit_class, rotary_class = self.tower_classes()
         with torch.device("meta"):  # no random init of weights we are about to replace
-            vit = self.vit_class._from_config(config, attn_implementation="sdpa")
+            vit = vit_class._from_config(config, attn_implementation="sdpa")
         vit.load_state_dict(weights, strict=True, assign=True)
-        vit.rotary_pos_emb = self.rotary_class(config)  # non-persistent buffers: build them for real
+        vit.rotary_pos_emb = rotary_class(config)  # non-persistent buffers: build them for real
         self.vit = vit.to(device=self.device, dtype=dtype).eval()
         self.hidden_size = int(getattr(config, self.out_width))
 
