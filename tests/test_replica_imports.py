@@ -19,7 +19,9 @@ HEAVY = ("transformers.modeling_utils", "torch._dynamo", "torch.distributed.tens
 
 def _imported_after(modules: tuple[str, ...]) -> list[str]:
     code = "import sys, json\n" + "".join(f"import {m}\n" for m in modules) + "print(json.dumps(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=300
+    )
     return json.loads(out.stdout.splitlines()[-1])
 
 
