@@ -85,6 +85,27 @@ def _builder_lock(name: str):
         yield
 
 
+@contextlib.contextmanager
+def _pinned_ninja():
+    """The build runs the ninja requirements.txt pins (the `ninja` package's binary), not whichever `ninja` comes first
+    on PATH. NOTE: ninja 1.13 hashes build commands differently from 1.11 (a distribution's): a process with the
+    venv's bin on PATH (a `ray start` from it) and one without (`.venv/bin/python`, and the replicas it starts) each
+    took the other's build for a changed command and rebuilt all of it (~100 s on 2 cores), at replica start."""
+    try:
+        import ninja
+
+        bin_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):  # not installed: torch looks on PATH
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = bin_dir + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
 def load():
     """The compiled module, or None where it cannot be built (said once in the log)."""
     global _module, _tried
@@ -98,7 +119,7 @@ def load():
                 flags = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
                 text = b"".join(f.read_bytes() for f in _SOURCES + _HEADERS)
                 name = f"vlm_cpu_kernels_{_cpu_key()}_{hashlib.sha256(text).hexdigest()[:8]}"
-                with _builder_lock(name):
+                with _builder_lock(name), _pinned_ninja():
                     _module = build(name, sources=[str(f) for f in _SOURCES], extra_cflags=flags, verbose=False)
                 logger.info("CPU kernels ready in %.1f s", time.monotonic() - t0)
             except Exception as e:  # no compiler, no ninja, no headers: torch's ops still work

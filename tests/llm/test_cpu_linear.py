@@ -3,6 +3,7 @@ the linears on oneDNN-packed weights (float32; bfloat16 where oneDNN has bfloat1
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -65,6 +66,20 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
     (build_dir / "lock").touch()  # what a build killed half-way leaves behind
     with cpu_kernels._builder_lock("probe"):
         assert not (build_dir / "lock").exists()
+
+
+@pytest.mark.slow  # a fresh interpreter loads the built kernels (~10 s)
+def test_the_build_runs_the_pinned_ninja_whatever_comes_first_on_path(kernel, tmp_path):
+    """A `ninja` of another version first on PATH (a distribution's 1.11 beside the pinned 1.13: they hash build
+    commands differently, so each rebuilt the other's build): loading the built kernels never runs it."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ninja").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "ran"}\nexit 1\n')
+    (fake / "ninja").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+    code = "from llm.model import cpu_kernels; assert cpu_kernels.load() is not None"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and not (tmp_path / "ran").exists(), done.stderr[-3000:]
 
 
 class _Ops(TorchDispatchMode):
