@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_linear.cpp")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_share.h")]
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 
 _lock = threading.Lock()
 # Kernel calls so far: the dispatcher does not see these calls, so op counts (tests, `make bench-kernels`) add them.
@@ -56,13 +57,22 @@ _helper = False
 def _cpu_key() -> str:
     """A short hash of this CPU's instruction-set flags: a build with -march=native is cached per kind of CPU, so a
     cache shared between machines (a home directory on NFS, an image) never hands one CPU another's build. The
-    build's name also carries a hash of the source, so checkouts of different versions (a baseline in `make
-    bench-kernels`, a second work tree) keep one build each instead of rebuilding over each other."""
+    build's name also carries a hash of the source and of the paths the build command names (the sources', torch's
+    headers'), so checkouts of different versions (a baseline in `make bench-kernels`, a second work tree) and one
+    venv reached by two paths (a symlink) keep one build each instead of rebuilding over each other."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+def build_name(torch_includes: list[str]) -> str:
+    """The build's name (its directory under TORCH_EXTENSIONS_DIR): this CPU's kind, then a hash of the sources and of
+    everything else the build command names (the sources' paths, torch's headers, the flags)."""
+    paths = [str(f) for f in _SOURCES] + torch_includes + FLAGS
+    text = b"".join(f.read_bytes() for f in _SOURCES + _HEADERS) + "\0".join(paths).encode()
+    return f"vlm_cpu_kernels_{_cpu_key()}_{hashlib.sha256(text).hexdigest()[:8]}"
 
 
 @contextlib.contextmanager
@@ -112,15 +122,14 @@ def load():
     with _lock:
         if not _tried:
             _tried = True
+            from torch.utils.cpp_extension import include_paths
             from torch.utils.cpp_extension import load as build
 
             t0 = time.monotonic()
             try:
-                flags = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
-                text = b"".join(f.read_bytes() for f in _SOURCES + _HEADERS)
-                name = f"vlm_cpu_kernels_{_cpu_key()}_{hashlib.sha256(text).hexdigest()[:8]}"
+                name = build_name(include_paths())
                 with _builder_lock(name), _pinned_ninja():
-                    _module = build(name, sources=[str(f) for f in _SOURCES], extra_cflags=flags, verbose=False)
+                    _module = build(name, sources=[str(f) for f in _SOURCES], extra_cflags=FLAGS, verbose=False)
                 logger.info("CPU kernels ready in %.1f s", time.monotonic() - t0)
             except Exception as e:  # no compiler, no ninja, no headers: torch's ops still work
                 logger.warning("CPU kernels could not be built (%s); the layers use torch's ops", e)

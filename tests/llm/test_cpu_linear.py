@@ -68,6 +68,16 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
         assert not (build_dir / "lock").exists()
 
 
+def test_a_build_is_named_for_the_paths_its_command_names():
+    """One venv reached by two paths (a symlink: Ray's workers resolve it, the driver may not) writes two build
+    commands; each gets its own build directory instead of rebuilding over the other's."""
+    venv = "/srv/app/.venv/lib/python3.11/site-packages/torch/include"
+    resolved = "/tmp/r/.venv/lib/python3.11/site-packages/torch/include"
+    assert cpu_kernels.build_name([venv]) == cpu_kernels.build_name([venv])
+    assert cpu_kernels.build_name([venv]) != cpu_kernels.build_name([resolved])
+    assert cpu_kernels.build_name([venv]).startswith("vlm_cpu_kernels_")
+
+
 @pytest.mark.slow  # a fresh interpreter loads the built kernels (~10 s)
 def test_the_build_runs_the_pinned_ninja_whatever_comes_first_on_path(kernel, tmp_path):
     """A `ninja` of another version first on PATH (a distribution's 1.11 beside the pinned 1.13: they hash build
