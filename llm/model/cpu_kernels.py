@@ -56,10 +56,7 @@ _helper = False
 
 def _cpu_key() -> str:
     """A short hash of this CPU's instruction-set flags: a build with -march=native is cached per kind of CPU, so a
-    cache shared between machines (a home directory on NFS, an image) never hands one CPU another's build. The
-    build's name also carries a hash of the source and of the paths the build command names (the sources', torch's
-    headers'), so checkouts of different versions (a baseline in `make bench-kernels`, a second work tree) and one
-    venv reached by two paths (a symlink) keep one build each instead of rebuilding over each other."""
+    cache shared between machines (a home directory on NFS, an image) never hands one CPU another's build."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
@@ -69,7 +66,9 @@ def _cpu_key() -> str:
 
 def build_name(torch_includes: list[str]) -> str:
     """The build's name (its directory under TORCH_EXTENSIONS_DIR): this CPU's kind, then a hash of the sources and of
-    everything else the build command names (the sources' paths, torch's headers, the flags)."""
+    everything else the build command names (the sources' paths, torch's headers, the flags), so checkouts of other
+    versions (a baseline in `make bench-kernels`, a second work tree) and one venv reached by two paths (a symlink)
+    keep one build each instead of rebuilding over each other."""
     paths = [str(f) for f in _SOURCES] + torch_includes + FLAGS
     text = b"".join(f.read_bytes() for f in _SOURCES + _HEADERS) + "\0".join(paths).encode()
     return f"vlm_cpu_kernels_{_cpu_key()}_{hashlib.sha256(text).hexdigest()[:8]}"
