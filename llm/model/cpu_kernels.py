@@ -97,9 +97,9 @@ def _builder_lock(name: str):
 @contextlib.contextmanager
 def _pinned_ninja():
     """The build runs the ninja requirements.txt pins (the `ninja` package's binary), not whichever `ninja` comes first
-    on PATH. NOTE: ninja 1.13 hashes build commands differently from 1.11 (a distribution's): a process with the
-    venv's bin on PATH (a `ray start` from it) and one without (`.venv/bin/python`, and the replicas it starts) each
-    took the other's build for a changed command and rebuilt all of it (~100 s on 2 cores), at replica start."""
+    on PATH. NOTE: the pinned 1.13 and a distribution's 1.11 do not agree on a command's hash in `.ninja_log`: a
+    process with the venv's bin on PATH (a `ray start` from it) and one without (`.venv/bin/python`, and the replicas
+    it starts) each took the other's build for a changed command and rebuilt all of it (~100 s on 2 cores)."""
     try:
         import ninja
 
