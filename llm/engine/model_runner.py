@@ -99,15 +99,17 @@ class ModelRunner:
                 )
             if packed_weights and isinstance(model, nn.Module):  # one rank (a ParallelLM's ranks keep torch's GEMM)
                 started = time.monotonic()
-                # In chunks for the helper where decode steps run on one thread (a linear with a team of its own runs
-                # its chunks one by one, each a oneDNN call more: cpu_kernels.SHARE_CHUNKS).
+                # oneDNN's in chunks for the helper where decode steps run on one thread (a linear with a team of its
+                # own runs its chunks one by one, each a oneDNN call more: cpu_kernels.SHARE_CHUNKS); ours split at
+                # each call.
                 chunks = cpu_kernels.SHARE_CHUNKS if cpu_kernels.helper_on() and decode_threads == 1 else 1
                 n = pack_linears(model, chunks)  # and onto huge pages: about 3 s a GB on this VM's core
                 if n:
                     logger.info(
-                        "%d linear weights (%s) packed for oneDNN in %.1f s",
+                        "%d linear weights (%s) packed for %s in %.1f s",
                         n,
                         model.lm_head.weight.dtype,
+                        "our GEMM" if cpu_kernels.panels_for(model.lm_head.weight) else "oneDNN",
                         time.monotonic() - started,
                     )
         self.cache = model.new_cache(num_blocks + static, block_size)

@@ -2,10 +2,11 @@
 attention that reads the KV blocks in place, and one-op versions of what torch runs as several small ops per layer:
 the residual add fused into RMSNorm, and RoPE. Each rounds where the torch ops it replaces round (to the model's
 dtype between ops), so they compute the same thing; tests hold both paths to transformers. SiLU-mul stays torch's two
-ops: torch's vectorised exp beat a plain C++ loop (BENCHMARKS.md has what each kernel bought). Linears run on oneDNN
-on packed copies of their weights (`pack`): float32 everywhere, bfloat16 where oneDNN has bfloat16 kernels for the
-CPU (AVX-512). Elsewhere a bfloat16 linear of a few rows (decode batches) goes to a kernel of ours: without them ATen
-runs bfloat16 GEMMs in a scalar fallback; ours widens each weight to float32 in registers and feeds FMAs (AVX2
+ops: torch's vectorised exp beat a plain C++ loop (BENCHMARKS.md has what each kernel bought). Linears run on
+packed copies of their weights (`pack_chunks`): float32 on our GEMM's panels of 16 columns on AVX2 CPUs
+(cpu_gemm.h, `panels_for`), on oneDNN's layout elsewhere; bfloat16 on oneDNN where it has bfloat16 kernels for the
+CPU (AVX-512). Elsewhere a bfloat16 linear of a few rows (decode batches) goes to a kernel of ours: without them
+ATen runs bfloat16 GEMMs in a scalar fallback; ours widens each weight to float32 in registers and feeds FMAs (AVX2
 builds).
 
 Attention: the eager path (llm/model/attention.py) gathers every decode row's blocks into a contiguous copy, then runs
@@ -14,37 +15,30 @@ the KV head's keys loaded once for its whole GQA group of query heads; scores, a
 sum of values per task, nothing materialised but the scores. Keys past a row's context are never read. NOTE: the
 kernels run on the calling thread (built without -fopenmp, so at::parallel_for is serial: a second OpenMP runtime
 next to torch's libgomp is not worth it), without the GIL; once `use_helper(True)`, the attention's tasks, and the
-column chunks of linears on weights packed in chunks (`pack_chunks`, cpu_linear.cpp), are shared with a helper
+column chunks of linears (`pack_chunks`, cpu_linear.cpp), are shared with a helper
 thread that takes them while it runs, and the caller never waits for one it has not started (cpu_share.h: a core
 the node leaves partly idle helps without a preempted thread stalling the step). The idea is
 vLLM's and SGLang's CPU decode kernels (paged attention per sequence and head); the code is ours.
 
-The kernels are compiled with torch's cpp_extension (ninja, the machine's C++ compiler, -O3 -march=native) the
-first time a process asks for them; the build is cached under TORCH_EXTENSIONS_DIR, so later processes load it in
-about a second. Where they cannot be built (no compiler), `load()` says why once and returns None, and the layers
+The kernels are compiled with torch's cpp_extension (ninja, the machine's C++ compiler, -O3 -march=native:
+cpu_build.py) the first time a process asks for them; the build is cached under TORCH_EXTENSIONS_DIR, so later
+processes load it in about a second. Where they cannot be built (no compiler), `load()` says why once and returns None, and the layers
 keep torch's ops (and attention the gather).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import logging
 import os
-import platform
 import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from llm.model import cpu_build, hugepages
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_linear.cpp")]
-_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_share.h")]
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
+logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 # Kernel calls so far: the dispatcher does not see these calls, so op counts (tests, `make bench-kernels`) add them.
@@ -54,81 +48,15 @@ _tried = False
 _helper = False
 
 
-def _cpu_key() -> str:
-    """A short hash of this CPU's instruction-set flags: a build with -march=native is cached per kind of CPU, so a
-    cache shared between machines (a home directory on NFS, an image) never hands one CPU another's build."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
-
-
-def build_name(torch_includes: list[str]) -> str:
-    """The build's name (its directory under TORCH_EXTENSIONS_DIR): this CPU's kind, then a hash of the sources and of
-    everything else the build command names (the sources' paths, torch's headers, the flags), so checkouts of other
-    versions (a baseline in `make bench-kernels`, a second work tree) and one venv reached by two paths (a symlink)
-    keep one build each instead of rebuilding over each other."""
-    paths = [str(f) for f in _SOURCES] + torch_includes + FLAGS
-    text = b"".join(f.read_bytes() for f in _SOURCES + _HEADERS) + "\0".join(paths).encode()
-    return f"vlm_cpu_kernels_{_cpu_key()}_{hashlib.sha256(text).hexdigest()[:8]}"
-
-
-@contextlib.contextmanager
-def _builder_lock(name: str):
-    """Hold an flock on the build directory while building, and remove a `lock` file that no one holds.
-
-    NOTE: torch's cpp_extension marks a build in progress with a plain `lock` file and waits, forever, while one
-    exists; a process killed mid-build (a replica restarted, a test run interrupted) leaves it behind, and every later
-    replica start hangs. An flock dies with its process: whoever holds it is the only builder alive, so a `lock` file
-    it finds is stale."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    build_dir = Path(_get_build_directory(name, verbose=False))
-    with open(build_dir / "builder.flock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        stale = build_dir / "lock"
-        if stale.exists():
-            logger.warning("removing %s, left by a build that did not finish", stale)
-            stale.unlink(missing_ok=True)
-        yield
-
-
-@contextlib.contextmanager
-def _pinned_ninja():
-    """The build runs the ninja requirements.txt pins (the `ninja` package's binary), not whichever `ninja` comes first
-    on PATH. NOTE: the pinned 1.13 and a distribution's 1.11 do not agree on a command's hash in `.ninja_log`: a
-    process with the venv's bin on PATH (a `ray start` from it) and one without (`.venv/bin/python`, and the replicas
-    it starts) each took the other's build for a changed command and rebuilt all of it (~100 s on 2 cores)."""
-    try:
-        import ninja
-
-        bin_dir = ninja.BIN_DIR
-    except (ImportError, AttributeError):  # not installed: torch looks on PATH
-        yield
-        return
-    path = os.environ.get("PATH", "")
-    os.environ["PATH"] = bin_dir + os.pathsep + path
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = path
-
-
 def load():
     """The compiled module, or None where it cannot be built (said once in the log)."""
     global _module, _tried
     with _lock:
         if not _tried:
             _tried = True
-            from torch.utils.cpp_extension import include_paths
-            from torch.utils.cpp_extension import load as build
-
             t0 = time.monotonic()
             try:
-                name = build_name(include_paths())
-                with _builder_lock(name), _pinned_ninja():
-                    _module = build(name, sources=[str(f) for f in _SOURCES], extra_cflags=FLAGS, verbose=False)
+                _module = cpu_build.build()
                 logger.info("CPU kernels ready in %.1f s", time.monotonic() - t0)
             except Exception as e:  # no compiler, no ninja, no headers: torch's ops still work
                 logger.warning("CPU kernels could not be built (%s); the layers use torch's ops", e)
@@ -191,9 +119,7 @@ def helper_stats() -> tuple[int, int, int]:
 
 
 # Rows up to which a linear goes to the kernel, per dtype: a bfloat16 decode batch (ATen's bfloat16 GEMM is a scalar
-# fallback without AVX-512-BF16); a prefill chunk keeps ATen's GEMM. float32 goes to oneDNN on prepacked weights
-# (`pack`) instead: our kernel beat MKL's sgemm on up to 8 rows of a cache-resident weight, but not in a whole decode
-# step, which streams the weights from memory (BENCHMARKS.md).
+# fallback without AVX-512-BF16); a prefill chunk keeps ATen's GEMM. float32 goes to packed weights instead (`pack`).
 MAX_LINEAR_ROWS = {torch.bfloat16: 64}
 
 # NOTE: oneDNN compiles a primitive per GEMM shape (row count x weight) and keeps it in two LRU caches, ideep's and
@@ -207,12 +133,31 @@ for _var in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
 
 
 def can_pack(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether this torch can hold linear weights of `dtype` in oneDNN's packed layout (`pack`): float32 wherever
-    oneDNN is built in; bfloat16 where oneDNN also has bfloat16 kernels for this CPU (AVX-512: native with
+    """Whether linear weights of `dtype` get a packed copy here (`pack_chunks`): float32 where our GEMM (`panels_for`)
+    or oneDNN is built in; bfloat16 where oneDNN also has bfloat16 kernels for this CPU (AVX-512: native with
     AVX-512-BF16), else the bfloat16 kernel of ours (`linear`) stays."""
+    if dtype == torch.float32 and hasattr(_module, "panel_linear") and not _module.avx512:
+        return True
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def panels_for(weight: torch.Tensor) -> bool:
+    """Whether `pack_chunks` lays `weight` out in panels for our float32 GEMM (cpu_gemm.h) instead of oneDNN's layout:
+    float32, a kernel build with AVX2 but not AVX-512 (oneDNN's kernels there are twice as wide; not measured against
+    ours), and output features a multiple of 16. On this project's AVX2 VM it took 0.65-0.75x oneDNN's time on the
+    bench model's linears at 1-64 rows, streamed from memory as a decode step does, and 0.9x at 256-1,024."""
+    m = _module
+    return weight.dtype == torch.float32 and hasattr(m, "panel_linear") and not m.avx512 and weight.shape[0] % 16 == 0
+
+
+def panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight (N, K) float32 -> (N / 16, K, 16): each 16 output features' weights K-major, on huge pages (as the
+    model's weights: a decode step streams them)."""
+    n, k = weight.shape
+    out = hugepages.empty(n * k, torch.float32).view(n // 16, k, 16)
+    return out.copy_(weight.detach().view(n // 16, 16, k).transpose(1, 2))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -232,7 +177,9 @@ SHARE_CHUNKS = 4
 def pack_chunks(weight: torch.Tensor, chunks: int = SHARE_CHUNKS) -> tuple[torch.Tensor, ...]:
     """`pack(weight)` as `chunks` packed slices of equal height (rows of weight, columns of the output) for
     `linear`, whose calls then share the chunks with the helper thread; one slice where the height does not split
-    into multiples of 8."""
+    into multiples of 8. Float32 weights that `panels_for` takes: `(panels(weight),)`, whatever `chunks`."""
+    if panels_for(weight):  # one tensor: panel_linear splits it into the helper's tasks when it is called
+        return (panels(weight),)
     n = weight.shape[0]
     k = next((c for c in range(chunks, 1, -1) if n % c == 0 and n // c % 8 == 0), 1)
     return tuple(pack(w) for w in weight.chunk(k))
@@ -244,11 +191,16 @@ def linear(
     bias: torch.Tensor | None,
     packed: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
-    """F.linear(x (T, K), weight (N, K), bias): by oneDNN on `packed` (pack(weight), or pack_chunks(weight), whose
-    chunks the helper thread shares) where given, by the bfloat16 kernel where it applies (AVX2 builds, T <=
-    MAX_LINEAR_ROWS[dtype], K a multiple of 8), else by torch."""
+    """F.linear(x (T, K), weight (N, K), bias): on `packed` (pack_chunks(weight)) where given, by our GEMM on its
+    panels or by oneDNN on its packed chunks (which the helper thread shares); by the bfloat16 kernel where it applies
+    (AVX2 builds, T <= MAX_LINEAR_ROWS[dtype], K a multiple of 8); else by torch."""
     global calls
     if packed is not None and not torch.compiler.is_compiling():
+        first = packed[0] if isinstance(packed, tuple) else packed
+        if first.layout == torch.strided and x.dtype == torch.float32:  # panels: our GEMM
+            calls += 1
+            y = _module.panel_linear(x.reshape(-1, x.shape[-1]), first, bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
         if isinstance(packed, tuple) and len(packed) > 1 and x.dtype == packed[0].dtype:
             calls += 1
             y = _module.chunked_linear(x.reshape(-1, x.shape[-1]), packed, bias)
@@ -283,6 +235,8 @@ __all__ = [
     "pack",
     "pack_chunks",
     "paged_decode_cpu",
+    "panels",
+    "panels_for",
     "rope_",
     "use_helper",
 ]

@@ -1,5 +1,5 @@
-// A linear on oneDNN's packed weights, its output columns in chunks that the helper thread (cpu_share.h) shares with
-// the caller (llm/model/cpu_kernels.py documents it).
+// Linears whose output columns come in chunks that the helper thread (cpu_share.h) shares with the caller: on
+// oneDNN's packed weights, or on ours in panels of 16 columns (cpu_gemm.h); llm/model/cpu_kernels.py documents which.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cpu_gemm.h"
 #include "cpu_share.h"
 
 namespace {
@@ -58,11 +59,59 @@ torch::Tensor chunked_linear(torch::Tensor x, std::vector<torch::Tensor> chunks,
   return buf.permute({1, 0, 2}).reshape({T, N});
 }
 
+#ifdef HAVE_AVX2
+// x (T, K) float32 times the weight packed as `panels` (P, K, 16): (T, 16 P), plus bias. Shared with the helper (in
+// up to 4 tasks of whole panels, laid out and transposed as chunked_linear's) whenever it is on, whatever the caller's
+// thread count: the kernel runs on the thread that calls it, so the helper is its only second core; else on the
+// caller's thread, straight into the output.
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 16 && x.size(1) == panels.size(1));
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat && panels.is_contiguous());
+  c10::impl::ExcludeDispatchKeyGuard no_python(
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+  x = x.contiguous();
+  const int64_t T = x.size(0), K = x.size(1), P = panels.size(0), N = P * 16;
+  std::optional<torch::Tensor> b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat);
+    b = bias->contiguous();
+  }
+  const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
+  const float* xp = x.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  int64_t n = Helper::get().enabled() ? 4 : 1;
+  while (P % n) --n;
+  if (n == 1 || T == 0) {
+    auto y = torch::empty({T, N}, x.options());
+    gemm_panels(xp, T, K, pp, 0, P, y.data_ptr<float>(), N, bp);
+    return y;
+  }
+  const int64_t Pc = P / n, Nc = Pc * 16;
+  auto buf = torch::empty({n, T, Nc}, x.options());
+  // The tensors stay alive in the lambda: the helper may finish a task after the caller took it over and returned.
+  auto run = [x, panels, b, xp, pp, bp, T, K, Pc, Nc](int64_t i, void* into) {
+    gemm_panels(xp, T, K, pp, i * Pc, (i + 1) * Pc, static_cast<float*>(into), Nc, bp);
+  };
+  run_shared(std::make_shared<Job>(n, static_cast<size_t>(T * Nc) * sizeof(float),
+                                   static_cast<char*>(buf.data_ptr()), run));
+  if (T == 1) return buf.view({T, N});
+  return buf.permute({1, 0, 2}).reshape({T, N});
+}
+#endif
+
 }  // namespace
 
 void bind_linear(py::module& m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("chunked_linear", &chunked_linear, nogil);
+#ifdef HAVE_AVX2
+  m.def("panel_linear", &panel_linear, nogil);
+#endif
+#ifdef __AVX512F__
+  m.attr("avx512") = true;
+#else
+  m.attr("avx512") = false;
+#endif
   m.def("use_helper", [](bool on, int64_t delay_us) { Helper::get().enable(on, delay_us); }, py::arg("on"),
         py::arg("delay_us") = 0, nogil);
   m.def("helper_stats", [] {

@@ -89,8 +89,8 @@ class Rotary:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose GEMMs read oneDNN's packed copy of the weight once `pack_linears` made one, and whose bfloat16
-    decode rows otherwise go to the CPU kernel (cpu_kernels.py) where it is built."""
+    """nn.Linear whose GEMMs read a packed copy of the weight once `pack_linears` made one (ours or oneDNN's), and
+    whose bfloat16 decode rows otherwise go to the CPU kernel (cpu_kernels.py) where it is built."""
 
     packed: tuple[torch.Tensor, ...] | None = None  # the weight's packed column chunks (one unless shared)
 
@@ -99,9 +99,10 @@ class Linear(nn.Linear):
 
 
 def pack_linears(model: nn.Module, chunks: int = 1) -> int:
-    """A packed copy of every CPU linear weight of model whose dtype oneDNN can pack here (float32; bfloat16 on CPUs
-    with its bfloat16 kernels); returns how many. In `chunks` column chunks (cpu_kernels.pack_chunks), which a
-    linear called on one thread shares with the helper thread (`cpu_kernels.use_helper`); 1: whole. The weights
+    """A packed copy of every CPU linear weight of model whose dtype can be packed here (`cpu_kernels.can_pack`:
+    float32; bfloat16 on CPUs with oneDNN's bfloat16 kernels); returns how many. oneDNN's in `chunks` column chunks
+    (cpu_kernels.pack_chunks), which a linear called on one thread shares with the helper thread
+    (`cpu_kernels.use_helper`); 1: whole. The weights
     themselves stay (the reference path, torch.compile, tensor-parallel loading read them)."""
     linears = [m for m in model.modules() if isinstance(m, Linear | RowParallelLinear)]
     todo = [m for m in linears if m.weight.device.type == "cpu" and cpu_kernels.can_pack(m.weight.dtype)]
@@ -111,8 +112,9 @@ def pack_linears(model: nn.Module, chunks: int = 1) -> int:
         m.packed = cpu_kernels.pack_chunks(m.weight, chunks)
     # NOTE: the copies are what a decode step streams, and oneDNN's allocations are on 4 KiB pages: on huge pages
     # the bench model's batch-1 step measured 5.6 ms steady against 5.7-6.7 (bfloat16), 9.2-9.8 against 10.2-11.7
-    # (float32). hugepages.collapse backs them after the fact.
-    spans = [(torch.ops.mkldnn.data_ptr(p), p.numel() * p.element_size()) for m in todo for p in m.packed]
+    # (float32). hugepages.collapse backs them after the fact (our panels are allocated on them).
+    onednn = [p for m in todo for p in m.packed if p.is_mkldnn]
+    spans = [(torch.ops.mkldnn.data_ptr(p), p.numel() * p.element_size()) for p in onednn]
     hugepages.collapse(spans)
     return len(todo)
 

@@ -92,13 +92,11 @@ def _helper_takes_some(kernels, call, *, seconds: float = 30) -> tuple:
     return before
 
 
-pack_needed = pytest.mark.skipif(not cpu_kernels.can_pack(), reason="this torch has no oneDNN weight packing")
-
-
-@pack_needed
 @pytest.mark.parametrize("T", [1, 3, 32, 200])
 @pytest.mark.parametrize("bias", [False, True])
-def test_chunked_linears_equal_the_whole_packed_linear_and_share_their_chunks(kernels, T, bias):
+def test_chunked_linears_equal_the_whole_packed_linear_and_share_their_chunks(kernels, float32_packing, T, bias):
+    """oneDNN's weights are packed in column chunks for the helper; our panels are split into its tasks at each call
+    (the second linear's 6 panels into 3)."""
     torch.manual_seed(T)
     model = torch.nn.Sequential(Linear(512, 1024, bias=bias), Linear(1024, 96, bias=bias))
     for p in model.parameters():
@@ -109,18 +107,22 @@ def test_chunked_linears_equal_the_whole_packed_linear_and_share_their_chunks(ke
         whole = model(x)
         kernels.use_helper(True)
         assert pack_linears(model, kernels.SHARE_CHUNKS) == 2
-        assert [len(m.packed) for m in model] == [kernels.SHARE_CHUNKS] * 2
+        chunks = 1 if float32_packing == "panels" else kernels.SHARE_CHUNKS
+        assert [len(m.packed) for m in model] == [chunks] * 2
         calls = kernels.calls
         alone = model(x)
         assert kernels.calls == calls + 2  # one kernel call per linear (op counts add these)
         torch.testing.assert_close(alone, whole, rtol=1e-5, atol=1e-5)
-        # Each chunk is the same oneDNN call on either thread: shared equals alone bit for bit.
+        # Each task is the same call on either thread: shared equals alone bit for bit (and, on panels, the tiles
+        # are the same as the whole linear's).
         _helper_takes_some(kernels, lambda: torch.equal(model(x), alone) or pytest.fail("shared differs"))
+        if float32_packing == "panels":
+            assert torch.equal(alone, whole)
 
 
-@pack_needed
-def test_a_linear_with_an_openmp_team_runs_its_chunks_itself(kernels):
-    """A prefill chunk on a node's idle cores (the engine's threads follow the load) has a team of its own."""
+def test_a_linear_with_an_openmp_team_runs_onednn_chunks_itself_and_shares_panels(kernels, float32_packing):
+    """A prefill chunk on a node's idle cores (the engine's threads follow the load) has a team of its own: oneDNN's
+    chunks run on it; our GEMM runs on the calling thread alone, so it shares its panels with the helper anyway."""
     kernels.use_helper(True)
     w = kernels.pack_chunks(torch.randn(256, 64))
     threads = torch.get_num_threads()
@@ -128,16 +130,15 @@ def test_a_linear_with_an_openmp_team_runs_its_chunks_itself(kernels):
         torch.set_num_threads(2)
         offered = kernels.helper_stats()[0]
         kernels.linear(torch.randn(8, 64), None, None, w)
-        assert kernels.helper_stats()[0] == offered
+        assert kernels.helper_stats()[0] == offered + (float32_packing == "panels")
         torch.set_num_threads(1)
         kernels.linear(torch.randn(8, 64), None, None, w)
-        assert kernels.helper_stats()[0] == offered + 1
+        assert kernels.helper_stats()[0] == offered + 1 + (float32_packing == "panels")
     finally:
         torch.set_num_threads(threads)
 
 
-@pack_needed
-def test_a_linear_never_waits_for_a_stuck_helper_nor_takes_its_late_result(kernels):
+def test_a_linear_never_waits_for_a_stuck_helper_nor_takes_its_late_result(kernels, float32_packing):
     x, weight = torch.randn(1, 512), torch.randn(1024, 512) / 512**0.5
     kernels.use_helper(True)
     packed = kernels.pack_chunks(weight)
@@ -156,17 +157,19 @@ def test_a_linear_never_waits_for_a_stuck_helper_nor_takes_its_late_result(kerne
     assert torch.count_nonzero(out) == 0
 
 
-@pack_needed
+@pytest.mark.skipif(not cpu_kernels.can_pack(), reason="this torch has no oneDNN weight packing")
 @pytest.mark.parametrize("case", [[(64, 48)], [(30, 200), (120, 60)]])
 def test_greedy_through_shared_linears_matches_transformers(checkpoint, reference, model, vision, case):
-    """An engine whose decode steps run on one thread (as a served CPU replica's) packs its weights in chunks and
-    shares them with the helper; its greedy tokens are transformers'. One with a team packs them whole."""
+    """An engine whose decode steps run on one thread (as a served CPU replica's) packs its weights (oneDNN's in chunks;
+    our GEMM's panels are split at each call) and shares them with the helper; its greedy tokens are transformers'.
+    One with a team packs them whole."""
     from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
     inp, ref = request_for(checkpoint, reference, vision, case, seed=5, prefix=[11, 12, 13], max_tokens=20)
     engine = make_engine(model, reference, cpu_threads=1)
     chunks = lambda: {len(m.packed) for m in model.modules() if isinstance(m, Linear)}  # noqa: E731
-    assert cpu_kernels.helper_on() and cpu_kernels.SHARE_CHUNKS in chunks()
+    shared = 1 if cpu_kernels.panels_for(model.lm_head.weight) else cpu_kernels.SHARE_CHUNKS  # panels: split per call
+    assert cpu_kernels.helper_on() and shared in chunks()
     offered = cpu_kernels.helper_stats()[0]
     try:
         ours, _ = asyncio.run(collect(engine, inp))
