@@ -22,8 +22,8 @@ vLLM's and SGLang's CPU decode kernels (paged attention per sequence and head); 
 
 The kernels are compiled with torch's cpp_extension (ninja, the machine's C++ compiler, -O3 -march=native:
 cpu_build.py) the first time a process asks for them; the build is cached under TORCH_EXTENSIONS_DIR, so later
-processes load it in about a second. Where they cannot be built (no compiler), `load()` says why once and returns None, and the layers
-keep torch's ops (and attention the gather).
+processes load it in about a second. Where they cannot be built (no compiler), `load()` says why once and returns
+None, and the layers keep torch's ops (and attention the gather).
 """
 
 from __future__ import annotations
