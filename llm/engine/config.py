@@ -22,7 +22,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # replay them as CUDA graphs; None: on cuda with one rank
     compile_decode: bool = False  # the static step through torch.compile (decode_step.py)
     async_decode: bool | None = None  # launch a static step before the last one's tokens are in; None: on cuda
-    cpu_packed_weights: bool = True  # CPU, one rank: GEMMs on oneDNN-packed copies (layers.pack_linears)
+    cpu_packed_weights: bool = True  # CPU, one rank: GEMMs on packed copies, ours or oneDNN's (layers.pack_linears)
     cpu_helper_thread: bool = True  # CPU, one rank, 2+ CPUs: decode attention and GEMMs share tasks with a helper
 
     def __post_init__(self) -> None:

@@ -60,10 +60,32 @@ torch::Tensor chunked_linear(torch::Tensor x, std::vector<torch::Tensor> chunks,
 }
 
 #ifdef HAVE_AVX2
-// x (T, K) float32 times the weight packed as `panels` (P, K, 16): (T, 16 P), plus bias. Shared with the helper (in
-// up to 4 tasks of whole panels, laid out and transposed as chunked_linear's) whenever it is on, whatever the caller's
-// thread count: the kernel runs on the thread that calls it, so the helper is its only second core; else on the
-// caller's thread, straight into the output.
+// NOTE: a caller with an OpenMP team of its own (a prefill chunk on a node's idle cores) splits the panels over that
+// team. This file is built without -fopenmp (cpu_kernels.py: no second OpenMP runtime beside torch's), so it calls
+// what GCC compiles `#pragma omp parallel` into, libgomp's GOMP_parallel, which resolves to torch's own libgomp as
+// omp_set_num_threads does (cpu_share.h): the team is the one torch's ops on this thread use.
+extern "C" {
+void GOMP_parallel(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
+int omp_get_thread_num();
+int omp_get_num_threads();
+}
+
+struct TeamGemm {
+  const float *x, *panels, *bias;
+  int64_t T, K, P;
+  float* y;
+};
+
+static void team_gemm(void* arg) {  // on each thread of the team: its share of the panels, into the output
+  const auto* g = static_cast<const TeamGemm*>(arg);
+  const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+  const int64_t p0 = g->P * t / n, p1 = g->P * (t + 1) / n;
+  gemm_panels(g->x, g->T, g->K, g->panels, p0, p1, g->y + p0 * 16, g->P * 16, g->bias);
+}
+
+// x (T, K) float32 times the weight packed as `panels` (P, K, 16): (T, 16 P), plus bias. A caller with a team splits
+// the panels over it (above); one of one thread shares them with the helper while it is on (in up to 4 tasks of whole
+// panels, laid out and transposed as chunked_linear's); else it runs them alone, straight into the output.
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 16 && x.size(1) == panels.size(1));
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat && panels.is_contiguous());
@@ -79,11 +101,17 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
   const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
   const float* pp = panels.data_ptr<float>();
-  int64_t n = Helper::get().enabled() ? 4 : 1;
+  const int threads = at::get_num_threads();
+  int64_t n = threads == 1 && Helper::get().enabled() ? 4 : 1;
   while (P % n) --n;
   if (n == 1 || T == 0) {
     auto y = torch::empty({T, N}, x.options());
-    gemm_panels(xp, T, K, pp, 0, P, y.data_ptr<float>(), N, bp);
+    if (threads > 1 && T > 0) {
+      TeamGemm g{xp, pp, bp, T, K, P, y.data_ptr<float>()};
+      GOMP_parallel(team_gemm, &g, static_cast<unsigned>(std::min<int64_t>(threads, P)), 0);
+    } else {
+      gemm_panels(xp, T, K, pp, 0, P, y.data_ptr<float>(), N, bp);
+    }
     return y;
   }
   const int64_t Pc = P / n, Nc = Pc * 16;

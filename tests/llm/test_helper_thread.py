@@ -120,20 +120,23 @@ def test_chunked_linears_equal_the_whole_packed_linear_and_share_their_chunks(ke
             assert torch.equal(alone, whole)
 
 
-def test_a_linear_with_an_openmp_team_runs_onednn_chunks_itself_and_shares_panels(kernels, float32_packing):
+def test_a_linear_with_an_openmp_team_runs_it_itself(kernels, float32_packing):
     """A prefill chunk on a node's idle cores (the engine's threads follow the load) has a team of its own: oneDNN's
-    chunks run on it; our GEMM runs on the calling thread alone, so it shares its panels with the helper anyway."""
+    chunks, or our GEMM's panels split over the team, run on it; the helper is offered nothing."""
     kernels.use_helper(True)
-    w = kernels.pack_chunks(torch.randn(256, 64))
+    w = torch.randn(256, 64)
+    packed = kernels.pack_chunks(w)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
-        offered = kernels.helper_stats()[0]
-        kernels.linear(torch.randn(8, 64), None, None, w)
-        assert kernels.helper_stats()[0] == offered + (float32_packing == "panels")
+        for team in (2, 3):
+            torch.set_num_threads(team)
+            offered = kernels.helper_stats()[0]
+            x = torch.randn(40, 64)
+            torch.testing.assert_close(kernels.linear(x, w, None, packed), x @ w.T, rtol=1e-5, atol=1e-5)
+            assert kernels.helper_stats()[0] == offered
         torch.set_num_threads(1)
-        kernels.linear(torch.randn(8, 64), None, None, w)
-        assert kernels.helper_stats()[0] == offered + 1 + (float32_packing == "panels")
+        kernels.linear(torch.randn(8, 64), w, None, packed)
+        assert kernels.helper_stats()[0] == offered + 1
     finally:
         torch.set_num_threads(threads)
 
