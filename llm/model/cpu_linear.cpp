@@ -85,7 +85,7 @@ static void team_gemm(void* arg) {  // on each thread of the team: its share of 
 
 // x (T, K) float32 times the weight packed as `panels` (P, K, 16): (T, 16 P), plus bias. A caller with a team splits
 // the panels over it (above); one of one thread shares them with the helper while it is on (in up to 4 tasks of whole
-// panels, laid out and transposed as chunked_linear's); else it runs them alone, straight into the output.
+// panels, column blocks of the output); else it runs them alone.
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 16 && x.size(1) == panels.size(1));
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat && panels.is_contiguous());
@@ -114,16 +114,17 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
     }
     return y;
   }
+  // Task i: panels [i Pc, (i + 1) Pc), columns [i Nc, (i + 1) Nc) of the output, by the caller straight into it and
+  // by the helper into its slot, copied in row by row when the caller collects it.
   const int64_t Pc = P / n, Nc = Pc * 16;
-  auto buf = torch::empty({n, T, Nc}, x.options());
+  auto y = torch::empty({T, N}, x.options());
   // The tensors stay alive in the lambda: the helper may finish a task after the caller took it over and returned.
-  auto run = [x, panels, b, xp, pp, bp, T, K, Pc, Nc](int64_t i, void* into) {
-    gemm_panels(xp, T, K, pp, i * Pc, (i + 1) * Pc, static_cast<float*>(into), Nc, bp);
+  auto run = [x, panels, b, xp, pp, bp, T, K, Pc](int64_t i, void* into, size_t ld) {
+    gemm_panels(xp, T, K, pp, i * Pc, (i + 1) * Pc, static_cast<float*>(into), ld / sizeof(float), bp);
   };
-  run_shared(std::make_shared<Job>(n, static_cast<size_t>(T * Nc) * sizeof(float),
-                                   static_cast<char*>(buf.data_ptr()), run));
-  if (T == 1) return buf.view({T, N});
-  return buf.permute({1, 0, 2}).reshape({T, N});
+  run_shared(std::make_shared<Job>(n, static_cast<size_t>(T * Nc) * sizeof(float), static_cast<char*>(y.data_ptr()),
+                                   T, N * sizeof(float), run));
+  return y;
 }
 #endif
 

@@ -44,21 +44,35 @@ constexpr int64_t SPIN_US = 200;
 
 extern "C" void omp_set_num_threads(int);  // torch's OpenMP runtime (libgomp), which oneDNN's GEMMs run on
 
-// One op's tasks: n of them, task i's result task_bytes at out + i * task_bytes. `run` computes task i into a buffer
-// and owns (holds) everything it reads. The helper's results go to `slots` (the job's own memory), never to `out`.
+// One op's tasks: n of them, task i's result task_bytes at out + i * task_bytes; or, with rows > 1, `rows` rows of
+// task_bytes / rows bytes each, out_ld bytes apart, from out + i * (task_bytes / rows) (column blocks of a matrix).
+// `run(i, into, ld)` computes task i into a buffer whose rows are ld bytes apart, and owns (holds) everything it
+// reads. The helper's results go to `slots` (the job's own memory, rows packed), never to `out`.
 struct Job {
+  using Run = std::function<void(int64_t, void*, size_t)>;
   int64_t n;
   size_t task_bytes;
   char* out;
-  std::function<void(int64_t, void*)> run;
+  int64_t rows;
+  size_t row_bytes, out_ld;
+  Run run;
   std::atomic<int64_t> next{0};
   std::unique_ptr<std::atomic<uint8_t>[]> state;
   std::unique_ptr<char[]> slots;
 
-  Job(int64_t n, size_t task_bytes, char* out, std::function<void(int64_t, void*)> run)
-      : n(n), task_bytes(task_bytes), out(out), run(std::move(run)), state(new std::atomic<uint8_t>[n]),
-        slots(new char[n * task_bytes]) {
+  Job(int64_t n, size_t task_bytes, char* out, int64_t rows, size_t out_ld, Run run)
+      : n(n), task_bytes(task_bytes), out(out), rows(rows), row_bytes(task_bytes / rows), out_ld(out_ld),
+        run(std::move(run)), state(new std::atomic<uint8_t>[n]), slots(new char[n * task_bytes]) {
     for (int64_t i = 0; i < n; ++i) state[i].store(FREE, std::memory_order_relaxed);
+  }
+  Job(int64_t n, size_t task_bytes, char* out, std::function<void(int64_t, void*)> run)
+      : Job(n, task_bytes, out, 1, task_bytes, [run = std::move(run)](int64_t i, void* into, size_t) { run(i, into); }) {}
+
+  char* dest(int64_t i) const { return out + i * (rows == 1 ? task_bytes : row_bytes); }
+  char* slot(int64_t i) const { return slots.get() + i * task_bytes; }
+  void mine(int64_t i) const { run(i, dest(i), out_ld); }  // the caller's task: straight into out
+  void deliver(int64_t i) const {  // a task the helper published: from its slot into out
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(dest(i) + r * out_ld, slot(i) + r * row_bytes, row_bytes);
   }
 };
 
@@ -136,7 +150,7 @@ class Helper {
         uint8_t st = FREE;
         if (!job->state[i].compare_exchange_strong(st, HELPER)) continue;
         if (const int64_t us = delay_us_.load()) std::this_thread::sleep_for(std::chrono::microseconds(us));
-        job->run(i, job->slots.get() + i * job->task_bytes);
+        job->run(i, job->slot(i), job->row_bytes);
         st = HELPER;  // published (release) unless the caller took the task over meanwhile
         if (job->state[i].compare_exchange_strong(st, DONE, std::memory_order_acq_rel))
           tasks.fetch_add(1, std::memory_order_relaxed);
@@ -158,7 +172,7 @@ class Helper {
 inline void run_shared(std::shared_ptr<Job> job) {
   Helper& helper = Helper::get();
   if (!helper.offer(job)) {
-    for (int64_t i = 0; i < job->n; ++i) job->run(i, job->out + i * job->task_bytes);
+    for (int64_t i = 0; i < job->n; ++i) job->mine(i);
     return;
   }
   const auto started = std::chrono::steady_clock::now();
@@ -166,7 +180,7 @@ inline void run_shared(std::shared_ptr<Job> job) {
   for (int64_t i; (i = job->next.fetch_add(1)) < job->n;) {
     uint8_t st = FREE;
     if (!job->state[i].compare_exchange_strong(st, MAIN)) continue;
-    job->run(i, job->out + i * job->task_bytes);
+    job->mine(i);
     ++mine;
   }
   // One of the caller's tasks' time, as the wait for a task the helper is computing before taking it over.
@@ -177,7 +191,7 @@ inline void run_shared(std::shared_ptr<Job> job) {
       uint8_t st = job->state[i].load(std::memory_order_acquire);
       if (st == MAIN || st == STOLEN) break;
       if (st == DONE) {
-        std::memcpy(job->out + i * job->task_bytes, job->slots.get() + i * job->task_bytes, job->task_bytes);
+        job->deliver(i);
         break;
       }
       if (st == HELPER && std::chrono::steady_clock::now() - waiting < patience) {
@@ -185,7 +199,7 @@ inline void run_shared(std::shared_ptr<Job> job) {
         continue;
       }
       if (job->state[i].compare_exchange_strong(st, STOLEN)) {  // FREE (claimed, not yet taken) or HELPER
-        job->run(i, job->out + i * job->task_bytes);
+        job->mine(i);
         if (st == HELPER) helper.stolen.fetch_add(1, std::memory_order_relaxed);
         break;
       }
