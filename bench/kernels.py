@@ -9,7 +9,9 @@
    engine runs it: with the process's loading thread also owning an OpenMP team (before) against the worker
    alone owning one (`llm.engine.threads`). Each case runs in its own process: a thread team cannot be undone.
 
-3. The whole decode step (forward + logits, batches 1, 8 and 32, float32 and bfloat16) with this tree's `llm`
+3. The float32 linears of a step on one thread, oneDNN's packed weights against our GEMM's panels (bench/gemm.py).
+
+4. The whole decode step (forward + logits, batches 1, 8 and 32, float32 and bfloat16) with this tree's `llm`
    against a baseline commit's (`--baseline`, default e422682: before the fused layers), ops per layer and ms,
    in alternating child processes (bench/step_ab.py). Its last line:
    `decode step: N ops per layer; bf16 batch 1 A ms (was B); bf16 batch 32 C ms (was D)`.
@@ -201,9 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     for dtype, batch, label, ms in rows2:
         before = next(m for d, b, lab, m in rows2 if d == dtype and b == batch and lab.endswith("(before)"))
         print(f"| {dtype} | {batch} | {label} | {ms:.1f} | {before / ms:.2f}x |")
+    from bench import gemm
     from bench.step_ab import baseline_tree, compare, report
 
-    print(f"\n3. Decode step (forward + logits) of the bench checkpoint, this tree against {args.baseline}\n")
+    print("\n3. The float32 linears of one step (all the bench checkpoint's weights, from memory), one thread\n")
+    print("\n".join(gemm.report(gemm.bench_gemm(checkpoint, args.rounds))))
+    print(f"\n4. Decode step (forward + logits) of the bench checkpoint, this tree against {args.baseline}\n")
     results = compare(
         checkpoint,
         baseline_tree(args.baseline, Path(args.out_dir)),
