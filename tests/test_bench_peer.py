@@ -63,9 +63,9 @@ def test_ours_config_is_serve_configs_with_checkpoint_and_port_only(tmp_path):
     llm = merged["applications"][0]["args"]["llm"]
     assert llm["stream_interval_ms"] == 50 and llm["max_queued_requests"] == 64  # merged, not replaced
     assert any("--app-args" in c for c in changes)
-    two, changes = ours_config(Path("x"), 1, {}, {"Encoder": {"autoscaling_config": {"min_replicas": 2}}})
+    two, changes = ours_config(Path("x"), 1, {}, {"Encoder": {"autoscaling_config": {"max_replicas": 2}}})
     (encoder,) = [d for d in two["applications"][0]["deployments"] if d["name"] == "Encoder"]
-    assert encoder["autoscaling_config"]["min_replicas"] == 2 and encoder["autoscaling_config"]["max_replicas"] == 2
+    assert encoder["autoscaling_config"]["min_replicas"] == 1 and encoder["autoscaling_config"]["max_replicas"] == 2
     assert encoder["ray_actor_options"] == {"num_cpus": 0.4, "num_gpus": 0} and any("Encoder" in c for c in changes)
 
 
