@@ -15,7 +15,7 @@ import torch
 
 from llm import Qwen2LM
 from llm.model import cpu_kernels
-from llm.model.layers import Linear
+from llm.model.layers import Linear, RowParallelLinear
 
 ROWS = (1, 8, 32, 64, 256, 1024)
 
@@ -24,7 +24,11 @@ def bench_gemm(checkpoint: Path, rounds: int) -> list[tuple[int, float, float, f
     """(rows, oneDNN ms, ours ms, ours GFLOP/s) per row count; [] where our GEMM does not run on this CPU."""
     cpu_kernels.load()
     model = Qwen2LM.from_pretrained(checkpoint, dtype=torch.float32)
-    weights = [m.weight for m in model.modules() if isinstance(m, Linear) and cpu_kernels.panels_for(m.weight)]
+    weights = [
+        m.weight
+        for m in model.modules()
+        if isinstance(m, Linear | RowParallelLinear) and cpu_kernels.panels_for(m.weight)
+    ]
     if not weights or not cpu_kernels.can_pack():
         return []
     threads = torch.get_num_threads()
