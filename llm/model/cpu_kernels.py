@@ -146,8 +146,9 @@ def can_pack(dtype: torch.dtype = torch.float32) -> bool:
 def panels_for(weight: torch.Tensor) -> bool:
     """Whether `pack_chunks` lays `weight` out in panels for our float32 GEMM (cpu_gemm.h) instead of oneDNN's layout:
     float32, a kernel build with AVX2 but not AVX-512 (oneDNN's kernels there are twice as wide; not measured against
-    ours), and output features a multiple of 16. On this project's AVX2 VM it took 0.65-0.75x oneDNN's time on the
-    bench model's linears at 1-64 rows, streamed from memory as a decode step does, and 0.9x at 256-1,024."""
+    ours), and output features a multiple of 16. On this project's AVX2 VM it took 0.57-0.64x oneDNN's time on the
+    bench model's linears at 1-32 rows, streamed from memory as a decode step does, 0.79x at 64, 0.9x at 256-1,024
+    (`make bench-kernels`)."""
     m = _module
     return weight.dtype == torch.float32 and hasattr(m, "panel_linear") and not m.avx512 and weight.shape[0] % 16 == 0
 
