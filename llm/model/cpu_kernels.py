@@ -136,7 +136,7 @@ def can_pack(dtype: torch.dtype = torch.float32) -> bool:
     """Whether linear weights of `dtype` get a packed copy here (`pack_chunks`): float32 where our GEMM (`panels_for`)
     or oneDNN is built in; bfloat16 where oneDNN also has bfloat16 kernels for this CPU (AVX-512: native with
     AVX-512-BF16), else the bfloat16 kernel of ours (`linear`) stays."""
-    if dtype == torch.float32 and hasattr(_module, "panel_linear") and not _module.avx512:
+    if dtype == torch.float32 and _our_gemm():
         return True
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
@@ -149,8 +149,12 @@ def panels_for(weight: torch.Tensor) -> bool:
     ours), and output features a multiple of 16. On this project's AVX2 VM it took 0.57-0.64x oneDNN's time on the
     bench model's linears at 1-32 rows, streamed from memory as a decode step does, 0.79x at 64, 0.9x at 256-1,024
     (`make bench-kernels`)."""
-    m = _module
-    return weight.dtype == torch.float32 and hasattr(m, "panel_linear") and not m.avx512 and weight.shape[0] % 16 == 0
+    return weight.dtype == torch.float32 and _our_gemm() and weight.shape[0] % 16 == 0
+
+
+def _our_gemm() -> bool:
+    """Our float32 GEMM is built here and takes float32 linears: AVX2, and not AVX-512 (see `panels_for`)."""
+    return hasattr(_module, "panel_linear") and not _module.avx512
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:
