@@ -80,7 +80,7 @@ def ours_config(
     checkpoint: Path, port: int, app_args: dict, deployments: dict[str, dict] | None = None
 ) -> tuple[dict, list[str]]:
     """serve_config.yaml with the bench checkpoint and a free port, and each change from it, in words; `deployments`:
-    options merged into the named deployments' entries (`{"Encoder": {"autoscaling_config": {...}}}`)."""
+    options merged into the named deployments' entries, or entries of their own (`{"Encoder": {...}}`)."""
     base = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config = copy.deepcopy(base)
     config["http_options"]["port"] = port
@@ -92,9 +92,12 @@ def ours_config(
     ]
     changes += [f"args.{k}: {v} (merged from --app-args)" for k, v in app_args.items()]
     for name, options in (deployments or {}).items():
-        (entry,) = [d for d in app["deployments"] if d["name"] == name]
-        entry.update(_merge(entry, options))
-        changes.append(f"deployments {name}: {options} (merged)")
+        entries = [d for d in app["deployments"] if d["name"] == name]
+        if entries:
+            entries[0].update(_merge(entries[0], options))
+        else:  # e.g. the Encoder, which the laptop's file leaves to its decorator (encoder.colocated there)
+            app["deployments"].append({"name": name, **options})
+        changes.append(f"deployments {name}: {options} ({'merged' if entries else 'added'})")
     changes += [
         f"env {k}={os.environ.get(k, v)} (health checks only; `make serve` leaves Serve's default)"
         for k, v in OURS_ENV.items()

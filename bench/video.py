@@ -24,7 +24,7 @@ from bench.client import load
 
 SECONDS, FPS, WIDTH, HEIGHT = 60, 24, 320, 240
 KW = {"min_pixels": 28 * 28 * 4, "max_pixels": 224 * 168}  # mm_processor_kwargs: 224x168 frames
-APP_ARGS = {"encoder": {"max_batch_patches": 4096}}  # 192 patches a tubelet: chunks of 21, 21 and 18 tubelets
+APP_ARGS = {"encoder": {"max_batch_patches": 4096, "colocated": False}}  # chunks of 21, 21, 18 tubelets of 192 patches
 READY = re.compile(r"ServeReplica:vlm:Encoder pid=(\d+)\).*encoder ready")
 # Serve's access line of each encoder call: the replica's pid, the request id (every chunk of a request shares it)
 CALL = re.compile(r"ServeReplica:vlm:Encoder pid=(\d+)\).* ([0-9a-f-]{36}) -- CALL encode OK ([0-9.]+)ms")

@@ -10,7 +10,7 @@ Serve averages each metric over `look_back_period_s`, which follows a load step 
 each replica's newest report (`raw_metrics`) and takes the larger of the two decisions: scale-up follows the newest
 report, scale-down waits until the window's mean has come down too (and then Serve's `downscale_delay_s`).
 Serve's controller runs `cost_policy` (it pickles this module by value: keep it free of the project's imports), then
-applies min/max_replicas and upscale/downscale_delay_s as for its own policy. serve_config.yaml names it; without
+applies min/max_replicas and upscale/downscale_delay_s as for its own policy. AUTOSCALING names it; without
 `policy:` the Encoder scales on requests in flight, Serve's default."""
 
 from __future__ import annotations
@@ -26,6 +26,18 @@ ARRIVING_COST = "arriving_cost"  # GFLOP arriving at a replica per target queuei
 MEAN_COST = "mean_cost"  # GFLOP of an image (or video chunk) a replica took, on average over the window
 TARGET_COST = "target_cost"  # GFLOP of pending work one replica should hold
 POLICY_PATH = "encoders.autoscaling:cost_policy"
+# The Encoder deployment's autoscaling options (its decorator's; the KubeRay manifest raises max_replicas), tuned for
+# reaction time rather than Ray's defaults (upscale 30 s, downscale 600 s, metrics every 10 s over 30 s): a replica is
+# asked for about 1 s over target, and one goes 30 s after the load is gone.
+AUTOSCALING = {
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "policy": {"policy_function": POLICY_PATH},
+    "upscale_delay_s": 1,
+    "downscale_delay_s": 30,
+    "metrics_interval_s": 1,
+    "look_back_period_s": 5,
+}
 WINDOW_S = 5.0  # the arrival meter's window: long enough to see a rate, short enough to follow a step
 
 
@@ -103,6 +115,7 @@ def cost_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
 
 __all__ = [
     "ARRIVING_COST",
+    "AUTOSCALING",
     "MEAN_COST",
     "PENDING_COST",
     "POLICY_PATH",

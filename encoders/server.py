@@ -18,7 +18,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.ingress.encoder_router import CostRouter
 from encoders import EncoderRunner, VisionEncoder
-from encoders.autoscaling import ARRIVING_COST, MEAN_COST, PENDING_COST, POLICY_PATH, TARGET_COST, ArrivalMeter
+from encoders.autoscaling import ARRIVING_COST, AUTOSCALING, MEAN_COST, PENDING_COST, TARGET_COST, ArrivalMeter
 from encoders.video_decode import Video
 from schemas import AppArgs, EncoderArgs, ModelSpec, quiet_client_errors
 from schemas.metrics import EncoderMetrics, heap_census
@@ -35,17 +35,7 @@ DEFAULT_TARGET_COST = 10.0  # GFLOP: about 0.4 s of a 2-core CPU replica on the 
     ray_actor_options={"num_cpus": 0.4},
     max_ongoing_requests=16,
     request_router_config=RequestRouterConfig(request_router_class=CostRouter),
-    # On cost (encoders/autoscaling.py), tuned for reaction time, as serve_config.yaml (Ray's defaults: 30 s up,
-    # 600 s down, metrics every 10 s).
-    autoscaling_config={
-        "min_replicas": 1,
-        "max_replicas": 2,
-        "policy": {"policy_function": POLICY_PATH},
-        "upscale_delay_s": 1,
-        "downscale_delay_s": 30,
-        "metrics_interval_s": 1,
-        "look_back_period_s": 5,
-    },
+    autoscaling_config=AUTOSCALING,  # on cost (encoders/autoscaling.py)
 )
 class Encoder:
     def __init__(

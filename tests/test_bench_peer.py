@@ -63,10 +63,16 @@ def test_ours_config_is_serve_configs_with_checkpoint_and_port_only(tmp_path):
     llm = merged["applications"][0]["args"]["llm"]
     assert llm["stream_interval_ms"] == 50 and llm["max_queued_requests"] == 64  # merged, not replaced
     assert any("--app-args" in c for c in changes)
-    two, changes = ours_config(Path("x"), 1, {}, {"Encoder": {"autoscaling_config": {"max_replicas": 2}}})
-    (encoder,) = [d for d in two["applications"][0]["deployments"] if d["name"] == "Encoder"]
-    assert encoder["autoscaling_config"]["min_replicas"] == 1 and encoder["autoscaling_config"]["max_replicas"] == 2
-    assert encoder["ray_actor_options"] == {"num_cpus": 0.4, "num_gpus": 0} and any("Encoder" in c for c in changes)
+    assert base["applications"][0]["args"]["encoder"]["colocated"]  # the laptop's layout: no Encoder entry
+    split, changes = ours_config(Path("x"), 1, {"encoder": {"colocated": False}}, {"Encoder": {"num_replicas": 1}})
+    app = split["applications"][0]
+    assert not app["args"]["encoder"]["colocated"] and app["args"]["encoder"]["cache_gib"] == 0.5
+    (encoder,) = [d for d in app["deployments"] if d["name"] == "Encoder"]
+    assert encoder == {"name": "Encoder", "num_replicas": 1} and any("Encoder" in c and "added" in c for c in changes)
+    again, changes = ours_config(Path("x"), 1, {}, {"LLM": {"ray_actor_options": {"num_cpus": 2}}})
+    (llm,) = [d for d in again["applications"][0]["deployments"] if d["name"] == "LLM"]
+    assert llm["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 0} and llm["autoscaling_config"]["max_replicas"] == 1
+    assert any("LLM" in c and "merged" in c for c in changes)
 
 
 def test_front_doors_are_the_makefiles():

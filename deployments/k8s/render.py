@@ -12,12 +12,15 @@ from pathlib import Path
 
 import yaml
 
+from encoders.autoscaling import AUTOSCALING
+
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = Path(__file__).with_name("rayservice.yaml")
 BLOCK_START, BLOCK_END = "  serveConfigV2: |\n", "  rayClusterConfig:\n"
 INDENT = "    "
 
-# What a GPU cluster changes, and nothing else: every other key is serve_config.yaml's. The custom resources
+# What a GPU cluster changes, and nothing else: every other key is serve_config.yaml's. The encoders get replicas
+# of their own (`encoder.colocated: false`; the laptop's file encodes in the LLM replica). The custom resources
 # `encoder_slot` and `llm_slot` are what the worker groups of the manifest offer, so that encoders and the LLM
 # land on their own node groups.
 HTTP_HOST = "0.0.0.0"
@@ -35,7 +38,12 @@ def cluster_config(local: dict) -> dict:
     config["http_options"]["host"] = HTTP_HOST
     app = config["applications"][0]
     app["args"]["model"] = MODEL
-    for deployment in app["deployments"]:
+    app["args"]["encoder"]["colocated"] = False
+    deployments = app["deployments"]
+    if not any(d["name"] == "Encoder" for d in deployments):  # the Encoder's own options (its decorator's), named
+        llm = next(i for i, d in enumerate(deployments) if d["name"] == "LLM")
+        deployments.insert(llm, {"name": "Encoder", "autoscaling_config": copy.deepcopy(AUTOSCALING)})
+    for deployment in deployments:
         if deployment["name"] in ACTOR_OPTIONS:
             deployment["ray_actor_options"] = dict(ACTOR_OPTIONS[deployment["name"]])
         if deployment["name"] == "Encoder":

@@ -1,6 +1,6 @@
 """The KubeRay manifest serves what serve_config.yaml serves: its serveConfigV2 is that file with the cluster's
-overrides and nothing else, it validates, the worker groups offer what the replicas ask for, and every pod runs the
-one image (named once) of the pinned Ray with Ray's token auth on."""
+overrides and nothing else (the encoders on replicas of their own), it validates, the worker groups offer what the
+replicas ask for, and every pod runs the one image (named once) of the pinned Ray with Ray's token auth on."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from deployments.k8s import render
+from encoders.autoscaling import AUTOSCALING
 from schemas import AppArgs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,20 +31,25 @@ def test_the_manifest_is_serve_config_with_the_cluster_overrides_only():
     local = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     manifest = yaml.safe_load(render.MANIFEST.read_text())
     served = yaml.safe_load(manifest["spec"]["serveConfigV2"])
-    names = [d["name"] for d in local["applications"][0]["deployments"]]
-    encoder, llm = names.index("Encoder"), names.index("LLM")
+    app = served["applications"][0]
+    encoder = next(d for d in app["deployments"] if d["name"] == "Encoder")  # the entry the cluster adds
+    app["deployments"].remove(encoder)
+    assert encoder == {
+        "name": "Encoder",
+        "autoscaling_config": {**AUTOSCALING, "max_replicas": render.ENCODER_MAX_REPLICAS},
+        "ray_actor_options": render.ACTOR_OPTIONS["Encoder"],
+    }
+    assert encoder["autoscaling_config"]["upscale_delay_s"] < 30  # tuned for reaction time, not Ray's defaults
+    llm = [d["name"] for d in local["applications"][0]["deployments"]].index("LLM")
     deployments = ("applications", 0, "deployments")
     assert _differences(local, served) == {
         ("http_options", "host"), ("applications", 0, "args", "model"),
-        (*deployments, encoder, "ray_actor_options", "num_cpus"),
-        (*deployments, encoder, "ray_actor_options", "num_gpus"),
-        (*deployments, encoder, "ray_actor_options", "resources"),
-        (*deployments, encoder, "autoscaling_config", "max_replicas"),
+        ("applications", 0, "args", "encoder", "colocated"),
         (*deployments, llm, "ray_actor_options", "num_cpus"), (*deployments, llm, "ray_actor_options", "num_gpus"),
         (*deployments, llm, "ray_actor_options", "resources"),
     }  # fmt: skip
-    app = served["applications"][0]
-    AppArgs.model_validate({**app["args"], "model": str(ROOT / local["applications"][0]["args"]["model"])})
+    args = AppArgs.model_validate({**app["args"], "model": str(ROOT / local["applications"][0]["args"]["model"])})
+    assert not args.encoder.colocated  # encoders on the GPU group of their own
 
 
 def test_gpu_worker_groups_offer_what_the_replicas_ask_for():

@@ -143,13 +143,16 @@ class OneMachine:
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
 
     def config(self) -> dict:
-        """serve_config.yaml as bench/peer_servers.py rewrites it, with the README's deployments."""
-        config, _ = ours_config(self.checkpoint, self.ports["http"], {"llm": {"max_model_len": 1024}})
+        """serve_config.yaml as bench/peer_servers.py rewrites it, with the README's args and deployments (its
+        entries replace those of the same name, or are added)."""
+        changes = yaml.safe_load(readme_block("yaml"))
+        args = {**changes["args"], "llm": {"max_model_len": 1024}}
+        entries = {change["name"]: change for change in changes["deployments"]}
+        config, _ = ours_config(self.checkpoint, self.ports["http"], args, entries)
         config["proxy_location"] = "HeadOnly"
-        deployments = {d["name"]: d for d in config["applications"][0]["deployments"]}
-        for change in yaml.safe_load(readme_block("yaml")):
-            deployments[change["name"]].update({**change, "ray_actor_options": {**change["ray_actor_options"]}})
-            deployments[change["name"]]["ray_actor_options"]["num_gpus"] = 0
+        for entry in config["applications"][0]["deployments"]:
+            if entry["name"] in entries:
+                entry["ray_actor_options"]["num_gpus"] = 0
         return config
 
     def token(self) -> str:
@@ -180,7 +183,7 @@ def serves_and_places(cluster: OneMachine) -> None:
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None, r.text
     nodes = httpx.get(f"{cluster.dashboard}/api/v0/nodes", headers=headers, timeout=30).json()
     resources = {n["node_id"]: n["resources_total"] for n in nodes["data"]["result"]["result"]}
-    for change in yaml.safe_load(readme_block("yaml")):
+    for change in yaml.safe_load(readme_block("yaml"))["deployments"]:
         (wanted,) = change["ray_actor_options"]["resources"]  # the custom resource of its kind of node
         replicas = app["deployments"][change["name"]]["replicas"]
         assert replicas and all(wanted in resources[r["node_id"]] for r in replicas), (change, replicas, resources)

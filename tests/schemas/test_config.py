@@ -22,9 +22,7 @@ def test_shipped_serve_config_is_valid():
     args = AppArgs.model_validate({**app["args"], "model": str(ROOT / app["args"]["model"])})
     assert args.device == "auto" and args.limits.max_images_per_request == 8
     names = {d["name"] for d in app["deployments"]}
-    assert names == {"Ingress", "Encoder", "EmbeddingCache", "LLM"}  # exactly what build_app binds
-    encoder = next(d for d in app["deployments"] if d["name"] == "Encoder")
-    assert encoder["autoscaling_config"]["upscale_delay_s"] < 30  # tuned for reaction time, not Ray's defaults
+    assert args.encoder.colocated and names == {"Ingress", "LLM"}  # exactly what build_app binds, colocated
 
 
 def test_unknown_keys_and_bad_model_are_refused(checkpoint, tmp_path):
