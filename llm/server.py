@@ -200,7 +200,11 @@ class LLM:
                 self.vision_cache.put(key, embeds)
             return embeds
 
-        return list(await asyncio.gather(*(one(i, data) for i, data in enumerate(images))))
+        self.engine.encoding += 1  # the engine's CPU rule leaves the cores to the encoding meanwhile (engine.py)
+        try:
+            return list(await asyncio.gather(*(one(i, data) for i, data in enumerate(images))))
+        finally:
+            self.engine.encoding -= 1
 
     async def stats(self) -> dict[str, float]:
         return {**self.engine.stats(), **self.sent, "channels_open": len(self.channels)}

@@ -99,6 +99,9 @@ class Engine:
         self._inbox: queue.SimpleQueue[Sequence | Arrival | None] = queue.SimpleQueue()
         self.delivery = Delivery()  # the streams' sinks; a step's chunks go to each event loop in one callback
         self._queued = 0  # in the inbox or waiting; read on the event loop, approximate is fine
+        # Images a colocated encoder here is encoding (the event loop counts them): to the CPU rule its threads are
+        # this process's own time, and its images come before their sequences, so no step would await them
+        self.encoding = 0
         self._ids = itertools.count()
         self.dead: BaseException | None = None  # set when a tensor-parallel rank is lost: the replica must restart
         self._closing = False
@@ -172,7 +175,7 @@ class Engine:
             if self._in_flight is not None:  # its tokens come in next (after the step ahead of it is launched)
                 chunks = self._in_flight[0]
             else:
-                awaits = threads is not None and self.scheduler.awaits_images
+                awaits = threads is not None and (self.scheduler.awaits_images or self.encoding > 0)
                 chunks = self.scheduler.schedule(threads.budget(awaits) if threads is not None else None)
                 stalled = not chunks
                 if threads is not None and chunks:

@@ -229,3 +229,44 @@ def test_steps_keep_cpu_threads_while_an_encoder_works_for_the_engine(
     assert seen[3] == (2, image_at, len(inp.prompt_token_ids) - image_at)  # the rest, the image there: two threads
     assert seen[4:] == [(1, len(inp.prompt_token_ids), 1)]  # the decode step: one
     engine.close()
+
+
+def test_steps_keep_cpu_threads_while_a_colocated_encoder_encodes(
+    one_thread_process_wide, model, reference, monkeypatch
+):
+    """A colocated encoder's threads are this process's own time, so the load looks idle while it encodes, and its
+    images are encoded before their sequences reach the engine: the LLM replica counts them in `engine.encoding`,
+    and meanwhile the steps keep to cpu_threads and cpu_threads_max_rows, as while an image is awaited."""
+    monkeypatch.setattr("llm.engine.threads.CoresFollowLoad", _Idle)
+    engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2, cpu_threads_max_rows=3)
+    engine.encoding = 1
+    assert _generate_seeing_threads(engine, max_tokens=2)[1] == [1, 1]
+    engine.encoding = 0
+    assert _generate_seeing_threads(engine, max_tokens=2)[1] == [2, 1]
+    engine.close()
+
+
+def test_the_llm_replica_counts_its_colocated_encodes():
+    """`engine.encoding` is up while the colocated encoder works on a request's images, and down after, failed or
+    not."""
+    from types import SimpleNamespace
+
+    from encoders.cache import EmbeddingLRU
+    from llm.server import LLM
+
+    seen = []
+
+    class Vision:
+        async def encode(self, data: bytes) -> torch.Tensor:
+            seen.append(replica.engine.encoding)
+            if data == b"bad":
+                raise RuntimeError("broken")
+            return torch.zeros(1, 2)
+
+    replica = SimpleNamespace(engine=SimpleNamespace(encoding=0), vision=Vision(), vision_cache=EmbeddingLRU(1 << 20))
+    encode_here = LLM.func_or_class._encode_here
+    assert len(asyncio.run(encode_here(replica, [b"a", b"b"], []))) == 2
+    assert seen == [1, 1] and replica.engine.encoding == 0
+    with pytest.raises(RuntimeError, match="broken"):
+        asyncio.run(encode_here(replica, [b"bad"], []))
+    assert replica.engine.encoding == 0
