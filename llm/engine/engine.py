@@ -99,8 +99,8 @@ class Engine:
         self._inbox: queue.SimpleQueue[Sequence | Arrival | None] = queue.SimpleQueue()
         self.delivery = Delivery()  # the streams' sinks; a step's chunks go to each event loop in one callback
         self._queued = 0  # in the inbox or waiting; read on the event loop, approximate is fine
-        # Images a colocated encoder here is encoding (the event loop counts them): to the CPU rule its threads are
-        # this process's own time, and its images come before their sequences, so no step would await them
+        # Requests whose images a colocated encoder here is encoding (counted on the event loop): to the CPU rule its
+        # threads are this process's own time, and its images come before their sequences, so no step awaits them
         self.encoding = 0
         self._ids = itertools.count()
         self.dead: BaseException | None = None  # set when a tensor-parallel rank is lost: the replica must restart
