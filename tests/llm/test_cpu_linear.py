@@ -188,6 +188,7 @@ print(rss_mib() - start)
 """
 
 
+@pytest.mark.slow  # a fresh interpreter, 190 row counts x 4 weights (9-14 s)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packed_linears_memory_stays_bounded_over_many_row_counts(dtype):
     if not cpu_kernels.can_pack(getattr(torch, dtype)):

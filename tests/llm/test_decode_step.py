@@ -109,6 +109,7 @@ class _NoHostSync(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow  # torch.compile of the whole step (~40 s on 2 cores)
 def test_the_step_has_no_host_sync_and_compiles_to_one_graph(model):
     starts = [3, 10, 40]
     with torch.inference_mode():

@@ -204,6 +204,7 @@ t.join()
 """
 
 
+@pytest.mark.slow  # three fresh interpreters (~11 s)
 def test_the_process_exits_cleanly_whatever_the_helper_holds(kernels):
     # Seen before callers kept their jobs: the helper dropped a job's last tensor reference while the interpreter shut
     # down, torch's hand-back of the tensor's Python object ended the thread, and the process aborted (std::terminate)
