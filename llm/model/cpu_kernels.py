@@ -145,10 +145,10 @@ def can_pack(dtype: torch.dtype = torch.float32) -> bool:
 
 def panels_for(weight: torch.Tensor) -> bool:
     """Whether `pack_chunks` lays `weight` out in panels for our float32 GEMM (cpu_gemm.h) instead of oneDNN's layout:
-    float32, a kernel build with AVX2 but not AVX-512 (oneDNN's kernels there are twice as wide; not measured against
-    ours), and output features a multiple of 16. On this project's AVX2 VM it took 0.57-0.64x oneDNN's time on the
-    bench model's linears at 1-32 rows, streamed from memory as a decode step does, 0.79x at 64, 0.9x at 256-1,024
-    (`make bench-kernels`)."""
+    float32, a kernel build with AVX2 but not AVX-512, and output features a multiple of 16. On this project's AVX2 VM
+    it took 0.57-0.64x oneDNN's time on the bench model's linears at 1-32 rows, streamed from memory as a decode step
+    does, 0.79x at 64, 0.9x at 256-1,024 (`make bench-kernels`); on an AVX-512 Xeon, where oneDNN's kernels are twice
+    as wide, 0.96x at 1 row and 1.07-2.08x at 8-1,024 (BENCHMARKS.md, 2026-11-28 14:17 UTC)."""
     return weight.dtype == torch.float32 and _our_gemm() and weight.shape[0] % 16 == 0
 
 
