@@ -29,6 +29,7 @@ python3 -c "from llm.model import cpu_kernels; cpu_kernels.load()" > "$OUT/cpu_k
 # A part whose limit is 0 is left out; DECODE_ARGS and TESTS pick what runs of the first two.
 [ "${DECODE_S:-240}" -gt 0 ] && timeout "${DECODE_S:-240}" python3 -m bench.gpu_decode ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.md"
 [ "${TESTS_S:-120}" -gt 0 ] && timeout "${TESTS_S:-120}" python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/llm/test_triton_attention.py \
-    tests/llm/test_engine.py tests/llm/test_async_decode.py tests/encoders/test_qwen2_5_vl.py tests/encoders/test_placement.py} 2>&1 | tee "$OUT/tests.log"
+    tests/llm/test_triton_fused.py tests/llm/test_engine.py tests/llm/test_async_decode.py tests/encoders/test_qwen2_5_vl.py \
+    tests/encoders/test_placement.py} 2>&1 | tee "$OUT/tests.log"
 [ "${ENCODER_S:-100}" -gt 0 ] && timeout "${ENCODER_S:-100}" python3 -m bench.gpu_encoder 2>&1 | tee "$OUT/encoder.md"
 wait

@@ -7,8 +7,9 @@ Qwen2-VL-2B-shaped random checkpoint in bfloat16 against the memory-bandwidth li
    cuda bfloat16 generates.
 2. A random checkpoint of Qwen2-VL-2B's language-model shape (hidden 1536, 28 layers, 12 heads on 2 KV heads,
    FFN 8960; our 1k-token vocabulary, so no 150k-row embedding or lm_head), bfloat16 on cuda. B concurrent
-   text requests (128 prompt tokens, `--output-len` tokens with ignore_eos) through the Engine, eager (the step
-   before issue 19), with CUDA graphs, with graphs launched ahead, and compiled. Decode reads every weight and the
+   text requests (128 prompt tokens, `--output-len` tokens with ignore_eos) through the Engine, eager (no static
+   step), with CUDA graphs launched ahead using torch's small ops ("unfused") and the layers' fused Triton kernels
+   ("ahead"), and compiled; "graphs" (not launched ahead) on request. Decode reads every weight and the
    batch's KV once per step, so the limit is steps/s = HBM bandwidth / (weight bytes + mean KV bytes of a step); the
    bandwidth is measured here (a device-to-device copy, bytes read + written). Prints a markdown table.
 3. The torch profiler over the same engine: kernel launches (cudaLaunchKernel and kin, cudaGraphLaunch), kernels
@@ -32,6 +33,7 @@ import torch
 
 from demo.build_tiny import build_checkpoint
 from llm import Engine, EngineConfig, Qwen2LM
+from llm.model import triton_fused
 from schemas import GenerateRequest, SamplingParams
 
 SHAPES = {
@@ -40,17 +42,19 @@ SHAPES = {
     "tiny": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
                  vision_embed_dim=32, vision_depth=1, vision_heads=2, init_std=0.02),
 }  # fmt: skip
-# mode: (static_decode, cuda_graphs, compile_decode, async_decode); "ahead": each decode step launched before the
-# last one's tokens reach the host (the default on cuda), "graphs" without that
-MODES = {"eager": (False, False, False, False), "static": (True, False, False, False),
-         "graphs": (True, True, False, False), "ahead": (True, True, False, True),
-         "compiled": (True, True, True, True)}  # fmt: skip
+# mode: (static_decode, cuda_graphs, compile_decode, async_decode, the fused Triton kernels of the layers); "ahead":
+# each decode step launched before the last one's tokens reach the host (the default on cuda), "graphs" without that;
+# "unfused": ahead with torch's ops where llm/model/triton_fused.py has kernels (the step before them)
+MODES = {"eager": (False, False, False, False, True), "static": (True, False, False, False, True),
+         "graphs": (True, True, False, False, True), "ahead": (True, True, False, True, True),
+         "unfused": (True, True, False, True, False), "compiled": (True, True, True, True, True)}  # fmt: skip
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 PROMPT = 128
 
 
 def _engine(model: Qwen2LM, blocks: int, max_seqs: int, mode: str) -> Engine:
-    static, graphs, compiled, ahead = MODES[mode]
+    static, graphs, compiled, ahead, _ = MODES[mode]
+    _use_kernels(mode)
     config = EngineConfig(
         max_model_len=2048,
         num_blocks=blocks,
@@ -65,6 +69,11 @@ def _engine(model: Qwen2LM, blocks: int, max_seqs: int, mode: str) -> Engine:
         async_decode=ahead,
     )
     return Engine(model, config, image_token_id=-1, merge_size=2, eos_token_ids=set())
+
+
+def _use_kernels(mode: str) -> None:
+    """The fused kernels on or off for what runs next (a graph keeps what its capture saw)."""
+    triton_fused.enabled = MODES[mode][4]
 
 
 async def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -173,6 +182,7 @@ def launches(engines: dict, device: str, b: int, k: int = 16, top: int = 10) -> 
     g, tops = torch.Generator().manual_seed(2), {}
     for mode, engine in engines.items():  # fresh prompts each run: no prefix-cache hits
         seen, names = [], []
+        _use_kernels(mode)
         for tokens in (1, 1 + k):
             with profile(activities=activities) as prof:
                 t = time.perf_counter()
@@ -209,14 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-batch", type=int, default=8)
     p.add_argument("--parts", default="check,decode,launches")
     p.add_argument("--check-modes", default=",".join(MODES), help="of the check (cuda)")
-    p.add_argument("--modes", help="of the decode table; default eager,graphs,ahead,compiled (cpu: eager,static,ahead)")
+    p.add_argument("--modes", help="of the decode table; default eager,unfused,ahead,compiled (cpu: eager,static,ahead)")
     args = p.parse_args(argv)
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("llm.engine.decode_step").setLevel(logging.INFO)  # compile and capture times
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA device (or --device cpu --shape tiny)")
         return 2
-    default = "eager,graphs,ahead,compiled" if args.device == "cuda" else "eager,static,ahead"
+    default = "eager,unfused,ahead,compiled" if args.device == "cuda" else "eager,static,ahead"
     modes = (args.modes or default).split(",")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     failed, engines = 0, {}

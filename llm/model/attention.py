@@ -133,15 +133,22 @@ kv_write = torch.library.custom_op("llm::kv_write", write_kv, mutates_args=("kv_
 
 
 def paged_attention(
-    q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, meta: BatchMeta | StaticMeta, scale: float
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: BatchMeta | StaticMeta,
+    scale: float,
+    written: bool = False,
 ) -> torch.Tensor:
     """q (T, nh, hd); kv (T, 2 * nkv, hd): the new tokens' keys then values; kv_cache (2 * nkv, num_blocks,
     block_size, hd): keys of the nkv heads, then their values -> (T, nh, hd). The new keys and values go into the
-    cache in one write; a step's gathers read keys and values of all heads in one index_select."""
+    cache in one write (unless `written`: the caller's kernel did it); a step's gathers read keys and values of all
+    heads in one index_select."""
     two_nkv, hd = kv.shape[1], kv.shape[2]
     nkv = two_nkv // 2
-    write = kv_write if torch.compiler.is_compiling() else write_kv  # in place either way (see kv_write)
-    write(kv_cache, meta.slot_mapping, kv)
+    if not written:
+        write = kv_write if torch.compiler.is_compiling() else write_kv  # in place either way (see kv_write)
+        write(kv_cache, meta.slot_mapping, kv)
     if isinstance(meta, StaticMeta):  # the blocks read in place (Triton on cuda), a static shape for CUDA graphs
         return paged_decode_attention(q, kv_cache[:nkv], kv_cache[nkv:], meta.block_tables, meta.context_lens, scale)
     # NOTE: blocks as rows of a 3-D view: index_select copies whole rows, several times faster on CPU than

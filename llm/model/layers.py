@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llm.model import cpu_kernels, hugepages
+from llm.model import cpu_kernels, hugepages, triton_fused
 from llm.model.attention import BatchMeta, paged_attention
 from llm.model.parallel import TPGroup
 
@@ -32,6 +32,8 @@ class RMSNorm(nn.Module):
         into the norm: one op with the CPU kernels, two without)."""
         if cpu_kernels.on(x):
             return cpu_kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        if triton_fused.on(x):
+            return triton_fused.add_rms_norm(x, delta, self.weight, self.eps)
         if delta is not None:
             x.add_(delta)
         return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one op (float32 inside)
@@ -150,8 +152,12 @@ class Attention(nn.Module):
     def forward(self, x, cis, kv_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x).view(T, self.nh + 2 * self.nkv, self.hd)  # (T, nh + 2nkv, hd)
-        Rotary.apply_(qkv, cis)
-        out = paged_attention(qkv[:, : self.nh], qkv[:, self.nh :], kv_cache, meta, scale=1.0)  # (T, nh, hd)
+        fused = triton_fused.on(qkv)
+        if fused:  # one kernel rotates and writes the new keys and values into the cache
+            triton_fused.rope_kv_write_(qkv, cis, kv_cache, meta.slot_mapping)
+        else:
+            Rotary.apply_(qkv, cis)
+        out = paged_attention(qkv[:, : self.nh], qkv[:, self.nh :], kv_cache, meta, 1.0, written=fused)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, self.nh * self.hd))  # (T, D)
 
 
@@ -164,6 +170,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2I)
+        if triton_fused.on(gate_up):
+            return self.down_proj(triton_fused.silu_mul(gate_up))
         return self.down_proj(F.silu(gate_up[:, : self.inter]).mul_(gate_up[:, self.inter :]))
 
 

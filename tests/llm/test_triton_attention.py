@@ -161,7 +161,7 @@ def test_default_num_splits_depends_on_shapes_only():
     assert all(s & (s - 1) == 0 for s in (default_num_splits(b, 2, 100, cpu) for b in range(1, 70)))
 
 
-TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32"}
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32", torch.int64: "i64"}
 
 
 def compile_for_h100(kernel, pointers: dict, constexprs: dict):
@@ -171,7 +171,7 @@ def compile_for_h100(kernel, pointers: dict, constexprs: dict):
 
     options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
     signature = {
-        name: ("*" + TYPES[pointers[name]] if name in pointers else "fp32" if name == "scale" else "i32")
+        name: ("*" + TYPES[pointers[name]] if name in pointers else "fp32" if name in ("scale", "eps") else "i32")
         for name in kernel.arg_names
         if name not in constexprs
     }

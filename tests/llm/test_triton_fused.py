@@ -1,0 +1,183 @@
+"""The layer's fused Triton kernels (llm/model/triton_fused.py) against the torch ops they replace: each kernel alone,
+then a whole decode step and a prefill with the kernels against without; in Triton's interpreter on CPU (a child
+pytest, as in test_triton_attention.py), compiled on cuda when there is one, and compiled for an H100 without one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
+
+from bench.op_count import OpCount
+from llm.model import triton_attention, triton_fused
+from llm.model.attention import BatchMeta, ChunkSpec, StaticMeta, write_kv
+from llm.model.layers import Rotary
+from tests.llm.test_triton_attention import compile_for_h100
+
+INTERPRETED = triton_attention._INTERPRETED
+needs_triton = pytest.mark.skipif(triton_attention.triton is None, reason="triton is not installed")
+in_child = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_fused_cases_pass_in_the_triton_interpreter"
+)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _tol(dtype):
+    """bfloat16: two roundings apart at most (an ulp is 2**-8 relative; the interpreter rounds to bfloat16 by
+    truncation, a GPU to nearest)."""
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def check_add_rms_norm(device, dtype, T=5, D=200):
+    gen = torch.Generator().manual_seed(0)
+    x, delta, w = (torch.randn(*shape, generator=gen).to(device, dtype) for shape in ((T, D), (T, D), (D,)))
+    for d in (None, delta):
+        ours_x, want_x = x.clone(), x.clone()
+        out = triton_fused.add_rms_norm(ours_x, d, w, 1e-6)
+        if d is not None:
+            want_x.add_(d)
+        h = want_x.float()
+        want = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) * w  # transformers' Qwen2RMSNorm
+        exact = dtype == torch.float32 or device == "cuda"  # the residual stream, rounded alike
+        torch.testing.assert_close(ours_x, want_x, **(dict(atol=0, rtol=0) if exact else _tol(dtype)))
+        torch.testing.assert_close(out, want, **_tol(dtype))
+
+
+def check_rope_kv_write(device, dtype, nh=4, nkv=2, hd=16, T=3, block_size=4, num_blocks=6):
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(T, nh + 2 * nkv, hd, generator=gen).to(device, dtype)
+    rotary = Rotary(hd, 10000.0, 64, (2, 3, 3), device)
+    positions = torch.tensor([[3, 9, 40], [3, 11, 40], [3, 2, 40]], device=device)  # (3, T): M-RoPE, axes differ
+    cis = rotary.step(positions, nh, nkv)
+    slots = torch.tensor([5, 17, 2], device=device)  # scattered through the blocks
+    cache = torch.full((2 * nkv, num_blocks, block_size, hd), float("nan"), dtype=dtype, device=device)
+    ours_qkv, want_qkv, want_cache = qkv.clone(), qkv.clone(), cache.clone()
+    triton_fused.rope_kv_write_(ours_qkv, cis, cache, slots)
+    Rotary.apply_(want_qkv, cis)
+    write_kv(want_cache, slots, want_qkv[:, nh:])
+    torch.testing.assert_close(ours_qkv, want_qkv, **_tol(dtype))
+    torch.testing.assert_close(cache, want_cache, equal_nan=True, **_tol(dtype))  # every other slot still NaN
+
+
+def check_silu_mul(device, dtype, T=3, inter=1500):
+    gate_up = (torch.randn(T, 2 * inter, generator=torch.Generator().manual_seed(2)) * 4).to(device, dtype)
+    want = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+    torch.testing.assert_close(triton_fused.silu_mul(gate_up), want, **_tol(dtype))
+
+
+def tiny_model():
+    from demo.build_tiny import build_checkpoint
+    from llm import Qwen2LM
+
+    with tempfile.TemporaryDirectory() as d:
+        return Qwen2LM.from_pretrained(build_checkpoint(d, seed=3, init_std=0.5))
+
+
+@needs_triton
+@pytest.mark.slow
+def test_fused_cases_pass_in_the_triton_interpreter():
+    if INTERPRETED:
+        pytest.skip("this is the child")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "--noconftest"]
+    cmd += ["-k", "in_interpreter"]
+    child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    report = child.stdout[-6000:] + child.stderr[-2000:]
+    assert child.returncode == 0, report
+    assert " passed" in report and " failed" not in report and " skipped" not in report, report
+
+
+@in_child
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("check", [check_add_rms_norm, check_rope_kv_write, check_silu_mul])
+def test_kernel_in_interpreter(check, dtype):
+    check("cpu", dtype)
+
+
+class _Counted:
+    """A Triton kernel whose launches are counted, run outside the dispatch mode (the interpreter runs aten ops of
+    its own, which a GPU launch does not)."""
+
+    def __init__(self, kernel, counter: list[int]):
+        self.kernel, self.counter = kernel, counter
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.counter[0] += 1
+            with _disable_current_modes():
+                return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@in_child
+def test_model_with_the_kernels_equals_without_in_interpreter(monkeypatch):
+    """A prefill of two sequences, then a static decode step (Triton attention) of both: hidden states and cache with
+    the fused kernels equal torch's ops; and a decoder layer's decode step launches at most 10 ops and kernels
+    (14 without in float32, 18 in bfloat16 on cuda, where RoPE takes three)."""
+    model = tiny_model()
+    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    results, per_layer, launches = [], {}, [0]
+    for module, names in ((triton_fused, ("_add_rms_norm_kernel", "_rope_kv_kernel", "_silu_mul_kernel")),
+                          (triton_attention, ("_split_kernel", "_combine_kernel"))):  # fmt: skip
+        for name in names:
+            monkeypatch.setattr(module, name, _Counted(getattr(module, name), launches))
+    for enabled in (True, False):
+        monkeypatch.setattr(triton_fused, "enabled", enabled)
+        cache = model.new_cache(8, 4)  # block 7: the null block
+        cache.kv.fill_(float("nan"))  # the free blocks: nothing may read them
+        with torch.inference_mode():
+            meta = BatchMeta.build([ChunkSpec([1, 3], 0, 6), ChunkSpec([2], 0, 3)], 4, x.device)
+            prefill = model(x, torch.arange(9).expand(3, -1) + 5, cache, meta)
+            static = StaticMeta(torch.tensor([14, 11]), torch.tensor([[1, 3, 7], [2, 7, 7]], dtype=torch.int32),
+                                torch.tensor([7, 4], dtype=torch.int32))  # fmt: skip
+            counts, layers = [], model.layers
+            for n in (1, 2):  # the step with one layer, then with both: the difference is one layer's
+                model.layers, before = layers[:n], launches[0]
+                with OpCount() as ops:
+                    decode = model(x[:2], torch.tensor([[11, 14]]).expand(3, -1), cache, static)
+                counts.append(ops.n + launches[0] - before)
+            model.layers = layers
+        results.append((prefill, decode, cache.kv[:, :, :7]))
+        per_layer[enabled] = counts[1] - counts[0]
+    for ours, want in zip(*results, strict=True):
+        torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert results[0][1].isfinite().all()
+    assert per_layer == {True: 10, False: 14}, per_layer
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_kernels_compile_for_h100(dtype):
+    """Without a GPU: each kernel compiles for sm_90 (a typo in a kernel fails here, not on the first GPU run)."""
+    if INTERPRETED:
+        pytest.skip("interpreted kernels do not compile")
+    i64 = torch.int64
+    compile_for_h100(
+        triton_fused._add_rms_norm_kernel,
+        dict(x_ptr=dtype, delta_ptr=dtype, w_ptr=dtype, out_ptr=dtype),
+        dict(HAS_DELTA=True, BLOCK=2048, num_warps=4),
+    )
+    compile_for_h100(
+        triton_fused._rope_kv_kernel,
+        dict(qkv_ptr=dtype, cis_ptr=torch.float32, cache_ptr=dtype, slots_ptr=i64),
+        dict(NH=12, NKV=2, HALF=64, HALF_P2=64, num_warps=1),
+    )
+    compile_for_h100(
+        triton_fused._silu_mul_kernel, dict(gate_up_ptr=dtype, out_ptr=dtype), dict(BLOCK=1024, num_warps=4)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("check", [check_add_rms_norm, check_rope_kv_write, check_silu_mul])
+def test_kernel_on_cuda(check, dtype):
+    check("cuda", dtype)
