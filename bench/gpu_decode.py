@@ -219,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-batch", type=int, default=8)
     p.add_argument("--parts", default="check,decode,launches")
     p.add_argument("--check-modes", default=",".join(MODES), help="of the check (cuda)")
-    p.add_argument("--modes", help="of the decode table; default eager,unfused,ahead,compiled (cpu: eager,static,ahead)")
+    p.add_argument(
+        "--modes", help="of the decode table; default eager,unfused,ahead,compiled (cpu: eager,static,ahead)"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("llm.engine.decode_step").setLevel(logging.INFO)  # compile and capture times
