@@ -8,8 +8,9 @@ Qwen2-VL-2B-shaped random checkpoint in bfloat16 against the memory-bandwidth li
 2. A random checkpoint of Qwen2-VL-2B's language-model shape (hidden 1536, 28 layers, 12 heads on 2 KV heads,
    FFN 8960; our 1k-token vocabulary, so no 150k-row embedding or lm_head), bfloat16 on cuda. B concurrent
    text requests (128 prompt tokens, `--output-len` tokens with ignore_eos) through the Engine, eager (no static
-   step), with CUDA graphs launched ahead using torch's small ops ("unfused") and the layers' fused Triton kernels
-   ("ahead"), and compiled; "graphs" (not launched ahead) on request. Decode reads every weight and the
+   step), with CUDA graphs launched ahead using torch's small ops and cuBLAS ("unfused"), the layers' fused Triton
+   kernels and cuBLAS ("cublas"), and those with triton_gemm's small GEMMs ("ahead"), and compiled; "graphs" (not
+   launched ahead) on request. Decode reads every weight and the
    batch's KV once per step, so the limit is steps/s = HBM bandwidth / (weight bytes + mean KV bytes of a step); the
    bandwidth is measured here (a device-to-device copy, bytes read + written). Prints a markdown table.
 3. The torch profiler over the same engine: kernel launches (cudaLaunchKernel and kin, cudaGraphLaunch), kernels
@@ -33,7 +34,7 @@ import torch
 
 from demo.build_tiny import build_checkpoint
 from llm import Engine, EngineConfig, Qwen2LM
-from llm.model import triton_fused
+from llm.model import triton_fused, triton_gemm
 from schemas import GenerateRequest, SamplingParams
 
 SHAPES = {
@@ -42,12 +43,14 @@ SHAPES = {
     "tiny": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
                  vision_embed_dim=32, vision_depth=1, vision_heads=2, init_std=0.02),
 }  # fmt: skip
-# mode: (static_decode, cuda_graphs, compile_decode, async_decode, the fused Triton kernels of the layers); "ahead":
-# each decode step launched before the last one's tokens reach the host (the default on cuda), "graphs" without that;
-# "unfused": ahead with torch's ops where llm/model/triton_fused.py has kernels (the step before them)
-MODES = {"eager": (False, False, False, False, True), "static": (True, False, False, False, True),
-         "graphs": (True, True, False, False, True), "ahead": (True, True, False, True, True),
-         "unfused": (True, True, False, True, False), "compiled": (True, True, True, True, True)}  # fmt: skip
+# mode: (static_decode, cuda_graphs, compile_decode, async_decode, the layers' Triton kernels: "all", "fused" (not
+# triton_gemm's) or "none"); "ahead": each decode step launched before the last one's tokens reach the host (the
+# default on cuda), "graphs" without that; "cublas": ahead with every GEMM by cuBLAS; "unfused": also torch's small ops
+# where llm/model/triton_fused.py has kernels (the step before both)
+MODES = {"eager": (False, False, False, False, "all"), "static": (True, False, False, False, "all"),
+         "graphs": (True, True, False, False, "all"), "ahead": (True, True, False, True, "all"),
+         "cublas": (True, True, False, True, "fused"), "unfused": (True, True, False, True, "none"),
+         "compiled": (True, True, True, True, "all")}  # fmt: skip
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 PROMPT = 128
 
@@ -73,7 +76,7 @@ def _engine(model: Qwen2LM, blocks: int, max_seqs: int, mode: str) -> Engine:
 
 def _use_kernels(mode: str) -> None:
     """The fused kernels on or off for what runs next (a graph keeps what its capture saw)."""
-    triton_fused.enabled = MODES[mode][4]
+    triton_fused.enabled, triton_gemm.enabled = MODES[mode][4] != "none", MODES[mode][4] == "all"
 
 
 async def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -220,15 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="check,decode,launches")
     p.add_argument("--check-modes", default=",".join(MODES), help="of the check (cuda)")
     p.add_argument(
-        "--modes", help="of the decode table; default eager,unfused,ahead,compiled (cpu: eager,static,ahead)"
+        "--modes", help="of the decode table; default eager,unfused,cublas,ahead,compiled (cpu: eager,static,ahead)"
     )
     args = p.parse_args(argv)
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("llm.engine.decode_step").setLevel(logging.INFO)  # compile and capture times
+    logging.getLogger("llm.model.triton_gemm").setLevel(logging.INFO)  # which GEMMs run ours, and their times
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA device (or --device cpu --shape tiny)")
         return 2
-    default = "eager,unfused,ahead,compiled" if args.device == "cuda" else "eager,static,ahead"
+    default = "eager,unfused,cublas,ahead,compiled" if args.device == "cuda" else "eager,static,ahead"
     modes = (args.modes or default).split(",")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     failed, engines = 0, {}

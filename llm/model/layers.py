@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llm.model import cpu_kernels, hugepages, triton_fused
+from llm.model import cpu_kernels, hugepages, triton_fused, triton_gemm
 from llm.model.attention import BatchMeta, paged_attention
 from llm.model.parallel import TPGroup
 
@@ -97,7 +97,15 @@ class Linear(nn.Linear):
     packed: tuple[torch.Tensor, ...] | None = None  # the weight's packed column chunks (one unless shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.linear(x, self.weight, self.bias, self.packed)
+        return _linear(x, self.weight, self.bias, self.packed)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
+    """A decode step's few rows on cuda by triton_gemm (where it measured faster than cuBLAS); else the CPU kernels'
+    or torch's linear."""
+    if triton_gemm.on(x, weight):
+        return triton_gemm.linear(x, weight, bias)
+    return cpu_kernels.linear(x, weight, bias, packed)
 
 
 def pack_linears(model: nn.Module, chunks: int = 1) -> int:
@@ -135,8 +143,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return cpu_kernels.linear(x, self.weight, self.bias, self.packed)
-        y = self.tp.all_reduce(cpu_kernels.linear(x, self.weight, None, self.packed))  # (T, out)
+            return _linear(x, self.weight, self.bias, self.packed)
+        y = self.tp.all_reduce(_linear(x, self.weight, None, self.packed))  # (T, out)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,0 +1,180 @@
+"""The decode step's GEMMs of few rows (at most 16) on cuda: a Triton kernel where it measures faster than cuBLAS.
+
+At batch 1-16 a decode step's linears are matrix-vector products that stream the weight once; cuBLAS's kernels for
+them reached 0.75-1.2 TB/s on the 2B-shaped model's q/k/v and o projections on an H200 (of ~4 TB/s: a few CTAs for
+a 2048-row weight), 2.3 TB/s on down_proj (split-K plus a reduce kernel) and 3.1 on gate_up (BENCHMARKS.md, GPU).
+
+The kernel: a program per BLOCK_N output columns and per K split; the rows padded to 16 (the smallest `tl.dot` tile)
+by masked loads; the weight streamed in (BLOCK_N, BLOCK_K) tiles, a float32 accumulator. With SPLIT_K > 1 each
+program writes its partial sum to a float32 workspace and the last of a column block's programs to arrive (an atomic
+counter, reset by that program, so a CUDA graph replays it) sums them, adds the bias and writes the output: one kernel
+where cuBLAS's split-K takes two. (Split-K with a semaphore and in-kernel fix-up as in CUTLASS's and stream-K's GEMMs.)
+
+Which runs is measured, not guessed: at the first call for a weight shape (N, K) and dtype, each config below that
+agrees with `F.linear` on that call's input, and `F.linear` itself, run 20 times inside a CUDA graph (what a decode
+step replays); the fastest is kept for the process and logged. Never during a graph capture (that call uses
+F.linear and decides nothing), never for float32 (cuBLAS keeps the reference numerics), never under torch.compile.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from llm.model.triton_attention import _INTERPRETED, triton
+
+if triton is not None:
+    import triton.language as tl
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 16
+enabled = True  # bench/gpu_decode.py turns it off to time cuBLAS alone
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
+CONFIGS = ((16, 256, 1, 4, 4), (32, 256, 1, 4, 4), (64, 128, 1, 4, 4), (16, 512, 1, 4, 3), (16, 256, 2, 4, 4),
+           (16, 256, 4, 4, 4), (32, 256, 4, 4, 4), (16, 256, 8, 4, 4))  # fmt: skip
+_choice: dict[tuple[int, int, torch.dtype], tuple[int, ...] | None] = {}  # None: F.linear
+_counters: dict[torch.device, torch.Tensor] = {}  # per device, never reallocated (captured graphs hold them)
+_COUNTERS = 1 << 15  # column blocks at most: 524k output columns at BLOCK_N 16
+
+
+def on(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this linear may use the kernel: 16-bit, at most 16 rows, on cuda (on CPU in Triton's interpreter)."""
+    return (
+        enabled
+        and triton is not None
+        and (x.device.type == "cuda" or _INTERPRETED)
+        and x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.stride(1) == weight.stride(1) == 1
+        and -(-weight.shape[0] // 16) <= _COUNTERS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and not torch.compiler.is_compiling()
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _small_gemm_kernel(
+        x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        n_block, split = tl.program_id(0), tl.program_id(1)
+        cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, 16)
+        is_col, is_row = cols < N, rows < M
+        k_len = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # whole tiles per split
+        k_start = split * k_len
+        k_end = tl.minimum(k_start + k_len, K)
+        acc = tl.full([16, BLOCK_N], 0.0, tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            is_k = ks < k_end
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=is_row[:, None] & is_k[None, :], other=0.0
+            )
+            w = tl.load(
+                w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0
+            )
+            if UPCAST:  # the interpreter cannot multiply 16-bit floats
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc += tl.dot(x, tl.trans(w))  # (16, BLOCK_N)
+        if SPLIT_K == 1:
+            _finish(acc, b_ptr, y_ptr, rows, cols, is_row, is_col, stride_ym, HAS_BIAS)
+        else:
+            part = part_ptr + (split * 16 + rows[:, None]) * N + cols[None, :]
+            tl.store(part, acc, mask=is_col[None, :])
+            tl.debug_barrier()  # every thread's partial stored before the one atomic below releases them
+            arrived = tl.atomic_add(count_ptr + n_block, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # the last program of this column block: sum the splits
+                acc = tl.full([16, BLOCK_N], 0.0, tl.float32)
+                for s in range(SPLIT_K):
+                    part = part_ptr + (s * 16 + rows[:, None]) * N + cols[None, :]
+                    acc += tl.load(part, mask=is_col[None, :], other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(count_ptr + n_block, 0)  # ready for the next launch (or graph replay)
+                _finish(acc, b_ptr, y_ptr, rows, cols, is_row, is_col, stride_ym, HAS_BIAS)
+
+    @triton.jit
+    def _finish(acc, b_ptr, y_ptr, rows, cols, is_row, is_col, stride_ym, HAS_BIAS: tl.constexpr):
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=is_col, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=is_row[:, None] & is_col[None, :])
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: tuple[int, ...]) -> torch.Tensor:
+    block_n, block_k, split_k, warps, stages = config
+    (M, K), N = x.shape, weight.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    n_blocks = -(-N // block_n)
+    part = torch.empty(split_k * 16, N, dtype=torch.float32, device=x.device) if split_k > 1 else y
+    counters = _counters.get(x.device)
+    if counters is None:  # zeros; each launch leaves them zero
+        counters = _counters[x.device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=x.device)
+    _small_gemm_kernel[(n_blocks, split_k)](
+        x, weight, weight if bias is None else bias, y, part, counters, M, N, K, x.stride(0), weight.stride(0),
+        y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        UPCAST=_INTERPRETED, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
+
+
+def _graph_us(fn, reps: int = 20) -> float:
+    """Microseconds per call of fn, replayed as a CUDA graph of `reps` calls (no host launch cost in it)."""
+    fn()  # compile, allocate
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / reps)
+    return best
+
+
+def _choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...] | None:
+    want = F.linear(x, weight, bias).float()
+    times = {None: _graph_us(lambda: F.linear(x, weight, bias))}
+    for config in CONFIGS:
+        try:
+            error = float((_launch(x, weight, bias, config).float() - want).norm() / want.norm().clamp_min(1e-30))
+            if not error < 1e-2:  # a bfloat16 rounding is 4e-3 at most: anything more is a fault, never chosen
+                raise ValueError(f"relative error {error:.2e} against F.linear")
+            times[config] = _graph_us(lambda c=config: _launch(x, weight, bias, c))
+        except Exception as e:  # noqa: BLE001 (a config that does not compile, fit or agree is left out)
+            logger.warning("small GEMM config %s left out for (%d, %d): %s", config, *weight.shape, e)
+    best = min(times, key=times.get)
+    logger.info(
+        "linear %s of %d x %d at %d rows: cuBLAS %.1f us, ours %.1f us (%s): %s",
+        weight.dtype, *weight.shape, x.shape[0], times[None], min(v for c, v in times.items() if c) if len(times) > 1
+        else float("nan"), best, "ours" if best else "cuBLAS",
+    )  # fmt: skip
+    return best
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x (M, K), weight (N, K), bias) for M <= 16, by the kernel or cuBLAS, whichever measured faster."""
+    if _INTERPRETED and x.device.type == "cpu":
+        return _launch(x, weight, bias, CONFIGS[0])
+    key = (*weight.shape, weight.dtype)
+    if key not in _choice:
+        if torch.cuda.is_current_stream_capturing():
+            return F.linear(x, weight, bias)
+        _choice[key] = _choose(x, weight, bias)
+    config = _choice[key]
+    return F.linear(x, weight, bias) if config is None else _launch(x, weight, bias, config)
+
+
+__all__ = ["CONFIGS", "MAX_ROWS", "linear", "on"]
