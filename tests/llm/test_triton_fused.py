@@ -86,7 +86,7 @@ def check_small_gemm(device, dtype, configs=triton_gemm.CONFIGS):
             out = triton_gemm._launch(x, w, b if bias else None, config)
             assert out.dtype == dtype and out.shape == (M, N)
             torch.testing.assert_close(out.float(), want, **_tol(dtype), msg=lambda m, c=config: f"{c}: {m}")
-    assert not triton_gemm._counters[torch.device(device)].any()
+    assert not any(c.any() for c in triton_gemm._counters.values())
 
 
 def tiny_model(dtype=torch.float32):
