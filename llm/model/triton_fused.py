@@ -31,12 +31,7 @@ enabled = True
 def on(x: torch.Tensor) -> bool:
     """Whether x's small ops go to these kernels: on cuda (on CPU only in Triton's interpreter, the tests), not while
     torch.compile traces."""
-    return (
-        enabled
-        and triton is not None
-        and (x.device.type == "cuda" or _INTERPRETED)
-        and not torch.compiler.is_compiling()
-    )
+    return (x.is_cuda or _INTERPRETED) and enabled and triton is not None and not torch.compiler.is_compiling()
 
 
 if triton is not None:

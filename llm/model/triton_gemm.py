@@ -43,9 +43,9 @@ _COUNTERS = 1 << 15  # column blocks at most: 524k output columns at BLOCK_N 16
 def on(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether this linear may use the kernel: 16-bit, at most 16 rows, on cuda (on CPU in Triton's interpreter)."""
     return (
-        enabled
+        (x.is_cuda or _INTERPRETED)  # first: on CPU this is the whole cost of a linear's check
+        and enabled
         and triton is not None
-        and (x.device.type == "cuda" or _INTERPRETED)
         and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.stride(1) == weight.stride(1) == 1
