@@ -83,29 +83,23 @@ def test_reference_equals_sdpa_on_unpaged_kv(nh, nkv):
         torch.testing.assert_close(out[row], want[:, 0])
 
 
+def assert_interpreter_child_passes(test_file: str) -> None:
+    """Run test_file's `in_interpreter` tests in a child pytest under TRITON_INTERPRET=1; all must pass, none skip.
+    --noconftest: the child needs none of the suite's fixtures (checkpoints, Ray), only that file."""
+    if INTERPRETED:
+        pytest.skip("this is the child")
+    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "--noconftest"]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    child = subprocess.run([*cmd, "-k", "in_interpreter"], env=env, capture_output=True, text=True, timeout=600)
+    report = child.stdout[-6000:] + child.stderr[-2000:]
+    assert child.returncode == 0, report
+    assert " passed" in report and " failed" not in report and " skipped" not in report, report
+
+
 @needs_triton
 @pytest.mark.slow
 def test_kernel_cases_pass_in_the_triton_interpreter():
-    if INTERPRETED:
-        pytest.skip("this is the child")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    # --noconftest: the child needs none of the suite's fixtures (checkpoints, Ray), only this file
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        __file__,
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--noconftest",
-        "-k",
-        "in_interpreter",
-    ]
-    child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    report = child.stdout[-6000:] + child.stderr[-2000:]
-    assert child.returncode == 0, report
-    assert " passed" in report and " failed" not in report, report
+    assert_interpreter_child_passes(__file__)
 
 
 @in_child

@@ -6,9 +6,6 @@ for an H100 without one.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -20,7 +17,7 @@ from bench.op_count import OpCount
 from llm.model import triton_attention, triton_fused, triton_gemm
 from llm.model.attention import BatchMeta, ChunkSpec, StaticMeta, write_kv
 from llm.model.layers import Rotary
-from tests.llm.test_triton_attention import compile_for_h100
+from tests.llm.test_triton_attention import assert_interpreter_child_passes, compile_for_h100
 
 INTERPRETED = triton_attention._INTERPRETED
 needs_triton = pytest.mark.skipif(triton_attention.triton is None, reason="triton is not installed")
@@ -100,15 +97,7 @@ def tiny_model(dtype=torch.float32):
 @needs_triton
 @pytest.mark.slow
 def test_fused_cases_pass_in_the_triton_interpreter():
-    if INTERPRETED:
-        pytest.skip("this is the child")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "--noconftest"]
-    cmd += ["-k", "in_interpreter"]
-    child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    report = child.stdout[-6000:] + child.stderr[-2000:]
-    assert child.returncode == 0, report
-    assert " passed" in report and " failed" not in report and " skipped" not in report, report
+    assert_interpreter_child_passes(__file__)
 
 
 @in_child
