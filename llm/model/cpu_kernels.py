@@ -4,8 +4,8 @@ the residual add fused into RMSNorm, and RoPE. Each rounds where the torch ops i
 dtype between ops), so they compute the same thing; tests hold both paths to transformers. SiLU-mul stays torch's two
 ops: torch's vectorised exp beat a plain C++ loop (BENCHMARKS.md has what each kernel bought). Linears run on
 packed copies of their weights (`pack_chunks`): float32 on our GEMM's panels of 16 columns on AVX2 CPUs
-(cpu_gemm.h, `panels_for`), on oneDNN's layout elsewhere; bfloat16 on oneDNN where it has bfloat16 kernels for the
-CPU (AVX-512). Elsewhere a bfloat16 linear of a few rows (decode batches) goes to a kernel of ours: without them
+(cpu_gemm.h, `panels_for`), on oneDNN's layout elsewhere; bfloat16 on oneDNN where the CPU computes in bfloat16
+(AVX-512-BF16, AMX). Elsewhere a bfloat16 linear of a few rows (decode batches) goes to a kernel of ours: without them
 ATen runs bfloat16 GEMMs in a scalar fallback; ours widens each weight to float32 in registers and feeds FMAs (AVX2
 builds).
 
@@ -134,13 +134,22 @@ for _var in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
 
 def can_pack(dtype: torch.dtype = torch.float32) -> bool:
     """Whether linear weights of `dtype` get a packed copy here (`pack_chunks`): float32 where our GEMM (`panels_for`)
-    or oneDNN is built in; bfloat16 where oneDNN also has bfloat16 kernels for this CPU (AVX-512: native with
-    AVX-512-BF16), else the bfloat16 kernel of ours (`linear`) stays."""
+    or oneDNN is built in; bfloat16 where the CPU computes in bfloat16 (`native_bf16`), else the bfloat16 kernel of
+    ours (`linear`) stays."""
     if dtype == torch.float32 and _our_gemm():
         return True
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16())
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 (AVX-512-BF16 or AMX) for oneDNN. NOTE: oneDNN also takes bfloat16 on
+    AVX-512 without them (`_is_mkldnn_bf16_supported` says yes), converting in software: on such a Xeon its linears of
+    the bench model took 1.08x our kernel's time at 1 row, 1.99x at 8 and 1.79x at 32 (one thread, 2026-11-28)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported() and (
+        torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    )
 
 
 def panels_for(weight: torch.Tensor) -> bool:

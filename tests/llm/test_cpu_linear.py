@@ -127,12 +127,28 @@ def test_packed_float32_linears_equal_torch_and_run_on_the_packed_copy(float32_p
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not cpu_kernels.can_pack(torch.bfloat16), reason="oneDNN has no bfloat16 kernels for this CPU")
+ONEDNN_BF16 = (
+    cpu_kernels.can_pack() and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+)
+
+
+def test_bfloat16_weights_are_packed_only_where_the_cpu_computes_in_bfloat16(monkeypatch):
+    """oneDNN takes bfloat16 on any AVX-512 CPU, in software where the CPU has neither AVX-512-BF16 nor AMX (slower
+    than our kernel there): those keep our kernel."""
+    for avx512_bf16, amx in ((False, False), (True, False), (False, True)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert cpu_kernels.can_pack(torch.bfloat16) == (ONEDNN_BF16 and (avx512_bf16 or amx))
+
+
+@pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN has no bfloat16 kernels for this CPU")
 @pytest.mark.parametrize("T", [1, 3, 32, 200])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_bfloat16_linears_are_the_float32_product_rounded_once(T, bias):
-    """Where oneDNN has bfloat16 kernels (AVX-512), bfloat16 weights are packed too and every row count runs on them:
-    the float32 product, rounded once to bfloat16, as torch's own bfloat16 linear and our kernel compute it."""
+def test_packed_bfloat16_linears_are_the_float32_product_rounded_once(T, bias, monkeypatch):
+    """Where oneDNN takes bfloat16 (AVX-512; here as on a CPU that computes in it), bfloat16 weights are packed too and
+    every row count runs on them: the float32 product, rounded once to bfloat16, as torch's own bfloat16 linear and
+    our kernel compute it."""
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: True)
     torch.manual_seed(T)
     model = nn.Sequential(Linear(512, 1027, bias=bias), RowParallelLinear(1027, 64, bias, TPGroup())).bfloat16()
     for p in model.parameters():
@@ -191,7 +207,7 @@ print(rss_mib() - start)
 @pytest.mark.slow  # a fresh interpreter, 190 row counts x 4 weights (9-14 s)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packed_linears_memory_stays_bounded_over_many_row_counts(dtype):
-    if not cpu_kernels.can_pack(getattr(torch, dtype)):
+    if not (cpu_kernels.can_pack() if dtype == "float32" else ONEDNN_BF16):
         pytest.skip(f"this torch has no oneDNN weight packing in {dtype} here")
     # oneDNN caches a compiled primitive per row count and weight shape (cpu_kernels.ONEDNN_CACHE_ENTRIES): 150 row
     # counts x 4 weights grew a process by ~700 MiB before the caches were capped; capped, a few dozen.
