@@ -74,7 +74,7 @@ class LLMArgs(BaseModel):
     )
     cpu_packed_weights: bool = Field(
         True,
-        description="On cpu in float32, and in bfloat16 where oneDNN has bfloat16 kernels for the CPU (AVX-512): the "
+        description="On cpu in float32, and in bfloat16 where the CPU computes in bfloat16 (AVX-512-BF16, AMX): the "
         "linear layers' weights are also held in a packed layout, built at start, and the GEMMs read that (faster "
         "for decode batches): in float32 on AVX2 CPUs our GEMM's panels of 16 columns, elsewhere oneDNN's; costs a "
         "second copy of those weights in memory (false: torch's GEMM on the checkpoint's layout, and in bfloat16 our "
