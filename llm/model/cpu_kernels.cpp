@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_share.h"
 #include "cpu_simd.h"
 
 void bind_attention(py::module& m);  // cpu_attention.cpp: paged decode attention
@@ -115,28 +116,72 @@ static void rows(const float* x, const T* w, const T* bias, T* out, int64_t T_, 
   }
 }
 
+// Weight rows [j0, j1) against all the input rows, into out: output column j - j0, rows ld elements apart.
 template <typename T>
-static void linear_rows(const float* x, const T* w, const T* bias, T* out, int64_t T_, int64_t K, int64_t N) {
+static void linear_cols(const float* x, const T* w, const T* bias, T* out, int64_t T_, int64_t K, int64_t ld,
+                        int64_t j0, int64_t j1) {
   const int64_t nb = T_ <= 2 ? 4 : 2;  // one input row: more weight rows in flight; more rows: reuse each load
-  at::parallel_for(0, N / nb, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      if (nb == 4) rows<4>(x, w, bias, out, T_, K, N, b * 4);
-      else rows<2>(x, w, bias, out, T_, K, N, b * 2);
-    }
-  });
-  for (int64_t j = N / nb * nb; j < N; ++j) rows<1>(x, w, bias, out, T_, K, N, j);
+  w += j0 * K;
+  bias = bias ? bias + j0 : nullptr;
+  int64_t j = 0;
+  for (; j + nb <= j1 - j0; j += nb) {
+    if (nb == 4) rows<4>(x, w, bias, out, T_, K, ld, j);
+    else rows<2>(x, w, bias, out, T_, K, ld, j);
+  }
+  for (; j < j1 - j0; ++j) rows<1>(x, w, bias, out, T_, K, ld, j);
 }
 
+extern "C" {  // torch's own libgomp, as in cpu_linear.cpp (this file is built without -fopenmp)
+void GOMP_parallel(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
+int omp_get_thread_num();
+int omp_get_num_threads();
+}
+
+struct TeamLinear {
+  const float* x;
+  const at::BFloat16 *w, *bias;
+  at::BFloat16* out;
+  int64_t T, K, N;
+};
+
+static void team_linear(void* arg) {  // on each thread of the team: its share of whole groups of 4 weight rows
+  const auto* g = static_cast<const TeamLinear*>(arg);
+  const int64_t t = omp_get_thread_num(), n = omp_get_num_threads(), groups = (g->N + 3) / 4;
+  const int64_t j0 = std::min(g->N, groups * t / n * 4), j1 = std::min(g->N, groups * (t + 1) / n * 4);
+  linear_cols(g->x, g->w, g->bias, g->out + j0, g->T, g->K, g->N, j0, j1);
+}
+
+// NOTE: the weight rows are split as panel_linear splits its panels (cpu_linear.cpp): over the caller's OpenMP team
+// when it has one; with one thread, in up to 4 column blocks shared with the helper while it is on (cpu_share.h);
+// else alone. On one thread the kernel streamed the weights at half what two threads can pull on an AVX-512 Xeon.
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.dim() == 2 && w.is_contiguous() && x.size(1) == w.size(1) &&
               x.size(1) % 8 == 0 && (!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == w.scalar_type())));
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "bfloat16 only: float32 linears are MKL's (cpu_kernels.py)");
   const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
   const torch::Tensor xf = x.to(at::kFloat).contiguous();  // (T, K): each input row widened once
   auto out = torch::empty({T, N}, x.options());
   const float* xp = xf.data_ptr<float>();
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "bfloat16 only: float32 linears are MKL's (cpu_kernels.py)");
-  linear_rows(xp, w.data_ptr<at::BFloat16>(), bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
-              out.data_ptr<at::BFloat16>(), T, K, N);
+  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+  auto* op = out.data_ptr<at::BFloat16>();
+  const int threads = at::get_num_threads();
+  int64_t n = threads == 1 && Helper::get().enabled() ? 4 : 1;
+  while (n > 1 && (N % n || N / n % 4)) --n;  // column blocks of whole groups of 4 weight rows
+  if (T == 0 || N < 8) {
+    linear_cols(xp, wp, bp, op, T, K, N, 0, N);
+  } else if (threads > 1) {
+    TeamLinear g{xp, wp, bp, op, T, K, N};
+    GOMP_parallel(team_linear, &g, static_cast<unsigned>(std::min<int64_t>(threads, N / 4)), 0);
+  } else if (n > 1) {  // the tensors stay alive in the lambda: the helper may finish after the caller returned
+    const int64_t Nc = N / n;
+    auto run = [xf, w, bias, xp, wp, bp, T, K, Nc](int64_t i, void* into, size_t ld) {
+      linear_cols(xp, wp, bp, static_cast<at::BFloat16*>(into), T, K, static_cast<int64_t>(ld / 2), i * Nc, (i + 1) * Nc);
+    };
+    run_shared(std::make_shared<Job>(n, static_cast<size_t>(T * Nc) * 2, reinterpret_cast<char*>(op), T, N * 2, run));
+  } else {
+    linear_cols(xp, wp, bp, op, T, K, N, 0, N);
+  }
   return out;
 }
 #define HAVE_LINEAR 1

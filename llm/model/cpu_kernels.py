@@ -7,7 +7,7 @@ packed copies of their weights (`pack_chunks`): float32 on our GEMM's panels of 
 (cpu_gemm.h, `panels_for`), on oneDNN's layout elsewhere; bfloat16 on oneDNN where the CPU computes in bfloat16
 (AVX-512-BF16, AMX). Elsewhere a bfloat16 linear of a few rows (decode batches) goes to a kernel of ours: without them
 ATen runs bfloat16 GEMMs in a scalar fallback; ours widens each weight to float32 in registers and feeds FMAs (AVX2
-builds).
+builds), its weight rows split over the caller's team or shared with the helper thread as the panels are.
 
 Attention: the eager path (llm/model/attention.py) gathers every decode row's blocks into a contiguous copy, then runs
 two batched matmuls. This kernel reads each key and value once, where it lies: one task per (sequence, KV head),

@@ -43,6 +43,29 @@ def test_bf16_linear_is_the_float32_product_rounded_once(kernel, T, N, K, bias):
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-3 * K**0.5)
 
 
+@pytest.mark.parametrize("T", [1, 5, 33])
+@pytest.mark.parametrize("N", [1027, 1024, 100])
+def test_bf16_linear_split_over_a_team_or_with_the_helper_is_the_same(kernel, T, N):
+    """The weight rows split over the caller's OpenMP team, or in column blocks shared with the helper thread, give
+    the very values one thread gives (each output column is the same sum in the same order)."""
+    g = torch.Generator().manual_seed(T + N)
+    x, w, b = torch.randn(T, 256, generator=g).bfloat16(), torch.randn(N, 256, generator=g).bfloat16(), None
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernel.linear(x, w, b)
+        kernel.use_helper(True, delay_us=50)  # the helper slowed down: the caller takes some blocks over from it
+        shared = [kernel.linear(x, w, b) for _ in range(20)]
+        kernel.use_helper(False)
+        torch.set_num_threads(2)
+        team = kernel.linear(x, w, b)
+    finally:
+        kernel.use_helper(False)
+        torch.set_num_threads(threads)
+    for y in [*shared, team]:
+        torch.testing.assert_close(y, alone, atol=0, rtol=0)
+
+
 def test_what_the_kernel_does_not_take_goes_to_torch(kernel):
     calls = kernel.calls
     w = torch.randn(16, 24).bfloat16()
