@@ -154,16 +154,22 @@ def native_bf16() -> bool:
 
 def panels_for(weight: torch.Tensor) -> bool:
     """Whether `pack_chunks` lays `weight` out in panels for our float32 GEMM (cpu_gemm.h) instead of oneDNN's layout:
-    float32, a kernel build with AVX2 but not AVX-512, and output features a multiple of 16. On this project's AVX2 VM
-    it took 0.57-0.64x oneDNN's time on the bench model's linears at 1-32 rows, streamed from memory as a decode step
-    does, 0.79x at 64, 0.9x at 256-1,024 (`make bench-kernels`); on an AVX-512 Xeon, where oneDNN's kernels are twice
-    as wide, 0.96x at 1 row and 1.07-2.08x at 8-1,024 (BENCHMARKS.md, 2026-11-28 14:17 UTC)."""
+    float32, a kernel build with AVX2, and output features a multiple of 16. On this project's AVX2 VM it took
+    0.57-0.64x oneDNN's time on the bench model's linears at 1-32 rows, streamed from memory as a decode step does,
+    0.79x at 64, 0.9x at 256-1,024 (`make bench-kernels`). On an AVX-512 Xeon, one thread with the helper as a served
+    step runs them, 0.54x, 0.50x, 0.59x and 1.04x oneDNN's chunks' time at 1, 2, 8 and 32 rows, but 1.25-1.84x MKL's
+    (two threads) at 64-256 rows, where oneDNN's and MKL's kernels are twice as wide: there rows past
+    `AVX512_PANEL_ROWS` go to torch's linear on the weight itself (BENCHMARKS.md, 2026-11-28 18:40 UTC)."""
     return weight.dtype == torch.float32 and _our_gemm() and weight.shape[0] % 16 == 0
 
 
+# On AVX-512 CPUs, float32 linears of more rows than this (prefill chunks) go to torch's (MKL's) GEMM (`panels_for`).
+AVX512_PANEL_ROWS = 32
+
+
 def _our_gemm() -> bool:
-    """Our float32 GEMM is built here and takes float32 linears: AVX2, and not AVX-512 (see `panels_for`)."""
-    return hasattr(_module, "panel_linear") and not _module.avx512
+    """Our float32 GEMM is built here and takes float32 linears: an AVX2 build (see `panels_for`)."""
+    return hasattr(_module, "panel_linear")
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:
@@ -206,12 +212,16 @@ def linear(
     packed: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """F.linear(x (T, K), weight (N, K), bias): on `packed` (pack_chunks(weight)) where given, by our GEMM on its
-    panels or by oneDNN on its packed chunks (which the helper thread shares); by the bfloat16 kernel where it applies
-    (AVX2 builds, T <= MAX_LINEAR_ROWS[dtype], K a multiple of 8); else by torch."""
+    panels (on AVX-512 CPUs up to AVX512_PANEL_ROWS rows, torch's GEMM past them) or by oneDNN on its packed chunks
+    (which the helper thread shares); by the bfloat16 kernel where it applies (AVX2 builds, T <= MAX_LINEAR_ROWS[dtype],
+    K a multiple of 8); else by torch."""
     global calls
     if packed is not None and not torch.compiler.is_compiling():
         first = packed[0] if isinstance(packed, tuple) else packed
         if first.layout == torch.strided and x.dtype == torch.float32:  # panels: our GEMM
+            rows = x.numel() // x.shape[-1]
+            if rows > AVX512_PANEL_ROWS and _module.avx512:
+                return F.linear(x, weight, bias)
             calls += 1
             y = _module.panel_linear(x.reshape(-1, x.shape[-1]), first, bias)
             return y.view(*x.shape[:-1], y.shape[-1])

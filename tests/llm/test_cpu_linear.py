@@ -115,6 +115,25 @@ def test_the_build_runs_the_pinned_ninja_whatever_comes_first_on_path(kernel, tm
     assert done.returncode == 0 and not (tmp_path / "ran").exists(), done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("avx512", [False, True])
+def test_on_avx512_cpus_prefill_rows_leave_the_panels_for_torch(kernel, monkeypatch, avx512):
+    """On an AVX-512 CPU float32 linears of up to AVX512_PANEL_ROWS rows run on our GEMM's panels, more rows on torch's
+    GEMM (whose kernels are twice as wide there); elsewhere the panels take every row count."""
+    if not cpu_kernels.panels_for(torch.empty(16, 8)):
+        pytest.skip("our float32 GEMM does not run on this CPU (no AVX2)")
+    monkeypatch.setattr(kernel.load(), "avx512", avx512)
+    layer = Linear(64, 48, bias=True)
+    assert pack_linears(layer) == 1
+    for rows in (1, kernel.AVX512_PANEL_ROWS, kernel.AVX512_PANEL_ROWS + 1, 200):
+        x, calls = torch.randn(rows, 64), kernel.calls
+        with torch.inference_mode(), _Ops() as ops:
+            y = layer(x)
+        on_torch = avx512 and rows > kernel.AVX512_PANEL_ROWS
+        assert kernel.calls == calls + (not on_torch)
+        assert any("mm" in n or "linear" in n for n in ops.names) == on_torch, ops.names
+        torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
 class _Ops(TorchDispatchMode):
     """The names of the ops dispatched inside it."""
 
