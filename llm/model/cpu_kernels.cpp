@@ -131,12 +131,6 @@ static void linear_cols(const float* x, const T* w, const T* bias, T* out, int64
   for (; j < j1 - j0; ++j) rows<1>(x, w, bias, out, T_, K, ld, j);
 }
 
-extern "C" {  // torch's own libgomp, as in cpu_linear.cpp (this file is built without -fopenmp)
-void GOMP_parallel(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
-int omp_get_thread_num();
-int omp_get_num_threads();
-}
-
 struct TeamLinear {
   const float* x;
   const at::BFloat16 *w, *bias;

@@ -61,15 +61,7 @@ torch::Tensor chunked_linear(torch::Tensor x, std::vector<torch::Tensor> chunks,
 
 #ifdef HAVE_AVX2
 // NOTE: a caller with an OpenMP team of its own (a prefill chunk on a node's idle cores) splits the panels over that
-// team. This file is built without -fopenmp (cpu_kernels.py: no second OpenMP runtime beside torch's), so it calls
-// what GCC compiles `#pragma omp parallel` into, libgomp's GOMP_parallel, which resolves to torch's own libgomp as
-// omp_set_num_threads does (cpu_share.h): the team is the one torch's ops on this thread use.
-extern "C" {
-void GOMP_parallel(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
-int omp_get_thread_num();
-int omp_get_num_threads();
-}
-
+// team, through GOMP_parallel (cpu_share.h).
 struct TeamGemm {
   const float *x, *panels, *bias;
   int64_t T, K, P;

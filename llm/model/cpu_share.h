@@ -42,7 +42,15 @@ enum : uint8_t { FREE, MAIN, HELPER, DONE, STOLEN };
 // How long the helper spins for the next offer before it sleeps (see Helper::loop).
 constexpr int64_t SPIN_US = 200;
 
-extern "C" void omp_set_num_threads(int);  // torch's OpenMP runtime (libgomp), which oneDNN's GEMMs run on
+// torch's OpenMP runtime (libgomp), which oneDNN's GEMMs run on. The kernels are built without -fopenmp (no second
+// runtime beside torch's), so a team is started by calling what GCC compiles `#pragma omp parallel` into,
+// GOMP_parallel, which resolves to torch's own libgomp: the team torch's ops on this thread use.
+extern "C" {
+void omp_set_num_threads(int);
+void GOMP_parallel(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
+int omp_get_thread_num();
+int omp_get_num_threads();
+}
 
 // One op's tasks: n of them, task i's result task_bytes at out + i * task_bytes; or, with rows > 1, `rows` rows of
 // task_bytes / rows bytes each, out_ld bytes apart, from out + i * (task_bytes / rows) (column blocks of a matrix).

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from llm.model.triton_attention import _INTERPRETED, triton
+from llm.model.triton_attention import _INTERPRETED, _next_power_of_2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -90,10 +90,6 @@ if triton is not None:
         tl.store(out_ptr + t * stride_o + cols, (act * u).to(out_ptr.dtype.element_ty), mask=is_col)
 
 
-def _p2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x (T, D) += delta (in place, if given); returns RMSNorm(x) * weight, (T, D) in x's dtype."""
     T, D = x.shape
@@ -102,7 +98,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if T:
         _add_rms_norm_kernel[(T,)](
             x, x if delta is None else delta, weight, out, D, eps, x.stride(0), 0 if delta is None else delta.stride(0),
-            out.stride(0), HAS_DELTA=delta is not None, BLOCK=_p2(D), num_warps=4 if D <= 4096 else 8,
+            out.stride(0), HAS_DELTA=delta is not None, BLOCK=_next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
         )  # fmt: skip
     return out
 
@@ -119,7 +115,7 @@ def rope_kv_write_(qkv: torch.Tensor, cis: torch.Tensor, kv_cache: torch.Tensor,
     if T:
         _rope_kv_kernel[(T, H)](
             qkv, cis, kv_cache, slots, qkv.stride(0), qkv.stride(1), cis.stride(0), cis.stride(1), kv_cache.stride(0),
-            NH=H - two_nkv, NKV=two_nkv // 2, HALF=hd // 2, HALF_P2=_p2(hd // 2), num_warps=1,
+            NH=H - two_nkv, NKV=two_nkv // 2, HALF=hd // 2, HALF_P2=_next_power_of_2(hd // 2), num_warps=1,
         )  # fmt: skip
 
 
