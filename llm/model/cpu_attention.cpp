@@ -1,6 +1,7 @@
 // Paged decode attention on CPU, and the helper thread that shares its tasks (llm/model/cpu_kernels.py documents
 // both).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -65,7 +66,7 @@ static inline void prefetch_row(const T* row, int64_t hd) {
 // One call's operands. The tensors are held, not borrowed: the helper may still be reading them after the call
 // returned (a task it had started and the caller took over: cpu_share.h).
 struct Problem {
-  torch::Tensor q, kv, tables, lens;
+  at::Tensor q, kv, tables, lens;
   int64_t nh, nkv, hd, head_stride, bs, W, q_stride;
   float scale;
 };
@@ -168,13 +169,12 @@ static void attend(const Problem& p, int64_t task, T* dst, Scratch& sc) {
 // contexts): below, waking the helper costs about what it could take.
 constexpr int64_t SHARE_MIN_KEYS = 2048;
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor tables, torch::Tensor lens,
-                           double scale) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor tables, at::Tensor lens, double scale) {
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each row's heads must be contiguous");
   TORCH_CHECK(kv_cache.is_contiguous() && tables.is_contiguous() && lens.is_contiguous());
-  TORCH_CHECK(tables.scalar_type() == torch::kInt32 && lens.scalar_type() == torch::kInt32);
+  TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt);
   const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), nkv = kv_cache.size(0) / 2;
-  auto out = torch::empty({B, nh, hd}, q.options());
+  auto out = at::empty({B, nh, hd}, q.options());
   const Problem p{q, kv_cache, tables, lens, nh, nkv, hd, kv_cache.size(1) * kv_cache.size(2) * hd,
                   kv_cache.size(2), tables.size(1), q.stride(0), static_cast<float>(scale)};
   const int64_t n = B * nkv;

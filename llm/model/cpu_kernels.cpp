@@ -1,5 +1,6 @@
 // The engine's CPU kernels (llm/model/cpu_kernels.py builds and documents them).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -20,10 +21,10 @@ static inline float through(float x) { return static_cast<float>(static_cast<T>(
 
 // x (T, D) += delta (if given), then out = weight * T(x * rsqrt(mean(x^2) + eps)): transformers' Qwen2RMSNorm
 // (float32 inside, the normalised row rounded to T before the weight), with the residual add before it.
-torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.dim() == 2);
   const int64_t T = x.size(0), D = x.size(1);
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* dp = nullptr;
@@ -56,8 +57,8 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, 
 
 // Rotates the first n heads of qkv (T, H, hd), pairs (2i, 2i + 1) interleaved, by cis (T, n, hd/2, 2) float32
 // [cos, sin], in place, in float32: (x0, x1) -> (x0 c - x1 s, x0 s + x1 c).
-void rope_(torch::Tensor qkv, torch::Tensor cis) {
-  TORCH_CHECK(qkv.is_contiguous() && cis.is_contiguous() && cis.scalar_type() == torch::kFloat32);
+void rope_(at::Tensor qkv, at::Tensor cis) {
+  TORCH_CHECK(qkv.is_contiguous() && cis.is_contiguous() && cis.scalar_type() == at::kFloat);
   const int64_t T = qkv.size(0), H = qkv.size(1), hd = qkv.size(2), n = cis.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_", [&] {
     scalar_t* x = qkv.data_ptr<scalar_t>();
@@ -148,13 +149,13 @@ static void team_linear(void* arg) {  // on each thread of the team: its share o
 // NOTE: the weight rows are split as panel_linear splits its panels (cpu_linear.cpp): over the caller's OpenMP team
 // when it has one; with one thread, in up to 4 column blocks shared with the helper while it is on (cpu_share.h);
 // else alone. On one thread the kernel streamed the weights at half what two threads can pull on an AVX-512 Xeon.
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.dim() == 2 && w.is_contiguous() && x.size(1) == w.size(1) &&
               x.size(1) % 8 == 0 && (!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == w.scalar_type())));
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "bfloat16 only: float32 linears are MKL's (cpu_kernels.py)");
   const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
-  const torch::Tensor xf = x.to(at::kFloat).contiguous();  // (T, K): each input row widened once
-  auto out = torch::empty({T, N}, x.options());
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // (T, K): each input row widened once
+  auto out = at::empty({T, N}, x.options());
   const float* xp = xf.data_ptr<float>();
   const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
   const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;

@@ -1,6 +1,7 @@
 // Linears whose output columns come in chunks that the helper thread (cpu_share.h) shares with the caller: on
 // oneDNN's packed weights, or on ours in panels of 16 columns (cpu_gemm.h); llm/model/cpu_kernels.py documents which.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -30,7 +31,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const st
 // into the output at the end (T * N values: small beside the weight the GEMMs read). The chunks are shared with the
 // helper when the caller runs one OpenMP thread (a decode step); a caller with a team (a prefill chunk on a node's
 // idle cores) runs them itself.
-torch::Tensor chunked_linear(torch::Tensor x, std::vector<torch::Tensor> chunks, std::optional<torch::Tensor> bias) {
+at::Tensor chunked_linear(at::Tensor x, std::vector<at::Tensor> chunks, std::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && !chunks.empty());
   // One op of ours to a Python dispatch mode (op counts, tests), as the other kernels are: not the ops inside it.
   c10::impl::ExcludeDispatchKeyGuard no_python(
@@ -39,10 +40,10 @@ torch::Tensor chunked_linear(torch::Tensor x, std::vector<torch::Tensor> chunks,
   x = x.contiguous();
   const int64_t n = static_cast<int64_t>(chunks.size()), T = x.size(0), Nc = chunks[0].size(0), N = n * Nc;
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), "bias must have n * Nc values");
-  std::vector<std::optional<torch::Tensor>> biases(n);
+  std::vector<std::optional<at::Tensor>> biases(n);
   if (bias.has_value())
     for (int64_t i = 0; i < n; ++i) biases[i] = bias->narrow(0, i * Nc, Nc);
-  auto buf = torch::empty({n, T, Nc}, x.options());
+  auto buf = at::empty({n, T, Nc}, x.options());
   const size_t task_bytes = static_cast<size_t>(T * Nc) * x.element_size();
   auto run = [x, chunks = std::move(chunks), biases = std::move(biases), task_bytes](int64_t i, void* into) {
     c10::InferenceMode guard;  // thread-local: the helper's thread has none of the caller's modes
@@ -78,14 +79,14 @@ static void team_gemm(void* arg) {  // on each thread of the team: its share of 
 // x (T, K) float32 times the weight packed as `panels` (P, K, 16): (T, 16 P), plus bias. A caller with a team splits
 // the panels over it (above); one of one thread shares them with the helper while it is on (in up to 4 tasks of whole
 // panels, column blocks of the output); else it runs them alone.
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias) {
+at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 16 && x.size(1) == panels.size(1));
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat && panels.is_contiguous());
   c10::impl::ExcludeDispatchKeyGuard no_python(
       c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
   x = x.contiguous();
   const int64_t T = x.size(0), K = x.size(1), P = panels.size(0), N = P * 16;
-  std::optional<torch::Tensor> b;
+  std::optional<at::Tensor> b;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat);
     b = bias->contiguous();
@@ -97,7 +98,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
   int64_t n = threads == 1 && Helper::get().enabled() ? 4 : 1;
   while (P % n) --n;
   if (n == 1 || T == 0) {
-    auto y = torch::empty({T, N}, x.options());
+    auto y = at::empty({T, N}, x.options());
     if (threads > 1 && T > 0) {
       TeamGemm g{xp, pp, bp, T, K, P, y.data_ptr<float>()};
       GOMP_parallel(team_gemm, &g, static_cast<unsigned>(std::min<int64_t>(threads, P)), 0);
@@ -109,7 +110,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
   // Task i: panels [i Pc, (i + 1) Pc), columns [i Nc, (i + 1) Nc) of the output, by the caller straight into it and
   // by the helper into its slot, copied in row by row when the caller collects it.
   const int64_t Pc = P / n, Nc = Pc * 16;
-  auto y = torch::empty({T, N}, x.options());
+  auto y = at::empty({T, N}, x.options());
   // The tensors stay alive in the lambda: the helper may finish a task after the caller took it over and returned.
   auto run = [x, panels, b, xp, pp, bp, T, K, Pc](int64_t i, void* into, size_t ld) {
     gemm_panels(xp, T, K, pp, i * Pc, (i + 1) * Pc, static_cast<float*>(into), ld / sizeof(float), bp);

@@ -1,6 +1,12 @@
 // SIMD pieces shared by the engine's CPU kernels (cpu_kernels.cpp, cpu_attention.cpp).
 #pragma once
-#include <torch/extension.h>
+// NOTE: ATen's headers, each for what the kernels use, not <torch/extension.h> (the whole C++ frontend): that one
+// took ~20 s more a source file to compile on 2 cores, at every fresh build (a CI run, a replica's first start).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
