@@ -12,22 +12,6 @@
 #include "cpu_simd.h"
 
 #ifdef HAVE_AVX2
-// exp of 8 floats <= 0 (softmax's shifted scores), to about 2 ulp: Cephes' expf (x = n ln2 + r, a degree-6
-// polynomial in r, times 2^n), in AVX2. NOTE: glibc's expf does not vectorise here (no -ffast-math), and one per
-// score per head was a large share of a decode step's attention.
-static inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));  // below: 0 for a softmax's purposes, and no denormal 2^n
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504089f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: r = x - n ln2, exactly
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 // The 4 dot products q . k0..k3 (n floats each, n a multiple of 8): 4 independent FMA chains, then one hadd tree.
 template <typename T>
 static inline __m128 dot4(const float* q, const T* k0, const T* k1, const T* k2, const T* k3, int64_t n) {
@@ -73,6 +57,7 @@ struct Problem {
 
 struct Scratch {
   std::vector<float> qf, acc, vf, scores, norm;
+  std::vector<int64_t> rows;
 };
 
 // Task b * nkv + h: decode row b's attention for KV head h, over the keys of its context, read where they lie; into
@@ -97,8 +82,17 @@ static void attend(const Problem& p, int64_t task, T* dst, Scratch& sc) {
   for (int64_t i = 0; i < g * hd; ++i) qf[i] = static_cast<float>(q[b * q_stride + h * g * hd + i]) * scale;
   std::vector<float>& scores = sc.scores;
   scores.assign(g * L, 0.f);
-  auto key = [&](int64_t t) { return k_head + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * hd; };
-  auto value = [&](int64_t t) { return v_head + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * hd; };
+  // Each key's offset in its head's blocks, found once. NOTE: not table[t / bs] at each use: bs is not known at compile
+  // time, and a 64-bit division per key read (four or five of them) was most of this kernel's time on a Xeon, where
+  // one takes ~40-90 cycles (AMD's Zen: ~15).
+  std::vector<int64_t>& rows = sc.rows;
+  rows.resize(L);
+  for (int64_t blk = 0, t = 0; t < L; ++blk) {
+    const int64_t base = static_cast<int64_t>(table[blk]) * bs * hd;
+    for (int64_t o = 0; o < bs && t < L; ++o, ++t) rows[t] = base + o * hd;
+  }
+  auto key = [&](int64_t t) { return k_head + rows[t]; };
+  auto value = [&](int64_t t) { return v_head + rows[t]; };
   auto ahead = [&](int64_t i) {  // the i-th row this task reads (keys, then values), if there is one
     if (i < L) prefetch_row(key(i), hd);
     else if (i < 2 * L) prefetch_row(value(i - L), hd);
@@ -152,7 +146,7 @@ static void attend(const Problem& p, int64_t task, T* dst, Scratch& sc) {
   acc.assign(g * hd, 0.f);
   for (int64_t t = 0; t < L; ++t) {  // values: each read once, added into the g heads' sums
     if (t + AHEAD < L) prefetch_row(value(t + AHEAD), hd);
-    const T* v = v_head + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * hd;
+    const T* v = value(t);
     const float* vv = load(v, vf.data(), hd);
     for (int64_t j = 0; j < g; ++j) {
       const float p = scores[j * L + t];
@@ -167,7 +161,7 @@ static void attend(const Problem& p, int64_t task, T* dst, Scratch& sc) {
 
 // A call shares its tasks with the helper (cpu_share.h) only above this many key rows in all (nkv * the rows'
 // contexts): below, waking the helper costs about what it could take.
-constexpr int64_t SHARE_MIN_KEYS = 2048;
+constexpr int64_t SHARE_MIN_KEYS = 512;
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor tables, at::Tensor lens, double scale) {
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each row's heads must be contiguous");

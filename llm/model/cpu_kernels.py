@@ -81,11 +81,22 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return _module.add_rms_norm(x, delta, weight, eps)
 
 
-def rope_(qkv: torch.Tensor, cis: torch.Tensor) -> None:
-    """Rotate the first cis.shape[1] heads of qkv (T, H, hd) in place; cis (T, n, hd/2, 2) float32 (cos, sin)."""
+def rope_(
+    qkv: torch.Tensor, cis: torch.Tensor, kv_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None
+) -> None:
+    """Rotate the first cis.shape[1] heads of qkv (T, H, hd) in place; cis (T, n, hd/2, 2) float32 (cos, sin). With
+    kv_cache (2 * nkv, num_blocks, block_size, hd) and slots (T,) int64, then write each row's keys (rotated) and
+    values, its last 2 * nkv heads, into the cache at its slot (attention.write_kv's write, in the same op)."""
     global calls
     calls += 1
-    _module.rope_(qkv, cis)
+    _module.rope_(qkv, cis, kv_cache, slots)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (T, 2I) -> silu(gate) * up (T, I), rounded as F.silu(gate).mul_(up) rounds."""
+    global calls
+    calls += 1
+    return _module.silu_mul(gate_up)
 
 
 def paged_decode_cpu(

@@ -76,9 +76,7 @@ class Rotary:
     def apply_(qkv: torch.Tensor, cis: torch.Tensor) -> None:
         """Rotate the q and k heads of qkv (T, H, hd) in place by cis (T, nh + nkv, hd/2, 2)."""
         n = cis.shape[1]
-        if cpu_kernels.on(qkv):
-            cpu_kernels.rope_(qkv, cis)
-        elif torch.compiler.is_compiling():  # Inductor generates no complex code: the same product in real pairs
+        if torch.compiler.is_compiling():  # Inductor generates no complex code: the same product in real pairs
             x = qkv[:, :n].unflatten(-1, (-1, 2)).float()  # (T, n, hd/2, 2)
             c, s = cis[..., 0], cis[..., 1]
             out = torch.stack([x[..., 0] * c - x[..., 1] * s, x[..., 0] * s + x[..., 1] * c], -1)
@@ -160,12 +158,15 @@ class Attention(nn.Module):
     def forward(self, x, cis, kv_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x).view(T, self.nh + 2 * self.nkv, self.hd)  # (T, nh + 2nkv, hd)
-        fused = triton_fused.on(qkv)
-        if fused:  # one kernel rotates and writes the new keys and values into the cache
+        written = True  # one kernel (one op on CPU) rotates and writes the new keys and values into the cache
+        if triton_fused.on(qkv):
             triton_fused.rope_kv_write_(qkv, cis, kv_cache, meta.slot_mapping)
+        elif cpu_kernels.on(qkv):
+            cpu_kernels.rope_(qkv, cis, kv_cache, meta.slot_mapping)
         else:
             Rotary.apply_(qkv, cis)
-        out = paged_attention(qkv[:, : self.nh], qkv[:, self.nh :], kv_cache, meta, 1.0, written=fused)  # (T, nh, hd)
+            written = False
+        out = paged_attention(qkv[:, : self.nh], qkv[:, self.nh :], kv_cache, meta, 1.0, written=written)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, self.nh * self.hd))  # (T, D)
 
 
@@ -180,6 +181,8 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # (T, 2I)
         if triton_fused.on(gate_up):
             return self.down_proj(triton_fused.silu_mul(gate_up))
+        if cpu_kernels.on(gate_up):
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
         return self.down_proj(F.silu(gate_up[:, : self.inter]).mul_(gate_up[:, self.inter :]))
 
 
