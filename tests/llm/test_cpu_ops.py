@@ -21,14 +21,14 @@ def kernels():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,I", [(1, 1408), (3, 13), (37, 64)])  # 13: not a multiple of 8 (the scalar tail)
-def test_silu_mul_is_torchs_silu_times_up(kernels, dtype, T, I):
+@pytest.mark.parametrize("T,inter", [(1, 1408), (3, 13), (37, 64)])  # 13: not a multiple of 8 (the scalar tail)
+def test_silu_mul_is_torchs_silu_times_up(kernels, dtype, T, inter):
     gen = torch.Generator().manual_seed(T)
-    gate_up = (torch.randn(T, 2 * I, generator=gen) * 6).to(dtype)
+    gate_up = (torch.randn(T, 2 * inter, generator=gen) * 6).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, -88.0, 88.0, 100.0])  # exp's range ends: no inf, no nan
-    want = F.silu(gate_up[:, :I]).mul_(gate_up[:, I:])
+    want = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
     got = kernels.silu_mul(gate_up)
-    assert got.dtype == dtype and got.shape == (T, I)
+    assert got.dtype == dtype and got.shape == (T, inter)
     if dtype == torch.bfloat16:  # rounded where torch rounds: the same bits
         assert torch.equal(got, want)
     else:  # float32: exp to ~2 ulp (not Sleef's)
