@@ -63,10 +63,12 @@ class BatchMeta:
             table = torch.tensor(
                 [c.block_ids[:width] + [0] * (width - min(width, len(c.block_ids))) for c in single], dtype=torch.int32
             )  # (B1, W)
-            starts = torch.tensor([c.start for c in single])
-            own = table.gather(1, (starts // block_size)[:, None]).flatten().long()  # each token's own block
-            slot_parts.append(own * block_size + starts % block_size)
-            tables = (table, (starts + 1).int())
+            # each token's slot in its own block, and each row's keys; in Python: a few ints, where torch's ops on
+            # them cost ~10 us each
+            slot_parts.append(
+                torch.tensor([c.block_ids[c.start // block_size] * block_size + c.start % block_size for c in single])
+            )
+            tables = (table, torch.tensor([c.start + 1 for c in single], dtype=torch.int32))
         groups = [] if tables is not None else decode_groups([c.start // block_size + 1 for c in chunks[:n_single]])
         for i0, i1 in groups:
             group = chunks[i0:i1]
