@@ -2,8 +2,8 @@
 attention that reads the KV blocks in place, and one-op versions of what torch runs as several small ops per layer:
 the residual add fused into RMSNorm, RoPE with the KV write, and SiLU-mul (with an AVX2 exp: torch's vectorised exp
 beat a plain C++ loop). Each rounds where the torch ops it replaces round (to the model's dtype between ops), so they
-compute the same thing; tests hold both paths to transformers (BENCHMARKS.md has what each kernel bought). Linears run on
-packed copies of their weights (`pack_chunks`): float32 on our GEMM's panels of 16 columns on AVX2 CPUs
+compute the same thing; tests hold both paths to transformers (BENCHMARKS.md has what each kernel bought). Linears run
+on packed copies of their weights (`pack_chunks`): float32 on our GEMM's panels of 16 columns on AVX2 CPUs
 (cpu_gemm.h, `panels_for`), on oneDNN's layout elsewhere; bfloat16 on oneDNN where the CPU computes in bfloat16
 (AVX-512-BF16, AMX). Elsewhere a bfloat16 linear of a few rows (decode batches) goes to a kernel of ours: without them
 ATen runs bfloat16 GEMMs in a scalar fallback; ours widens each weight to float32 in registers and feeds FMAs (AVX2
