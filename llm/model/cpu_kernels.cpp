@@ -96,6 +96,8 @@ void rope_(at::Tensor qkv, at::Tensor cis, c10::optional<at::Tensor> kv_cache, c
   }
 }
 
+static inline float silu1(float x) { return x / (1.f + std::exp(-x)); }  // torch's formula, in float32
+
 // silu[i] = SiLU(x[i]) in float32 for n values of x.
 template <typename T>
 static void silu_row(const T* in, float* silu, int64_t n) {
@@ -110,14 +112,11 @@ static void silu_row(const T* in, float* silu, int64_t n) {
       _mm256_storeu_ps(silu + i, _mm256_div_ps(num, _mm256_add_ps(one, e)));
       if (_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(-80.f), _CMP_LT_OQ)))  // exp8's floor: as torch, scalar
         for (int64_t j = i; j < i + 8; ++j)
-          if (const float x = static_cast<float>(in[j]); x < -80.f) silu[j] = x / (1.f + std::exp(-x));
+          if (const float x = static_cast<float>(in[j]); x < -80.f) silu[j] = silu1(x);
     }
   }
 #endif
-  for (; i < n; ++i) {
-    const float v = static_cast<float>(in[i]);
-    silu[i] = v / (1.f + std::exp(-v));
-  }
+  for (; i < n; ++i) silu[i] = silu1(static_cast<float>(in[i]));
 }
 
 // silu(gate) * up of gate_up (T, 2I) -> (T, I), rounded where F.silu(gate).mul_(up) rounds: the SiLU in float32,
