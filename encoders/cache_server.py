@@ -8,12 +8,18 @@ import torch
 from ray import serve
 
 from encoders.cache import EmbeddingLRU
-from schemas import AppArgs
+from schemas import DRAIN_POLL_S, AppArgs
 from schemas.metrics import heap_census
 from schemas.transfer import send_tensors_out_of_band
 
 
-@serve.deployment(name="EmbeddingCache", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+@serve.deployment(
+    name="EmbeddingCache",
+    num_replicas=1,
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=1024,
+    graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
+)
 class EmbeddingCache:
     def __init__(self, args: dict[str, Any]):
         send_tensors_out_of_band()  # hits go back to encoders as views of the object store, not pickled copies

@@ -20,7 +20,7 @@ from deployments.ingress.encoder_router import CostRouter
 from encoders import EncoderRunner, VisionEncoder
 from encoders.autoscaling import ARRIVING_COST, AUTOSCALING, MEAN_COST, PENDING_COST, TARGET_COST, ArrivalMeter
 from encoders.video_decode import Video
-from schemas import AppArgs, EncoderArgs, ModelSpec, quiet_client_errors
+from schemas import DRAIN_POLL_S, AppArgs, EncoderArgs, ModelSpec, quiet_client_errors
 from schemas.metrics import EncoderMetrics, heap_census
 from schemas.transfer import send_tensors_out_of_band
 
@@ -36,6 +36,7 @@ DEFAULT_TARGET_COST = 10.0  # GFLOP: about 0.4 s of a 2-core CPU replica on the 
     max_ongoing_requests=16,
     request_router_config=RequestRouterConfig(request_router_class=CostRouter),
     autoscaling_config=AUTOSCALING,  # on cost (encoders/autoscaling.py)
+    graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
 )
 class Encoder:
     def __init__(

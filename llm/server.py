@@ -23,6 +23,7 @@ from llm.images import bad_image, fetch_embeds, image_arrivals, per_item
 from llm.model.parallel import ParallelLM, TPGroup, init_process_group
 from llm.tp import COLLECTIVE_TIMEOUT_S, Ranks
 from schemas import (
+    DRAIN_POLL_S,
     AppArgs,
     Batch,
     ChannelOpen,
@@ -66,6 +67,7 @@ def reserved_cpus() -> int:
     ray_actor_options={"num_cpus": 1},
     max_ongoing_requests=256,
     request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter),
+    graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
 )
 class LLM:
     def __init__(self, args: dict[str, Any], model_factory: Callable[..., Qwen2LM] | None = None):

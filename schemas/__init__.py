@@ -3,6 +3,7 @@ cross them, and the safetensors weight reader. (`schemas.metrics`, `schemas.tran
 
 from schemas.config import AppArgs, AuthArgs, EncoderArgs, ImageURLArgs, Limits, LLMArgs, VideoArgs
 from schemas.engine import (
+    DRAIN_POLL_S,
     Batch,
     ChannelOpen,
     FinishReason,
@@ -38,6 +39,7 @@ __all__ = [
     "ChannelLost",
     "ChannelOpen",
     "Component",
+    "DRAIN_POLL_S",
     "EncoderArgs",
     "EncoderUnavailable",
     "FinishReason",

@@ -43,6 +43,8 @@ class ChannelHub:
         self.llm, self.id = llm, ingress_id or uuid.uuid4().hex
         self.routes: dict[str, Callable[[Item], None]] = {}  # request id -> its TokenStream's queue
         self.readers: dict[str, asyncio.Task] = {}  # LLM replica id -> the task reading its channel
+        self.calls: dict[str, Any] = {}  # LLM replica id -> its channel's streaming call
+        self.closed = False
         self.attached: dict[str, set[str]] = {}  # LLM replica id -> request ids whose chunks come through it
         self.messages = 0  # channel messages received (for the message-rate figures)
 
@@ -54,8 +56,16 @@ class ChannelHub:
             reader = self._read(replica_id)
             self.readers[replica_id] = asyncio.get_running_loop().create_task(reader, context=contextvars.Context())
 
+    def close(self) -> None:
+        """End every channel now: this ingress replica is stopping, and Serve drained its requests first. An LLM
+        replica's own drain then does not wait `llm.token_channel_idle_s` for them to idle out (Serve stops the replicas
+        of a deleted app all at once)."""
+        self.closed = True
+        for call in self.calls.values():
+            call.cancel()
+
     async def _read(self, replica_id: str) -> None:
-        call = self.llm.options(stream=True).channel.remote(ChannelOpen(self.id, replica_id))
+        call = self.calls[replica_id] = self.llm.options(stream=True).channel.remote(ChannelOpen(self.id, replica_id))
         try:
             async for batch in call:
                 self.messages += 1
@@ -63,10 +73,11 @@ class ChannelHub:
                     if (route := self.routes.get(rid)) is not None:
                         route(item)
         except Exception as e:  # the replica went away (its generations fail on their own calls too)
-            logger.warning("token channel to LLM replica %s ended: %s", replica_id, e)
+            if not self.closed:
+                logger.warning("token channel to LLM replica %s ended: %s", replica_id, e)
         finally:
             call.cancel()
-            del self.readers[replica_id]
+            del self.readers[replica_id], self.calls[replica_id]
             for rid in self.attached.pop(replica_id, ()):
                 if (route := self.routes.get(rid)) is not None:
                     route(ChannelLost(replica_id))

@@ -39,7 +39,7 @@ from deployments.ingress.text_completions import text_completion, text_sse_strea
 from deployments.ingress.tokens import TokenRoutes
 from deployments.ingress.tools import parses_tools
 from encoders import cache_scope
-from schemas import AppArgs, InvalidRequest, ModelSpec, quiet_client_errors, this_replica
+from schemas import DRAIN_POLL_S, AppArgs, InvalidRequest, ModelSpec, quiet_client_errors, this_replica
 from schemas.completions import CompletionRequest
 from schemas.metrics import IngressMetrics, heap_census
 from schemas.openai import ChatCompletionRequest
@@ -48,7 +48,12 @@ from schemas.requests import GenerationRequest
 logger = logging.getLogger("ray.serve")
 
 
-@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
+@serve.deployment(
+    name="Ingress",
+    ray_actor_options={"num_cpus": 0.1},
+    max_ongoing_requests=256,
+    graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
+)
 class Ingress:
     def __init__(self, encoder: DeploymentHandle | None, llm: DeploymentHandle, args: dict[str, Any]):
         self.args = AppArgs.model_validate(args)
@@ -84,6 +89,11 @@ class Ingress:
             "": ("GET", info.playground),
         }
         self.fingerprint = system_fingerprint(self.args, self.prep.model_id)
+
+    def __del__(self) -> None:
+        """Serve calls this once the replica has drained its requests: its token channels end with it."""
+        if (hub := getattr(self, "hub", None)) is not None:  # None: __init__ failed before it
+            hub.close()
 
     async def __call__(self, request: Request) -> Response:
         kind = "cmpl" if route_path(request) == "/v1/completions" else "chatcmpl"  # the completion's id, as OpenAI

@@ -212,3 +212,37 @@ def test_a_stream_closed_before_its_replica_is_known_leaves_nothing_attached():
         assert hub.attached.get("r1", set()) == set() and "req-0" not in hub.routes
 
     _run(go())
+
+
+def test_a_stopping_ingress_ends_its_channels_at_once_and_quietly(caplog):
+    """Serve calls the Ingress's `__del__` once the replica has drained: its channel calls are cancelled then, so an
+    LLM replica stopped beside it (a deleted app) does not wait `token_channel_idle_s` for them."""
+    from deployments.ingress.server import Ingress
+
+    class Waiting(_Call):  # a channel with nothing to say: it ends when cancelled, as Serve's call does
+        def cancel(self):
+            super().cancel()
+            self.release.set()
+
+        async def _gen(self):
+            await self.release.wait()
+            raise RuntimeError("cancelled")
+            yield
+
+    async def go():
+        call = Waiting([], asyncio.Event())
+        hub = ChannelHub(_LLM(call), "ing")
+        hub.open("r1")
+        await asyncio.sleep(0.01)
+        assert "r1" in hub.calls and not call.cancelled
+        ingress = object.__new__(Ingress.func_or_class)
+        ingress.__del__()  # before __init__ set its hub (it failed): nothing to close, no error
+        ingress.hub = hub
+        ingress.__del__()
+        assert call.cancelled
+        await asyncio.sleep(0.01)
+        assert not hub.readers and not hub.calls
+
+    with caplog.at_level("WARNING", logger="ray.serve"):
+        _run(go())
+    assert not [r for r in caplog.records if "token channel" in r.getMessage()]
