@@ -156,7 +156,7 @@ def test_the_compiled_step_equals_the_eager_step_across_buckets(model):
             torch.testing.assert_close(static.run(n, rows), static.forward(rows)[:n], rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.slow  # torch.compile of the whole step (~30 s on 2 cores)
+@pytest.mark.slow  # torch.compile of the whole step
 def test_the_step_compiles_to_one_graph_that_writes_the_cache_in_place(model):
     """fullgraph: a graph break raises. The compiled step's logits are the eager step's, and its KV write is an op of
     its own (attention.kv_write), written in place: as index_copy_ on a view of the cache it was functionalized into
