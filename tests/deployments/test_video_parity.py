@@ -15,7 +15,7 @@ from tests.deployments.parity import MAX_TOKENS, deployed
 from tests.helpers import data_url, make_image, make_video, video_url
 from tests.video_reference import reference_video
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("ray_serve")]  # (its `served` fixture asks for it by name)
 
 KW = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16}  # 160x120 frames: 112x84, 12 tokens a tubelet
 VIDEO = make_video(3, fps=8, width=160, height=120, seed=7)  # 24 frames: 6 sampled, 3 tubelets, 36 tokens
