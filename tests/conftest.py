@@ -3,6 +3,7 @@ application for end-to-end tests (Ray Serve started once, requests over real HTT
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from demo.build_tiny import build_checkpoint
-from tests.helpers import LIMITS, free_port, make_image
+from tests.helpers import DEMO_KEY, LIMITS, free_port, make_image
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -112,6 +113,54 @@ def base_url(ray_serve, app_args) -> str:
     return ray_serve
 
 
+# Apps that several modules share, each deployed once at its first test and deleted after its last: the fixture's
+# name -> its delete, once deployed. pytest_collection_modifyitems runs the modules of an app one after another.
+SHARED_APPS: dict[str, object] = {"tools_app": None, "demo_app": None}
+
+
+@contextlib.contextmanager
+def _shared(fixture: str, ray_serve: str, args: dict, checkpoint: Path, name: str):
+    from ray import serve
+
+    from tests.deployments.parity import deployed
+
+    with deployed(ray_serve, args, checkpoint, name) as client:
+        SHARED_APPS[fixture] = lambda: serve.delete(name)  # deleted again at exit: a no-op by then
+        yield client
+
+
+@pytest.fixture(scope="session")
+def tools_app(ray_serve, app_args, checkpoint, tmp_path_factory):
+    """The tiny checkpoint with a chat template that renders tools (tests/tool_template.py), colocated (no encoder
+    tier), at /tools: (its client, its checkpoint). The tool calls, docs/clients.md's recipes, colocated mode."""
+    from tests.tool_template import with_tools_template
+
+    tools = with_tools_template(checkpoint, tmp_path_factory.mktemp("tools") / "qwen2-vl-tiny")
+    args = {**app_args, "encoder": {"colocated": True}}
+    with _shared("tools_app", ray_serve, args, tools, "tools") as client:
+        yield client, tools
+
+
+@pytest.fixture(scope="session")
+def demo_app(ray_serve, app_args):
+    """The shipped, trained demo model (demo/qwen2-vl-shapes) at /demo, as `make serve` runs it (colocated), with an
+    API key (so 401 is real); the client sends it. What it sees, the API's schemas, and the playground."""
+    args = {**app_args, "auth": {"api_keys": [DEMO_KEY]}, "encoder": {"colocated": True}}
+    with _shared("demo_app", ray_serve, args, Path(__file__).parents[1] / "demo" / "qwen2-vl-shapes", "demo") as c:
+        c.headers["Authorization"] = f"Bearer {DEMO_KEY}"
+        yield c
+
+
+_LAST_USER: dict[str, str] = {}  # a shared app's fixture -> the node id of its last test (set at collection)
+
+
+def pytest_runtest_teardown(item):
+    for fixture, delete in SHARED_APPS.items():
+        if delete and _LAST_USER.get(fixture) == item.nodeid:
+            SHARED_APPS[fixture] = None
+            delete()
+
+
 @pytest.fixture
 def client(base_url):
     import httpx
@@ -127,12 +176,18 @@ def pytest_collection_modifyitems(items):
 
     Then run whole modules in three groups, each in its files' order: the unit modules, the modules whose clusters
     are their own, and last those of the session's cluster (`ray_serve`). That cluster and its app idle at a quarter
-    of a core (2 cores here): started for the first test that needs it, it stays up until the end."""
-    group: dict[str, int] = {}
+    of a core (2 cores here): started for the first test that needs it, it stays up until the end. The modules of
+    a shared app (SHARED_APPS) run last, one app's after another, so that each app is up only while they run."""
+    group: dict[str, tuple[int, str]] = {}
     for item in items:
-        uses_session = "ray_serve" in getattr(item, "fixturenames", ())
+        names = getattr(item, "fixturenames", ())
+        uses_session = "ray_serve" in names
         if uses_session or item.get_closest_marker("e2e"):
             item.add_marker(pytest.mark.cluster)
         module = item.nodeid.split("::")[0]
-        group[module] = max(group.get(module, 0), 2 if uses_session else 1 if item.get_closest_marker("e2e") else 0)
+        shared = min((f for f in SHARED_APPS if f in names), default="")  # its modules are run together
+        this = (2, shared) if uses_session else (1 if item.get_closest_marker("e2e") else 0, "")
+        group[module] = max(group.get(module, this), this)
     items.sort(key=lambda item: group[item.nodeid.split("::")[0]])  # stable: the files' order within a group
+    _LAST_USER.clear()
+    _LAST_USER.update({f: item.nodeid for item in items for f in SHARED_APPS if f in item.fixturenames})

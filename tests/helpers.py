@@ -23,6 +23,7 @@ LIMITS = {
     "max_images_per_request": 4,
     "default_max_tokens": 16,
 }
+DEMO_KEY = "sk-demo-test"  # the one API key of the session's demo app (tests/conftest.py: demo_app)
 
 
 def make_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:

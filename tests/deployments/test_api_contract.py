@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 
 from demo.scenes import make_item
 from tests.api_schema import assert_valid, errors
-from tests.deployments.parity import deployed
 from tests.helpers import LIMITS, data_url
 
 pytestmark = pytest.mark.e2e
-DEMO = Path(__file__).parents[2] / "demo" / "qwen2-vl-shapes"  # trained: its grounding answers carry boxes
-KEY = "sk-contract-test"
 GROUNDING, COLOUR = make_item(random.Random(1), "grounding"), make_item(random.Random(2), "colour")
 
 
@@ -35,13 +31,10 @@ def _messages(item: dict) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def app(ray_serve, app_args):
-    """One app for the module, with API keys on (so 401 is real); the client sends the key. Colocated: two replicas
-    to start instead of four, and the bodies are the ingress's either way."""
-    args = {**app_args, "auth": {"api_keys": [KEY]}, "encoder": {"colocated": True}}
-    with deployed(ray_serve, args, DEMO, "contract") as client:
-        client.headers["Authorization"] = f"Bearer {KEY}"
-        yield client
+def app(demo_app):
+    """The session's demo app (tests/conftest.py): the trained demo model, whose grounding answers carry boxes; API
+    keys on, the client sends its key. Colocated: the bodies are the ingress's either way."""
+    return demo_app
 
 
 def _chat(item: dict, **fields) -> dict:

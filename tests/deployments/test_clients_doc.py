@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deployments.parity import deployed
 from tests.security.image_server import Handler, image_server
-from tests.tool_template import with_tools_template
 
 pytestmark = pytest.mark.e2e
 
@@ -27,10 +25,8 @@ def test_the_doc_has_its_recipes():
 
 
 @pytest.fixture(scope="module")
-def app(ray_serve, app_args, checkpoint, tmp_path_factory):
-    tools_checkpoint = with_tools_template(checkpoint, tmp_path_factory.mktemp("tools") / "qwen2-vl-tiny")
-    with deployed(ray_serve, {**app_args, "encoder": {"colocated": True}}, tools_checkpoint, "clients") as client:
-        yield client
+def app(tools_app):  # tests/conftest.py
+    return tools_app[0]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 from demo.scenes import iou, make_eval_set, make_scene
-from tests.deployments.parity import deployed
 from tests.helpers import data_url
 
 DEMO = Path(__file__).parents[2] / "demo" / "qwen2-vl-shapes"
@@ -20,9 +19,8 @@ EVAL_SEED, EVAL_ITEMS = 2026_11_22, 60  # held out: training draws from other se
 
 
 @pytest.fixture(scope="module")
-def demo(ray_serve, app_args):
-    with deployed(ray_serve, app_args, DEMO, "demo") as client:
-        yield client
+def demo(demo_app):  # tests/conftest.py
+    return demo_app
 
 
 def _ask(client: httpx.Client, images, question: str) -> dict:

@@ -8,7 +8,6 @@ import pytest
 from PIL import Image
 from ray import serve
 
-from deployments import build_app
 from tests.deployments.parity import CASES, MAX_TOKENS, openai_messages, reference_generate
 from tests.helpers import data_url, image_bytes, make_image
 
@@ -84,21 +83,23 @@ def test_cache_salts_scope_both_caches(client):
 
 
 @pytest.fixture(scope="module")
-def colocated(ray_serve, app_args):
-    """A second app at /colo whose LLM replica encodes the images itself."""
-    serve.run(build_app({**app_args, "encoder": {"colocated": True}}), name="colo", route_prefix="/colo")
-    yield f"{ray_serve}/colo"
-    serve.delete("colo")
+def colocated(tools_app):
+    """The session's colocated app (tests/conftest.py: its LLM replica encodes the images itself), and its checkpoint:
+    the session's weights, with a chat template that also renders tools (none here)."""
+    client, checkpoint = tools_app
+    return str(client.base_url).rstrip("/"), checkpoint
 
 
 @pytest.mark.parametrize("case", ["one_image", "three_images", "two_turns"])
-def test_colocated_equals_transformers(colocated, case, checkpoint, reference):
-    with httpx.Client(base_url=colocated, timeout=60) as client:
+def test_colocated_equals_transformers(colocated, case, reference):
+    url, checkpoint = colocated  # transformers' processor renders its template; the weights are the reference's
+    with httpx.Client(base_url=url, timeout=60) as client:
         assert _ask(client, CASES[case]) == reference_generate(checkpoint, reference, CASES[case])[1]
 
 
 def test_colocated_bad_image_is_a_400(colocated):
     """Header fine, pixels truncated: the LLM replica's own decode fails, and that is the client's 400."""
+    colocated, _ = colocated
     png = image_bytes(make_image(200, 150, seed=3))
     part = {"type": "image_url", "image_url": {"url": data_url(png[: len(png) // 2])}}
     r = httpx.post(
@@ -107,4 +108,4 @@ def test_colocated_bad_image_is_a_400(colocated):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert "could not be decoded" in r.json()["error"]["message"]
     assert httpx.get(f"{colocated}/health", timeout=10).status_code == 200
-    assert set(serve.status().applications["colo"].deployments) == {"Ingress", "LLM"}  # no encoder tier
+    assert set(serve.status().applications["tools"].deployments) == {"Ingress", "LLM"}  # no encoder tier

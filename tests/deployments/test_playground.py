@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deployments.parity import deployed
-from tests.helpers import skip_or_fail
+from tests.helpers import DEMO_KEY, skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -25,9 +24,8 @@ def chromium():
 
 
 @pytest.fixture(scope="module")
-def page_url(ray_serve, app_args):
-    with deployed(ray_serve, app_args, ROOT / "demo" / "qwen2-vl-shapes", "playground") as client:
-        yield str(client.base_url)
+def page_url(demo_app):  # tests/conftest.py
+    return str(demo_app.base_url)
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +72,13 @@ def _ask(browser, question: str, image: Path | None = None):
 
 def test_chat_about_an_image_with_boxes_history_and_errors(page_url, browser, tmp_path):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(page_url)
+    # The app has an API key: the page's first look at /v1/models is a 401, the model's name comes with the key.
+    WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == "(API key needed)")
+    browser.find_element(By.ID, "api-key").send_keys(DEMO_KEY + Keys.TAB)  # leaving the field: its change event
     WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == "qwen2-vl-shapes")
     answer = _ask(browser, "Where is the white star?", ROOT / "demo" / "shapes.png")
     assert "assistant" in answer.get_attribute("class"), answer.text

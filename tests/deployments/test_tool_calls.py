@@ -14,8 +14,6 @@ import openai
 import pytest
 
 from tests.api_schema import assert_valid
-from tests.deployments.parity import deployed
-from tests.tool_template import with_tools_template
 
 pytestmark = pytest.mark.e2e
 
@@ -43,10 +41,8 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
-def app(ray_serve, app_args, checkpoint, tmp_path_factory):
-    tools_checkpoint = with_tools_template(checkpoint, tmp_path_factory.mktemp("tools") / "qwen2-vl-tiny")
-    with deployed(ray_serve, {**app_args, "encoder": {"colocated": True}}, tools_checkpoint, "tools") as client:
-        yield client
+def app(tools_app):  # tests/conftest.py
+    return tools_app[0]
 
 
 @pytest.fixture(scope="module")
