@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -115,7 +116,7 @@ def base_url(ray_serve, app_args) -> str:
 
 # Apps that several modules share, each deployed once at its first test and deleted after its last: the fixture's
 # name -> its delete, once deployed. pytest_collection_modifyitems runs the modules of an app one after another.
-SHARED_APPS: dict[str, object] = {"tools_app": None, "demo_app": None}
+SHARED_APPS: dict[str, Callable[[], None] | None] = {"tools_app": None, "demo_app": None}
 
 
 @contextlib.contextmanager
@@ -151,7 +152,12 @@ def demo_app(ray_serve, app_args):
         yield c
 
 
-_LAST_USER: dict[str, str] = {}  # a shared app's fixture -> the node id of its last test (set at collection)
+_LAST_USER: dict[str, str] = {}  # a shared app's fixture -> the node id of its last test
+
+
+def pytest_collection_finish(session):
+    """After every reordering and deselection (-k, -m): the tests that run, in their order."""
+    _LAST_USER.update({f: i.nodeid for i in session.items for f in SHARED_APPS if f in getattr(i, "fixturenames", ())})
 
 
 def pytest_runtest_teardown(item):
@@ -189,5 +195,3 @@ def pytest_collection_modifyitems(items):
         this = (2, shared) if uses_session else (1 if item.get_closest_marker("e2e") else 0, "")
         group[module] = max(group.get(module, this), this)
     items.sort(key=lambda item: group[item.nodeid.split("::")[0]])  # stable: the files' order within a group
-    _LAST_USER.clear()
-    _LAST_USER.update({f: item.nodeid for item in items for f in SHARED_APPS if f in item.fixturenames})

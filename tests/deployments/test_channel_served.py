@@ -22,6 +22,7 @@ pytestmark = pytest.mark.e2e
 APP = "channel"
 SMALL = {"num_cpus": 0.1}
 TOKENS = 24
+STREAM = 900  # the killed replica's streams: long enough to be cut (max_model_len 1024)
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +124,15 @@ def _llm_replica() -> str:
 def test_a_killed_llm_replica_ends_its_streams_and_its_successor_gets_a_channel(url):
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            tasks = [asyncio.create_task(_stream(client, _body(100 + i, 400))) for i in range(16)]
             handle = serve.get_deployment_handle("LLM", app_name=APP)
+            await handle.stats.remote()  # this process's first call starts its router: before the streams, not during
+            tasks = [asyncio.create_task(_stream(client, _body(100 + i, STREAM))) for i in range(16)]
+            deadline = time.monotonic() + 60
             while (stats := await handle.stats.remote())["running"] < 16:
+                assert not any(t.done() for t in tasks) and time.monotonic() < deadline, stats  # fail, never hang
                 await asyncio.sleep(0.1)
             while (await handle.stats.remote())["channel_messages"] < stats["channel_messages"] + 3:
+                assert time.monotonic() < deadline, stats
                 await asyncio.sleep(0.1)  # tokens are streaming through the channel: kill mid-stream
             ray.kill(ray.get_actor(killed, namespace="serve"), no_restart=True)
             return await asyncio.wait_for(asyncio.gather(*tasks), 60)  # none stuck
@@ -136,7 +141,7 @@ def test_a_killed_llm_replica_ends_its_streams_and_its_successor_gets_a_channel(
     killed = _llm_replica()
     results = asyncio.run(run())
     assert all(ended for _, _, ended in results)  # each one an error event (or an error status): none cut short
-    assert all(len(ids) < 400 for _, ids, _ in results)
+    assert all(len(ids) < STREAM for _, ids, _ in results)
     deadline = time.monotonic() + 120
     while _llm_replica_or_none() in (None, killed) or "RUNNING" not in _states():
         assert time.monotonic() < deadline, "no new LLM replica"

@@ -1,7 +1,7 @@
 """`make serve`'s front doors other than Serve's proxy (INGRESS=direct, INGRESS=haproxy; README "Front door"): the
 app in a Ray cluster of its own with `make serve-env`'s environment (tests/deployments/ingress_door.py), asked over
-HTTP through that door. The answers must equal the proxy's (the session's app, same checkpoint and args), and a
-client that leaves mid-stream must still free its sequence."""
+HTTP through that door. The answers must equal the proxy's (the session's app: same checkpoint and args, but with its
+encoder tier), and a client that leaves mid-stream must still free its sequence."""
 
 from __future__ import annotations
 
@@ -54,7 +54,9 @@ def door(request, app_args, tmp_path_factory):
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **OURS_ENV, **env, **port_env}
     log = tmp_path_factory.mktemp("door") / f"{request.param}.log"
     with open(log, "w") as err:
-        cmd = [sys.executable, "-m", "tests.deployments.ingress_door", str(port), json.dumps(app_args)]
+        # Colocated, as `make serve` runs (serve_config.yaml): two replicas to start instead of four.
+        args = {**app_args, "encoder": {"colocated": True}}
+        cmd = [sys.executable, "-m", "tests.deployments.ingress_door", str(port), json.dumps(args)]
         proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
         )
