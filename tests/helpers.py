@@ -128,11 +128,11 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {SERVER_PORTS}")
 
 
-def leave_mid_stream(client, chunks: int = 4) -> None:
+def leave_mid_stream(client, chunks: int = 4, max_tokens: int = 900) -> None:
     """Stream a long answer from `client` (an httpx.Client on the app) and go away after `chunks` lines."""
     body = {
         "messages": [{"role": "user", "content": "Talk for a long time."}],
-        "max_tokens": 900,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
     }
