@@ -106,8 +106,11 @@ class Qwen2LM(nn.Module):
         # NOTE: built on meta only (from_pretrained assigns the checkpoint's tensors). Given a table, nn.Embedding
         # skips its normal_ init, which on meta runs torch._refs, whose first call imports torch._dynamo: 2.7 CPU-s
         # of an LLM replica's start (tests/test_replica_imports.py).
-        table = torch.empty(c.vocab_size, c.hidden_size)
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _weight=table) if tp.rank == 0 else None
+        self.embed_tokens = (
+            nn.Embedding(c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size))
+            if tp.rank == 0
+            else None
+        )
         self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, tp.rows(c.vocab_size), bias=False)
