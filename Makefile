@@ -67,8 +67,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The unit tier first, on both cores (pytest-xdist: its tests are mostly one Python thread each), then the tests that
+# start Ray, in one process and in tests/conftest.py's order (they share the session's cluster and apps). Both run,
+# whatever the first gives; the target fails if either does.
 test: $(STAMP) browser lint
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not cluster" -n 2; unit=$$?; $(PY) -m pytest -m cluster; cluster=$$?; \
+	  [ $$unit = 0 ] && [ $$cluster = 0 ]
 
 # Derived files: docs/configuration.md's field tables, from the descriptions in schemas/config.py and llm_args.py,
 # and the KubeRay manifest from serve_config.yaml (a test fails while either is stale).
@@ -79,7 +83,7 @@ docs: $(STAMP)
 # The unit tier: every test that starts no Ray cluster (tests/conftest.py marks the others `cluster`) and is not
 # marked `slow` (process groups, the Triton interpreter, a training run). `make test` runs them all.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not cluster and not slow"
+	$(PY) -m pytest -m "not cluster and not slow" -n 2
 
 # The serving benchmark (bench/README.md): `make bench BENCH_ARGS=--quick` for a one-minute smoke run.
 bench: $(STAMP)
