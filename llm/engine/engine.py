@@ -30,7 +30,7 @@ from llm.engine.arrivals import Arrival, on_arrival, split_pending, take_arrival
 from llm.engine.block_pool import BlockPool
 from llm.engine.config import EngineConfig
 from llm.engine.delivery import Delivery, Sink, coalesced
-from llm.engine.grammar import Grammars
+from llm.engine.grammar import Grammars, OffGrammar
 from llm.engine.model_runner import Launched, ModelRunner, Sampled
 from llm.engine.scheduler import Chunk, Scheduler
 from llm.engine.sequence import Sequence, make_sequence
@@ -62,19 +62,12 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.grammars = Grammars(load_tokenizer, model.config.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(
-            model,
-            config.num_blocks,
-            config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=config.max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            static_decode=config.static_decode,
-            cuda_graphs=config.cuda_graphs,
-            compile_decode=config.compile_decode,
-            packed_weights=config.cpu_packed_weights,
-            helper_thread=config.cpu_helper_thread,
+            model, config.num_blocks, config.block_size, max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
+            static_decode=config.static_decode, cuda_graphs=config.cuda_graphs, compile_decode=config.compile_decode,
+            packed_weights=config.cpu_packed_weights, helper_thread=config.cpu_helper_thread,
             decode_threads=config.cpu_threads,
-        )
+        )  # fmt: skip
         # make_sequence's settings: context, decoder config (positions, vocabulary), where images and videos are
         self._sequence_kwargs = dict(
             max_model_len=config.max_model_len, lm_config=model.config, device=self.runner.device,
@@ -273,7 +266,12 @@ class Engine:
                 c.seq.scheduled_at = now
                 self.queue_times.append(now - c.seq.arrived_at)
         for s in sampled:
-            self._append(s, now)
+            try:
+                self._append(s, now)
+            except OffGrammar as e:  # that sequence alone fails (the scheduler ended it); the others go on
+                error = self.grammars.refusal(e.matcher, e.token, s.seq.num_generated)
+                self.counts["failed"] += not isinstance(error, InvalidRequest)  # a dead end is the client's grammar
+                self.delivery.emit(s.seq, error)
 
     def _append(self, s: Sampled, now: float) -> None:
         """A sampled token: the scheduler applies the stop rules; its chunk goes to the sequence's sink."""

@@ -68,15 +68,52 @@ class Grammars:
                 compiled = self._compiler.compile_grammar(grammar)
             except RuntimeError as e:  # the ingress checked it already; a second line of defence
                 raise InvalidRequest(f"the grammar cannot be compiled: {e}", param="response_format") from e
+            if allows_no_token(new_matcher(compiled), self.vocab_size):  # `root ::= root`: its language is empty
+                raise InvalidRequest(
+                    "the grammar matches no text: no token can start it, and it cannot end empty",
+                    param="response_format",
+                )
             self.num_compiled += 1
             self._cache[grammar] = compiled
             if len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
             return compiled
 
+    def refusal(self, matcher: xgr.GrammarMatcher, token: int, generated: int) -> Exception:
+        """Why a sequence's sampled `token` is off its grammar, after `generated` tokens it took: the grammar leads
+        nowhere from there (the request's own: a 400), or the mask was not applied (ours)."""
+        if allows_no_token(matcher, self.vocab_size):
+            why = f"the grammar allows no token after {generated} generated: no way on from there matches any text"
+            return InvalidRequest(why, param="response_format")
+        return RuntimeError(f"token {token} was sampled outside the grammar after {generated} generated")
+
 
 def new_matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
     return xgr.GrammarMatcher(compiled)
+
+
+def allows_no_token(matcher: xgr.GrammarMatcher, vocab_size: int) -> bool:
+    """The matcher's grammar allows no next token, not even a stop token: a dead end (`x ::= x` after a prefix)."""
+    if matcher.is_terminated():
+        return False
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return not _unpack(bitmask, vocab_size).any()
+
+
+class OffGrammar(Exception):
+    """A sampled token its sequence's grammar does not accept (Scheduler.postprocess): the engine fails that
+    sequence alone (Grammars.refusal says why), never the step's others."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher, token: int):
+        super().__init__(token)
+        self.matcher, self.token = matcher, token
+
+
+def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """xgrammar's (R, W) int32 words -> (R, V) bool: bit j of word w allows token 32 * w + j."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    return ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
 
 
 Mask = tuple[torch.Tensor, list[int]]  # a step's bitmask (B, W) int32, and the rows that have a grammar
@@ -97,11 +134,8 @@ def fill_bitmask(matchers: Sequence[xgr.GrammarMatcher | None], vocab_size: int)
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """logits (B, V): -inf at the tokens the rows' grammars forbid, in place; other rows untouched (their greedy
     tokens stay exactly the unconstrained ones). Bit j of word w allows token 32 * w + j, xgrammar's layout."""
-    B, V = logits.shape
-    words = bitmask[rows].to(logits.device, non_blocking=True)  # (R, W) int32
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :V]  # (R, W * 32) -> (R, V)
+    allowed = _unpack(bitmask[rows].to(logits.device, non_blocking=True), logits.shape[1])  # (R, V)
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
-__all__ = ["Grammars", "Mask", "apply_bitmask", "fill_bitmask", "new_matcher"]
+__all__ = ["Grammars", "Mask", "OffGrammar", "allows_no_token", "apply_bitmask", "fill_bitmask", "new_matcher"]

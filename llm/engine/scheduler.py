@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from llm.engine.block_pool import BlockPool
+from llm.engine.grammar import OffGrammar
 from llm.engine.sequence import Sequence
 from schemas import FinishReason
 
@@ -136,13 +137,15 @@ class Scheduler:
 
     def postprocess(self, seq: Sequence, token: int) -> FinishReason | None:
         """The stop rules, after a step sampled `token` for `seq`: a stop token (EOS unless the request ignores it),
-        the end of its grammar, or max_tokens finishes it (its blocks go back to the pool)."""
-        seq.token_ids.append(token)
+        the end of its grammar, or max_tokens finishes it (its blocks go back to the pool). A token its grammar does
+        not take ends it too, without the token: OffGrammar, for the engine to fail it alone."""
         ended = False
         if seq.matcher is not None:  # the mask allowed only this grammar's tokens: the matcher must take it
-            if not seq.matcher.accept_token(token):  # not an assert: it must run under python -O too
-                raise RuntimeError(f"token {token} outside the grammar of {seq.request_id}")
+            if not seq.matcher.accept_token(token):  # its grammar dead-ended (no token was allowed), or a bug
+                self.finish(seq)
+                raise OffGrammar(seq.matcher, token)
             ended = seq.matcher.is_terminated()  # it took a stop token where the grammar may end
+        seq.token_ids.append(token)
         finish: FinishReason | None = (
             "stop"
             if token in seq.stop_token_ids or ended

@@ -5,8 +5,10 @@ answers garbage when free, so a parsed object is the grammar's doing."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -94,3 +96,35 @@ def test_an_unsupported_schema_is_a_400_naming_it(client):
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == "response_format.json_schema.schema"
     assert "properties must be an object" in error["message"]
+
+
+def test_a_grammar_that_leads_nowhere_fails_its_own_request_alone(client):
+    """vLLM's `structured_outputs.grammar`: one that matches no text is a 400 before it runs; one that dead-ends
+    after its first token fails that request (a 400, or an error event once streaming), while a request generating
+    beside them in the same steps ends as usual."""
+    nowhere, dead_end = "root ::= root", 'root ::= "a" x\nx ::= x'
+
+    def ask(body: dict) -> httpx.Response:
+        return client.post("/v1/chat/completions", json={"messages": MESSAGES, "temperature": 0, **body})
+
+    with ThreadPoolExecutor(4) as pool:
+        free = pool.submit(ask, {"max_tokens": 800, "ignore_eos": True, "stream": True})
+        answers = list(
+            pool.map(
+                ask,
+                [
+                    {"structured_outputs": {"grammar": nowhere}},
+                    {"structured_outputs": {"grammar": dead_end}},
+                    {"structured_outputs": {"grammar": dead_end}, "stream": True},
+                ],
+            )
+        )
+    for r in answers[:2]:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert "no token can start it" in answers[0].json()["error"]["message"]
+    assert "allows no token after 1 generated" in answers[1].json()["error"]["message"]
+    streamed = answers[2]
+    assert streamed.status_code == 200 and "allows no token after 1 generated" in streamed.text, streamed.text
+    assert free.result().status_code == 200 and '"finish_reason":"length"' in free.result().text.replace(" ", "")
+    assert ask({"max_tokens": 2}).status_code == 200

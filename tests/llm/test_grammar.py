@@ -136,3 +136,54 @@ def test_a_grammar_cut_by_max_tokens_is_length_and_compiles_once(engine, tokeniz
 def test_an_engine_without_a_tokenizer_refuses_grammars(model, reference):
     with pytest.raises(InvalidRequest, match="structured outputs"):
         asyncio.run(collect(make_engine(model, reference), _request(0, json_grammar(SCHEMA, "response_format"))))
+
+
+# A grammar whose language is empty: no token can start it.
+NOTHING = "root ::= root"
+# One whose every derivation dead-ends after "a": its first token is allowed, then none is.
+DEAD_END = 'root ::= "a" x\nx ::= x'
+
+
+def test_a_grammar_that_matches_no_text_is_refused_before_it_runs(engine):
+    steps = engine.counts["steps"]
+    with pytest.raises(InvalidRequest, match="no token can start") as e:
+        asyncio.run(collect(engine, _request(0, NOTHING)))
+    assert e.value.status == 400 and engine.counts["steps"] == steps  # no step ran for it
+
+
+def test_a_grammar_that_dead_ends_fails_its_own_request_alone(engine, tokenizer):
+    """Its first token is sampled, then its grammar allows none: that request ends with a 400 naming the point; the
+    free requests in the same steps get their tokens as alone, and the engine serves on."""
+    free_alone = [asyncio.run(collect(engine, _request(i, None, max_tokens=24))) for i in range(3)]
+    failed = engine.counts["failed"]
+
+    async def together():
+        free = [_request(i, None, max_tokens=24) for i in range(3)]
+        return await asyncio.gather(
+            *(collect(engine, r) for r in [_request(9, DEAD_END), *free]), return_exceptions=True
+        )
+
+    bad, *free = asyncio.run(together())
+    assert isinstance(bad, InvalidRequest) and bad.status == 400, repr(bad)
+    assert "allows no token after 1 generated" in bad.message, bad.message
+    assert free == free_alone
+    assert engine.counts["failed"] == failed  # the client's grammar, not an engine fault
+    assert asyncio.run(collect(engine, _request(0, None, max_tokens=4)))[1] == "length"
+
+
+def test_a_token_off_a_live_grammar_is_ours_not_the_clients(engine):
+    """The refusal tells a dead end (the client's grammar: a 400) from a token sampled against a mask that allowed
+    others (an engine fault: not a 400)."""
+    from llm.engine.grammar import new_matcher
+
+    grammars = engine.grammars
+    live = new_matcher(grammars.compile('root ::= "a" | "b"'))
+    assert type(grammars.refusal(live, 0, 0)) is RuntimeError
+    dead = new_matcher(grammars.compile(DEAD_END))
+    dead.fill_next_token_bitmask(bitmask := xgr.allocate_token_bitmask(1, grammars.vocab_size), 0)
+    assert dead.accept_token(first := int(_allowed(bitmask, grammars.vocab_size)[0]))
+    assert isinstance(error := grammars.refusal(dead, first, 1), InvalidRequest) and error.status == 400
+
+
+def _allowed(bitmask: torch.Tensor, vocab_size: int) -> list[int]:
+    return [v for v in range(vocab_size) if (int(bitmask[0, v // 32]) >> (v % 32)) & 1]
