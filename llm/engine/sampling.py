@@ -29,8 +29,10 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     ranks = torch.arange(x.shape[-1], device=x.device)
     sorted_x = sorted_x.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
     sorted_p = torch.softmax(sorted_x, dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the best token always stays).
-    sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= top_p[:, None], 0.0)
+    # Keep the smallest prefix whose mass reaches top_p; the best token always stays, even at a top_p that is 0.0
+    # in float32 (1e-46 passes the API's top_p > 0).
+    beyond = (sorted_p.cumsum(-1) - sorted_p >= top_p[:, None]) & (ranks[None, :] > 0)
+    sorted_p = sorted_p.masked_fill(beyond, 0.0)
     return torch.zeros_like(sorted_p).scatter_(-1, order, sorted_p)
 
 

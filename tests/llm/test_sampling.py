@@ -121,19 +121,20 @@ def test_penalties_match_a_plain_reimplementation(reference, model, presence, fr
 
 def test_sampling_rows_use_their_own_settings():
     torch.manual_seed(0)
-    logits = torch.randn(4, 50)
+    logits = torch.randn(5, 50)
     params = [
         SamplingParams(max_tokens=1, temperature=0.0),
         SamplingParams(max_tokens=1, temperature=1.0, top_k=1),
         SamplingParams(max_tokens=1, temperature=2.0, top_p=1e-9),
+        SamplingParams(max_tokens=1, temperature=1.0, top_p=1e-46),  # 0.0 in float32: the best token still stays
         SamplingParams(max_tokens=1, temperature=0.7),
     ]
-    gens = [None] + [torch.Generator().manual_seed(i) for i in range(3)]
+    gens = [None] + [torch.Generator().manual_seed(i) for i in range(4)]
     tokens, lps = sample(logits.clone(), params, gens, states_for(params, 50))
     best = logits.argmax(-1).tolist()
-    assert tokens[:3] == best[:3] and lps == [None] * 4
+    assert tokens[:4] == best[:4] and lps == [None] * 5
     draws = {
-        sample(logits[3:].clone(), params[3:], [torch.Generator().manual_seed(s)], states_for(params[3:], 50))[0][0]
+        sample(logits[4:].clone(), params[4:], [torch.Generator().manual_seed(s)], states_for(params[4:], 50))[0][0]
         for s in range(40)
     }
     assert len(draws) > 3  # the free row really samples
