@@ -94,6 +94,9 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], states: 
     if rep:
         seen = torch.stack([states[i].seen for i in rep])  # (R, V)
         penalty = torch.tensor([params[i].repetition_penalty for i in rep], device=logits.device)[:, None]  # (R, 1)
+        # The API takes any penalty > 0: in float32 1e-300 is 0.0 and a logit divided by it inf, then NaN after the
+        # softmax (token 0 was sampled). Past 1e-30 and 1e30 a seen token wins or loses outright either way.
+        penalty.clamp_(1e-30, 1e30)
         x = logits[rep]  # (R, V)
         logits[rep] = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
     openai = [i for i, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]

@@ -181,3 +181,14 @@ def test_min_tokens_holds_eos_back_as_transformers_min_new_tokens(reference, mod
         reference, {"input_ids": torch.tensor([prompt])}, 12, min_new_tokens=5, sequence_bias={(eos,): 100.0}
     )
     assert tokens == ref and len(tokens) == 6 and tokens[-1] == eos and finish == "stop"
+
+
+def test_a_repetition_penalty_past_float32_still_samples_a_seen_token():
+    """1e-300 is 0.0 in float32: a seen token's logit divided by it was inf, the softmax NaN, and token 0 came out.
+    Such a penalty makes a seen token with a positive logit win outright (transformers' rule, taken to its limit)."""
+    logits = torch.full((1, 50), -1.0)
+    logits[0, 7], logits[0, 3] = 0.5, 2.0  # 3 is the best; 7 is seen, with a positive logit
+    params = [SamplingParams(max_tokens=1, temperature=1.0, repetition_penalty=1e-300)]
+    gens = [torch.Generator().manual_seed(0)]
+    tokens, _ = sample(logits, params, gens, states_for(params, 50, prompt=[7]))
+    assert tokens == [7]
