@@ -35,6 +35,18 @@ class Limits(_Strict):
         "the context after the prompt (as vLLM and OpenAI).",
     )
     max_n: int = Field(8, ge=1, description="Most choices (n) in one request.")
+    max_schema_bytes: int = Field(
+        256 << 10,
+        ge=1024,
+        description="Most bytes of JSON schema (response_format, structured_outputs, every tool's parameters, as JSON "
+        "text), EBNF grammar and regex in one request, together; more is a 400. The LLM replica compiles them.",
+    )
+    max_optional_properties: int = Field(
+        256,
+        ge=0,
+        description="Most properties of one JSON-schema object that are not `required`; more is a 400. The grammar's "
+        "compile time grows faster than the cube of their number (2,000 took 18 s of a core).",
+    )
     max_stop: int = Field(4, ge=0, description="Most stop strings in one request.")
     max_stop_chars: int = Field(64, ge=1, description="Longest stop string, in characters.")
     context_overflow: Literal["error", "drop_oldest_turns"] = Field(

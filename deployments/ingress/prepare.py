@@ -8,7 +8,7 @@ from pathlib import Path
 
 from deployments.ingress.items import Item, Prepared, first_turn_key, image_params, in_prompt_order, scoped_key
 from deployments.ingress.prompt import build_prompt, check_reserved, load_tokenizer, needs_typed_content
-from deployments.ingress.structured import response_grammar
+from deployments.ingress.structured import check_cost, response_grammar
 from deployments.ingress.tools import check_tools, renders_tools, template_tools, tool_grammar, tools_as_text
 from deployments.ingress.videos import VideoPreparer, video_params
 from encoders import data_url_format, decode_data_url, embedding_key, probe_image
@@ -66,6 +66,7 @@ class Preparer:
         if req.n * num_prompts > limits.max_n:
             asked = f"{num_prompts} prompts x n={req.n}" if num_prompts > 1 else f"n={req.n}"
             raise InvalidRequest(f"{asked} is over the limit of {limits.max_n} choices", param="n")
+        check_cost(req, limits)  # the schemas' and grammars' size, before any is converted or compiled
         if outside := [t for t in req.logit_bias if not 0 <= t < self.vocab_size]:  # vLLM refuses them too
             raise InvalidRequest(
                 f"logit_bias: token id {outside[0]} is outside the vocabulary of {self.vocab_size}", param="logit_bias"

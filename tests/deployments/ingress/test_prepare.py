@@ -7,6 +7,7 @@ import pytest
 
 from deployments.ingress.prepare import Preparer
 from schemas import AppArgs, InvalidRequest
+from schemas.completions import CompletionRequest
 from schemas.openai import ChatCompletionRequest
 from tests.helpers import data_url, make_image
 
@@ -157,3 +158,14 @@ def test_the_cache_scope_is_in_every_image_key(prep):
     )
     assert len({shared.image_keys[0], a.image_keys[0], b.image_keys[0]}) == 3 and a.image_keys == a2.image_keys
     assert (shared.cache_scope, a.cache_scope) == ("", "a") and a.prompt == b.prompt
+
+
+def test_the_cheap_checks_refuse_a_schema_too_costly_to_compile(prep):
+    """Chat (`check`) and text completions (`check_generation`) both, before any image is read: at the default
+    limit of 256 optional properties, 2,000 would have cost the LLM replica ~18 s of a core to compile."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    with pytest.raises(InvalidRequest, match="2000 properties that are not required, over the limit of 256"):
+        prep.check(ChatCompletionRequest(messages=_conversation(1), response_format=fmt))
+    with pytest.raises(InvalidRequest, match="over the limit of 256"):
+        prep.check_generation(CompletionRequest(prompt="hi", response_format=fmt))
