@@ -38,8 +38,9 @@ class Limits(_Strict):
     max_schema_bytes: int = Field(
         256 << 10,
         ge=1024,
-        description="Most bytes of JSON schema (response_format, structured_outputs, every tool's parameters, as JSON "
-        "text), EBNF grammar and regex in one request, together; more is a 400. The LLM replica compiles them.",
+        description="Most bytes of JSON schema (response_format, structured_outputs, the parameters of the tools a "
+        "required or named tool_choice compiles; as JSON text), EBNF grammar and regex in one request, together; more "
+        "is a 400. The LLM replica compiles them.",
     )
     max_optional_properties: int = Field(
         256,

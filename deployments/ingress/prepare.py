@@ -6,9 +6,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from deployments.ingress.grammar_cost import check_cost
 from deployments.ingress.items import Item, Prepared, first_turn_key, image_params, in_prompt_order, scoped_key
 from deployments.ingress.prompt import build_prompt, check_reserved, load_tokenizer, needs_typed_content
-from deployments.ingress.structured import check_cost, response_grammar
+from deployments.ingress.structured import response_grammar
 from deployments.ingress.tools import check_tools, renders_tools, template_tools, tool_grammar, tools_as_text
 from deployments.ingress.videos import VideoPreparer, video_params
 from encoders import data_url_format, decode_data_url, embedding_key, probe_image

@@ -10,7 +10,6 @@ import json
 import xgrammar as xgr
 
 from schemas import InvalidRequest
-from schemas.config import Limits
 from schemas.requests import GenerationRequest
 
 
@@ -71,62 +70,4 @@ def response_grammar(req: GenerationRequest) -> str | None:
         raise InvalidRequest(f"{param}: {_reason(e)}", param=param) from e
 
 
-def check_cost(req: GenerationRequest, limits: Limits) -> None:
-    """A 400 for what would cost the LLM replica's grammar compiler far more than a request should: schemas,
-    grammars and regexes over `limits.max_schema_bytes` together, or an object with more properties that are not
-    required than `limits.max_optional_properties` (xgrammar lets each be followed by any later one)."""
-    total, first = 0, None
-    for param, value in _constraints(req):
-        total += len(value.encode() if isinstance(value, str) else json.dumps(value).encode())
-        first = first or param
-        if param == "structured_outputs.json" and isinstance(value, str):  # a schema as JSON text
-            try:
-                value = json.loads(value)
-            except ValueError:
-                pass  # xgrammar refuses it when it is converted
-        if isinstance(value, dict) and (worst := _most_optional(value)) > limits.max_optional_properties:
-            raise InvalidRequest(
-                f"{param}: an object has {worst} properties that are not required, over the limit of "
-                f"{limits.max_optional_properties} (list them in `required`, or split the object)",
-                param=param,
-            )
-    if total > limits.max_schema_bytes:
-        raise InvalidRequest(
-            f"the request's schemas and grammars are {total} bytes together, over the limit of "
-            f"{limits.max_schema_bytes}",
-            param=first,
-        )
-
-
-def _constraints(req: GenerationRequest):
-    """(param, schema or text) of each output constraint the request carries: tools' parameters included (a
-    required or named tool choice compiles them)."""
-    fmt, vllm = req.response_format, req.structured_outputs
-    if fmt is not None and fmt.json_schema is not None:
-        yield "response_format.json_schema.schema", fmt.json_schema.json_schema
-    if vllm is not None:
-        for kind in ("json_", "regex", "grammar", "choice"):
-            if (value := getattr(vllm, kind)) is not None:
-                yield f"structured_outputs.{kind.rstrip('_')}", value
-    for i, tool in enumerate(getattr(req, "tools", None) or ()):
-        yield f"tools[{i}].function.parameters", tool.function.parameters
-
-
-def _most_optional(schema: dict) -> int:
-    """The most properties that are not required in any one object of `schema` (walked without recursion: the
-    body's nesting may be deeper than Python's stack)."""
-    worst, stack = 0, [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            props, required = node.get("properties"), node.get("required")
-            if isinstance(props, dict):
-                named = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
-                worst = max(worst, len(props.keys() - named))
-            stack += node.values()
-        elif isinstance(node, list):
-            stack += node
-    return worst
-
-
-__all__ = ["check_cost", "json_grammar", "response_grammar"]
+__all__ = ["json_grammar", "response_grammar"]

@@ -8,7 +8,8 @@ import pytest
 import xgrammar as xgr
 from pydantic import ValidationError
 
-from deployments.ingress.structured import check_cost, json_grammar, response_grammar
+from deployments.ingress.grammar_cost import check_cost
+from deployments.ingress.structured import json_grammar, response_grammar
 from schemas import InvalidRequest
 from schemas.config import Limits
 from schemas.openai import ChatCompletionRequest
@@ -91,13 +92,18 @@ def test_objects_with_too_many_optional_properties_are_a_400_before_any_conversi
     for fields, param in [
         ({"response_format": {"type": "json_schema", "json_schema": schema}}, "response_format.json_schema.schema"),
         ({"structured_outputs": {"json": json.dumps(nested)}}, "structured_outputs.json"),
-        ({"tools": [tool], "tool_choice": "auto"}, "tools[0].function.parameters"),
+        ({"tools": [tool], "tool_choice": "required"}, "tools[0].function.parameters"),
     ]:
         with pytest.raises(InvalidRequest, match="51 properties that are not required, over the limit of 50") as e:
             check_cost(ChatCompletionRequest(messages=MESSAGES, **fields), limits)
         assert e.value.param == param and e.value.status == 400
     fine = {"type": "json_schema", "json_schema": {"name": "s", "schema": _objects(2000, required=1950)}}
     check_cost(ChatCompletionRequest(messages=MESSAGES, response_format=fine), limits)
+    # Tools under "auto" are prompt text, not a grammar; a named choice compiles only its own.
+    check_cost(ChatCompletionRequest(messages=MESSAGES, tools=[tool], tool_choice="auto"), limits)
+    other = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
+    named = {"type": "function", "function": {"name": "g"}}
+    check_cost(ChatCompletionRequest(messages=MESSAGES, tools=[tool, other], tool_choice=named), limits)
 
 
 def test_schemas_and_grammars_over_the_byte_limit_together_are_a_400():
@@ -107,7 +113,7 @@ def test_schemas_and_grammars_over_the_byte_limit_together_are_a_400():
     fields = {"response_format": {"type": "json_schema", "json_schema": schema}}
     check_cost(ChatCompletionRequest(messages=MESSAGES, **fields), limits)
     with pytest.raises(InvalidRequest, match="bytes together, over the limit of 4096") as e:
-        check_cost(ChatCompletionRequest(messages=MESSAGES, tools=tools * 2, **fields), limits)
+        check_cost(ChatCompletionRequest(messages=MESSAGES, tools=tools * 2, tool_choice="required", **fields), limits)
     assert e.value.param == "response_format.json_schema.schema"
     with pytest.raises(InvalidRequest, match="over the limit of 4096"):
         check_cost(ChatCompletionRequest(messages=MESSAGES, structured_outputs={"grammar": "x" * 5000}), limits)
