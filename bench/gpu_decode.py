@@ -34,7 +34,7 @@ import torch
 
 from demo.build_tiny import build_checkpoint
 from llm import Engine, EngineConfig, Qwen2LM
-from llm.model import triton_fused, triton_gemm
+from llm.model import triton_attention, triton_fused, triton_gemm
 from schemas import GenerateRequest, SamplingParams
 
 SHAPES = {
@@ -43,14 +43,15 @@ SHAPES = {
     "tiny": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
                  vision_embed_dim=32, vision_depth=1, vision_heads=2, init_std=0.02),
 }  # fmt: skip
-# mode: (static_decode, cuda_graphs, compile_decode, async_decode, the layers' Triton kernels: "all", "fused" (not
-# triton_gemm's) or "none"); "ahead": each decode step launched before the last one's tokens reach the host (the
-# default on cuda), "graphs" without that; "cublas": ahead with every GEMM by cuBLAS; "unfused": also torch's small ops
-# where llm/model/triton_fused.py has kernels (the step before both)
+# mode: (static_decode, cuda_graphs, compile_decode, async_decode, the layers' Triton kernels: "all", "prefold" (all
+# but the folds of 2026-12-05: the attention's combine and the MLP's SiLU-mul kernels of their own), "fused" (not
+# triton_gemm's either) or "none"); "ahead": each decode step launched before the last one's tokens reach the host (the
+# default on cuda), "graphs" without that; "prefold": ahead without the folds; "cublas": ahead with every GEMM by
+# cuBLAS; "unfused": also torch's small ops where llm/model/triton_fused.py has kernels (the step before all three)
 MODES = {"eager": (False, False, False, False, "all"), "static": (True, False, False, False, "all"),
          "graphs": (True, True, False, False, "all"), "ahead": (True, True, False, True, "all"),
-         "cublas": (True, True, False, True, "fused"), "unfused": (True, True, False, True, "none"),
-         "compiled": (True, True, True, True, "all")}  # fmt: skip
+         "prefold": (True, True, False, True, "prefold"), "cublas": (True, True, False, True, "fused"),
+         "unfused": (True, True, False, True, "none"), "compiled": (True, True, True, True, "all")}  # fmt: skip
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 PROMPT = 128
 
@@ -76,7 +77,9 @@ def _engine(model: Qwen2LM, blocks: int, max_seqs: int, mode: str) -> Engine:
 
 def _use_kernels(mode: str) -> None:
     """The fused kernels on or off for what runs next (a graph keeps what its capture saw)."""
-    triton_fused.enabled, triton_gemm.enabled = MODES[mode][4] != "none", MODES[mode][4] == "all"
+    kernels = MODES[mode][4]
+    triton_fused.enabled, triton_gemm.enabled = kernels != "none", kernels in ("all", "prefold")
+    triton_attention.fold_combine = triton_gemm.fuse_silu = kernels == "all"
 
 
 async def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="check,decode,launches")
     p.add_argument("--check-modes", default=",".join(MODES), help="of the check (cuda)")
     p.add_argument(
-        "--modes", help="of the decode table; default eager,unfused,cublas,ahead,compiled (cpu: eager,static,ahead)"
+        "--modes", help="of the decode table; default eager,unfused,prefold,ahead (cpu: eager,static,ahead)"
     )
     args = p.parse_args(argv)
     logging.basicConfig(format="%(name)s: %(message)s")
@@ -232,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA device (or --device cpu --shape tiny)")
         return 2
-    default = "eager,unfused,cublas,ahead,compiled" if args.device == "cuda" else "eager,static,ahead"
+    default = "eager,unfused,prefold,ahead" if args.device == "cuda" else "eager,static,ahead"
     modes = (args.modes or default).split(",")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     failed, engines = 0, {}

@@ -98,12 +98,12 @@ class Linear(nn.Linear):
         return _linear(x, self.weight, self.bias, self.packed)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed, gated=False) -> torch.Tensor:
     """A decode step's few rows on cuda by triton_gemm (where it measured faster than cuBLAS); else the CPU kernels'
-    or torch's linear."""
-    if triton_gemm.on(x, weight):
-        return triton_gemm.linear(x, weight, bias)
-    return cpu_kernels.linear(x, weight, bias, packed)
+    or torch's linear. gated (where triton_fused runs): x is an MLP's (gate, up), multiplied as SiLU(gate) * up."""
+    if triton_gemm.on(x, weight, gated):
+        return triton_gemm.linear(x, weight, bias, gated)
+    return cpu_kernels.linear(triton_fused.silu_mul(x) if gated else x, weight, bias, packed)
 
 
 def pack_linears(model: nn.Module, chunks: int = 1) -> int:
@@ -139,10 +139,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return _linear(x, self.weight, self.bias, self.packed)
-        y = self.tp.all_reduce(_linear(x, self.weight, None, self.packed))  # (T, out)
+            return _linear(x, self.weight, self.bias, self.packed, gated)
+        y = self.tp.all_reduce(_linear(x, self.weight, None, self.packed, gated))  # (T, out)
         return y if self.bias is None else y + self.bias
 
 
@@ -179,8 +179,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2I)
-        if triton_fused.on(gate_up):
-            return self.down_proj(triton_fused.silu_mul(gate_up))
+        if triton_fused.on(gate_up):  # SiLU-mul in down_proj's GEMM (triton_gemm), else a kernel of its own
+            return self.down_proj(gate_up, gated=True)
         if cpu_kernels.on(gate_up):
             return self.down_proj(cpu_kernels.silu_mul(gate_up))
         return self.down_proj(F.silu(gate_up[:, : self.inter]).mul_(gate_up[:, self.inter :]))

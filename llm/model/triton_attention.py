@@ -9,13 +9,15 @@ softmax as in Triton's fused-attention tutorial):
   t % block_size), so the cache is read where it lies: no gather into a contiguous copy.
 - Split-KV: a sequence's blocks are cut into at most `num_splits` contiguous ranges of whole blocks, one per
   program, so that a small batch with long contexts still fills the GPU. Each split writes a partial (running
-  max, sum of exponentials, unnormalised accumulator) in float32; a second small kernel, one program per
-  (sequence, query head), rescales and sums the splits that were written.
-- No value-dependent grid: the grids are (B, nkv, num_splits) and (B, nh) whatever the context lengths are, and
-  num_splits comes from shapes alone; each program derives its range from context_lens inside the kernel (a
-  short sequence leaves its later splits empty: they exit at once, and the combine, doing the same arithmetic,
-  skips them). So the launch needs no host sync (no max(context_lens)) and is CUDA-graph safe: a replay with
-  other lengths, block tables or queries in the same buffers runs the same grid.
+  max, sum of exponentials, unnormalised accumulator) in float32, and the last of a (sequence, KV head)'s splits to
+  arrive (an atomic counter that it resets, so a CUDA graph replays it) rescales and sums the splits that were
+  written: one kernel, where a combine kernel of its own cost a launch per layer (~2 us in a graph on an H200;
+  the split-K fix-up of triton_gemm.py, CUTLASS's and stream-K's). With one split the program writes the output.
+- No value-dependent grid: the grid is (B, nkv, num_splits) whatever the context lengths are, and num_splits comes
+  from shapes alone; each program derives its range from context_lens inside the kernel (a short sequence leaves
+  its later splits empty: they only count their arrival, and the combine, doing the same arithmetic, skips them).
+  So the launch needs no host sync (no max(context_lens)) and is CUDA-graph safe: a replay with other lengths,
+  block tables or queries in the same buffers runs the same grid.
 - The null block: block-table padding points at block 0, and free blocks may hold anything (NaN included).
   Every position >= context_len is masked in the loads themselves (masked lanes read 0 and never touch memory)
   and its score is set to -inf before the softmax, so nothing past a sequence's context enters the arithmetic.
@@ -43,62 +45,46 @@ except ImportError:  # the CPU build of torch does not bring triton: the referen
 # NOTE: read once, at the same moment triton.jit reads it to decide whether the kernels below are interpreted.
 _INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET", "0") == "1"
 _BLOCK_N = 32  # keys per loop step; any block_size works because each key finds its block through the table
+# Whether the last split to arrive combines the splits (one kernel); off: a combine kernel of its own (two, the
+# kernel before 2026-12-05), for bench/gpu_decode.py to time both in one run.
+fold_combine = True
+_counters: dict[torch.device, torch.Tensor] = {}  # arrivals per (sequence, KV head); captured graphs hold them
+_COUNTERS = 1 << 16
 
 if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        block_tables_ptr,
-        context_lens_ptr,
-        m_ptr,
-        l_ptr,
-        acc_ptr,
-        scale,
-        stride_qb,
-        stride_qh,
-        stride_kh,
-        stride_kb,
-        stride_kt,
-        stride_vh,
-        stride_vb,
-        stride_vt,
-        stride_tb,
-        GROUP: tl.constexpr,
-        GROUP_P2: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        HEAD_DIM_P2: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
+        q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, count_ptr, scale,
+        stride_qb, stride_qh, stride_kh, stride_kb, stride_kt, stride_vh, stride_vb, stride_vt, stride_tb, stride_ob,
+        stride_oh, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+        FOLD: tl.constexpr,
+    ):  # fmt: skip
         b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         num_heads = tl.num_programs(1) * GROUP
         context_len = tl.load(context_lens_ptr + b)
-        # Splits own whole blocks; _combine_kernel repeats this arithmetic to know which splits were written.
+        # Splits own whole blocks; the combine repeats this arithmetic to know which splits were written.
         # NOTE: (a + n - 1) // n rather than tl.cdiv: a jit helper call costs milliseconds in the interpreter.
         blocks_per_split = ((context_len + BLOCK_SIZE - 1) // BLOCK_SIZE + NUM_SPLITS - 1) // NUM_SPLITS
         start = split * blocks_per_split * BLOCK_SIZE
         end = tl.minimum(start + blocks_per_split * BLOCK_SIZE, context_len)
-        if start < end:  # a short context leaves the later splits empty: they exit at once and write nothing
-            rows = tl.arange(0, GROUP_P2)  # the group's query heads, padded to a dot-sized tile
-            heads = kv_head * GROUP + rows
-            is_head = rows < GROUP
-            dims = tl.arange(0, HEAD_DIM_P2)
-            is_dim = dims < HEAD_DIM  # head_dim 80 and the like: padded to a power of two, masked
+        rows = tl.arange(0, GROUP_P2)  # the group's query heads, padded to a dot-sized tile
+        heads = kv_head * GROUP + rows
+        is_head = rows < GROUP
+        dims = tl.arange(0, HEAD_DIM_P2)
+        is_dim = dims < HEAD_DIM  # head_dim 80 and the like: padded to a power of two, masked
+        is_out = is_head[:, None] & is_dim[None, :]
+        part = (b * num_heads + heads) * NUM_SPLITS + split  # (GROUP_P2,) index into (B, nh, NUM_SPLITS)
+        out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+        m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
+        l_i = tl.full([GROUP_P2], 0.0, tl.float32)  # tl.full, not tl.zeros: a builtin, no jit call to interpret
+        acc = tl.full([GROUP_P2, HEAD_DIM_P2], 0.0, tl.float32)
+        if start < end:  # a short context leaves the later splits empty: they write nothing
             q = tl.load(
-                q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=is_head[:, None] & is_dim[None, :],
-                other=0.0,
+                q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=is_out, other=0.0
             )  # (GROUP_P2, HEAD_DIM_P2); padding rows are 0: their scores stay finite
             q = (q.to(tl.float32) * scale).to(tl.float32)  # cast again: Inductor passes `scale` as a float64
-
-            m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
-            l_i = tl.full([GROUP_P2], 0.0, tl.float32)  # tl.full, not tl.zeros: a builtin, no jit call to interpret
-            acc = tl.full([GROUP_P2, HEAD_DIM_P2], 0.0, tl.float32)
             k_head = k_ptr + kv_head * stride_kh
             v_head = v_ptr + kv_head * stride_vh
             for t0 in range(start, end, BLOCK_N):
@@ -126,11 +112,36 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
                 l_i = l_i * alpha + tl.sum(p, 1)
                 m_i = m_new
-
-            part = (b * num_heads + heads) * NUM_SPLITS + split  # (GROUP_P2,) index into (B, nh, NUM_SPLITS)
-            tl.store(m_ptr + part, m_i, mask=is_head)
-            tl.store(l_ptr + part, l_i, mask=is_head)
-            tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=is_head[:, None] & is_dim[None, :])
+            if not FOLD or NUM_SPLITS > 1:
+                tl.store(m_ptr + part, m_i, mask=is_head)
+                tl.store(l_ptr + part, l_i, mask=is_head)
+                tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=is_out)
+        if FOLD and NUM_SPLITS == 1:  # the one split is the answer (0 for a context of no keys)
+            tl.store(out, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty), is_out)
+        elif FOLD:  # the last of the (sequence, KV head)'s splits to arrive combines them, as triton_gemm's split-K
+            tl.debug_barrier()  # every thread's partial stored before the one atomic below releases them
+            arrived = tl.atomic_add(count_ptr + b * tl.num_programs(1) + kv_head, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                written = ((context_len + BLOCK_SIZE - 1) // BLOCK_SIZE + blocks_per_split - 1) // tl.maximum(
+                    blocks_per_split, 1
+                )
+                m_all = tl.full([GROUP_P2], float("-inf"), tl.float32)  # an online softmax over the splits
+                l_all = tl.full([GROUP_P2], 0.0, tl.float32)
+                acc_all = tl.full([GROUP_P2, HEAD_DIM_P2], 0.0, tl.float32)
+                for s in range(0, written):
+                    at = part - split + s
+                    m_s = tl.load(m_ptr + at, mask=is_head, other=0.0, cache_modifier=".cg")  # finite: keys > 0
+                    m_new = tl.maximum(m_all, m_s)
+                    alpha, beta = tl.exp(m_all - m_new), tl.exp(m_s - m_new)
+                    l_s = tl.load(l_ptr + at, mask=is_head, other=0.0, cache_modifier=".cg")
+                    acc_s = tl.load(acc_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=is_out, other=0.0,
+                                    cache_modifier=".cg")  # fmt: skip
+                    acc_all = acc_all * alpha[:, None] + acc_s * beta[:, None]
+                    l_all = l_all * alpha + l_s * beta
+                    m_all = m_new
+                tl.atomic_xchg(count_ptr + b * tl.num_programs(1) + kv_head, 0)  # ready for the next launch or replay
+                result = acc_all / tl.where(l_all > 0, l_all, 1.0)[:, None]  # no keys: acc is 0, so is the output
+                tl.store(out, result.to(out_ptr.dtype.element_ty), mask=is_out)
 
     @triton.jit
     def _combine_kernel(
@@ -237,47 +248,32 @@ def paged_decode_attention(
     assert block_tables.dtype == context_lens.dtype == torch.int32, (block_tables.dtype, context_lens.dtype)
     assert block_tables.stride(-1) == 1 and context_lens.is_contiguous()
     num_splits = max_splits or default_num_splits(B, nkv, block_tables.shape[1], q.device)
+    assert B * nkv <= _COUNTERS, (B, nkv)
     f32 = dict(device=q.device, dtype=torch.float32)
     # The splits' partials: running max and sum of exponentials (B, nh, S), unnormalised output (B, nh, S, hd).
     m_i, l_i = torch.empty(B, nh, num_splits, **f32), torch.empty(B, nh, num_splits, **f32)
     acc = torch.empty(B, nh, num_splits, hd, **f32)
-    _split_kernel[(B, nkv, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        m_i,
-        l_i,
-        acc,
-        scale,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        **split_config(k_cache.dtype, nh // nkv, hd, block_size, num_splits),
-    )
     out = torch.empty_like(q)  # (B, nh, hd)
-    _combine_kernel[(B, nh)](
-        context_lens, m_i, l_i, acc, out, out.stride(0), out.stride(1), **combine_config(hd, block_size, num_splits)
-    )
+    counters = _counters.get(q.device)
+    if counters is None:  # zeros; each launch leaves them zero
+        counters = _counters[q.device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=q.device)
+    _split_kernel[(B, nkv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, m_i, l_i, acc, out, counters, scale, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        **split_config(k_cache.dtype, nh // nkv, hd, block_size, num_splits), FOLD=fold_combine,
+    )  # fmt: skip
+    if not fold_combine:
+        _combine_kernel[(B, nh)](
+            context_lens, m_i, l_i, acc, out, out.stride(0), out.stride(1), **combine_config(hd, block_size, num_splits)
+        )
     return out
 
 
 def paged_decode_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    max_splits: int | None = None,
-) -> torch.Tensor:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, max_splits: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """The same contract in plain torch: gather each sequence's blocks, masked float32 softmax. max_splits is
     accepted for the common signature and unused."""
     B, nh, hd = q.shape

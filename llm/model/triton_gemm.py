@@ -10,10 +10,16 @@ program writes its partial sum to a float32 workspace and the last of a column b
 counter, reset by that program, so a CUDA graph replays it) sums them, adds the bias and writes the output: one kernel
 where cuBLAS's split-K takes two. (Split-K with a semaphore and in-kernel fix-up as in CUTLASS's and stream-K's GEMMs.)
 
-Which runs is measured, not guessed: at the first call for a weight shape (N, K) and dtype, each config below that
-agrees with `F.linear` on that call's input, and `F.linear` itself, run 20 times inside a CUDA graph (what a decode
-step replays); the fastest is kept for the process and logged. Never during a graph capture (that call uses
-F.linear and decides nothing), never for float32 (cuBLAS keeps the reference numerics), never under torch.compile.
+An MLP's down_proj may take its input as the (gate, up) halves of gate_up_proj's output (`gated`): each program
+computes SiLU(gate) * up on the tile it loads, rounded as triton_fused.silu_mul rounds it, so the SiLU-mul kernel
+(~2 us a layer in a graph) is gone. (The activation in the GEMM's prologue, as vLLM's fused-MoE and CUTLASS's
+epilogue-visitor GEMMs fuse theirs; ours.)
+
+Which runs is measured, not guessed: at the first call for a weight shape (N, K), dtype and gating, each config
+below that agrees with `F.linear` on that call's input, and `F.linear` itself (after silu_mul, gated), run 20 times
+inside a CUDA graph (what a decode step replays); the fastest is kept for the process and logged. Never during a
+graph capture (that call uses F.linear and decides nothing), never for float32 (cuBLAS keeps the reference
+numerics), never under torch.compile.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from llm.model import triton_fused
 from llm.model.triton_attention import _INTERPRETED, triton
 
 if triton is not None:
@@ -32,16 +39,18 @@ logger = logging.getLogger(__name__)
 
 MAX_ROWS = 16
 enabled = True  # bench/gpu_decode.py turns it off to time cuBLAS alone
+fuse_silu = True  # an MLP's SiLU-mul in down_proj's loads; off: a kernel of its own (bench/gpu_decode.py, "prefold")
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
 CONFIGS = ((16, 256, 1, 4, 4), (32, 256, 1, 4, 4), (64, 128, 1, 4, 4), (16, 512, 1, 4, 3), (16, 256, 2, 4, 4),
            (16, 256, 4, 4, 4), (32, 256, 4, 4, 4), (16, 256, 8, 4, 4))  # fmt: skip
-_choice: dict[tuple[int, int, torch.dtype], tuple[int, ...] | None] = {}  # None: F.linear
+_choice: dict[tuple[int, int, torch.dtype, bool], tuple[int, ...] | None] = {}  # None: F.linear
 _counters: dict[torch.device, torch.Tensor] = {}  # per device, never reallocated (captured graphs hold them)
 _COUNTERS = 1 << 15  # column blocks at most: 524k output columns at BLOCK_N 16
 
 
-def on(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this linear may use the kernel: 16-bit, at most 16 rows, on cuda (on CPU in Triton's interpreter)."""
+def on(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether this linear may use the kernel: 16-bit, at most 16 rows, on cuda (on CPU in Triton's interpreter);
+    gated: x is an MLP's (gate, up), twice the weight's width, for SiLU(gate) * up times the weight."""
     return (
         (x.is_cuda or _INTERPRETED)  # first: on CPU this is the whole cost of a linear's check
         and enabled
@@ -53,6 +62,7 @@ def on(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and not torch.compiler.is_compiling()
+        and (not gated or (fuse_silu and x.shape[1] == 2 * weight.shape[1]))
     )
 
 
@@ -62,7 +72,7 @@ if triton is not None:
     def _small_gemm_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        UPCAST: tl.constexpr,
+        UPCAST: tl.constexpr, GATED: tl.constexpr,
     ):  # fmt: skip
         n_block, split = tl.program_id(0), tl.program_id(1)
         cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,9 +85,14 @@ if triton is not None:
         for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             is_k = ks < k_end
-            x = tl.load(
-                x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=is_row[:, None] & is_k[None, :], other=0.0
-            )
+            x_at, is_x = x_ptr + rows[:, None] * stride_xm + ks[None, :], is_row[:, None] & is_k[None, :]
+            if GATED:  # x is (gate, up): SiLU(gate) * up, rounded as triton_fused.silu_mul rounds it
+                g = tl.load(x_at, mask=is_x, other=0.0).to(tl.float32)
+                u = tl.load(x_at + K, mask=is_x, other=0.0).to(tl.float32)
+                act = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
+                x = (act * u).to(x_ptr.dtype.element_ty)
+            else:
+                x = tl.load(x_at, mask=is_x, other=0.0)
             w = tl.load(
                 w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0
             )
@@ -107,9 +122,10 @@ if triton is not None:
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=is_row[:, None] & is_col[None, :])
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: tuple[int, ...]) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: tuple[int, ...],
+            gated: bool = False) -> torch.Tensor:  # fmt: skip
     block_n, block_k, split_k, warps, stages = config
-    (M, K), N = x.shape, weight.shape[0]
+    (M, _), (N, K) = x.shape, weight.shape
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     n_blocks = -(-N // block_n)
     part = torch.empty(split_k * 16, N, dtype=torch.float32, device=x.device) if split_k > 1 else y
@@ -119,7 +135,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     _small_gemm_kernel[(n_blocks, split_k)](
         x, weight, weight if bias is None else bias, y, part, counters, M, N, K, x.stride(0), weight.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        UPCAST=_INTERPRETED, num_warps=warps, num_stages=stages,
+        UPCAST=_INTERPRETED, GATED=gated, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
 
@@ -144,41 +160,49 @@ def _graph_us(fn, reps: int = 20) -> float:
     return best
 
 
-def _choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...] | None:
+def _choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> tuple[int, ...] | None:
+    def reference() -> torch.Tensor:  # what the step runs without this kernel
+        return F.linear(triton_fused.silu_mul(x) if gated else x, weight, bias)
+
     try:
-        times = {None: _graph_us(lambda: F.linear(x, weight, bias))}
+        times = {None: _graph_us(reference)}
     except Exception as e:  # noqa: BLE001 (no timing, no choice: cuBLAS, as without this module)
         logger.warning("linear of %d x %d stays on cuBLAS: timing it failed: %s", *weight.shape, e)
         return None
-    want = F.linear(x, weight, bias).float()
+    want = reference().float()
     for config in CONFIGS:
         try:
-            error = float((_launch(x, weight, bias, config).float() - want).norm() / want.norm().clamp_min(1e-30))
+            ours = _launch(x, weight, bias, config, gated).float()
+            error = float((ours - want).norm() / want.norm().clamp_min(1e-30))
             if not error < 1e-2:  # a bfloat16 rounding is 4e-3 at most: anything more is a fault, never chosen
                 raise ValueError(f"relative error {error:.2e} against F.linear")
-            times[config] = _graph_us(lambda c=config: _launch(x, weight, bias, c))
+            times[config] = _graph_us(lambda c=config: _launch(x, weight, bias, c, gated))
         except Exception as e:  # noqa: BLE001 (a config that does not compile, fit or agree is left out)
             logger.warning("small GEMM config %s left out for (%d, %d): %s", config, *weight.shape, e)
     best = min(times, key=times.get)
     logger.info(
-        "linear %s of %d x %d at %d rows: cuBLAS %.1f us, ours %.1f us (%s): %s",
-        weight.dtype, *weight.shape, x.shape[0], times[None], min(v for c, v in times.items() if c) if len(times) > 1
-        else float("nan"), best, "ours" if best else "cuBLAS",
+        "linear %s of %d x %d%s at %d rows: cuBLAS %.1f us, ours %.1f us (%s): %s",
+        weight.dtype, *weight.shape, " after SiLU-mul" if gated else "", x.shape[0], times[None],
+        min(v for c, v in times.items() if c) if len(times) > 1 else float("nan"), best, "ours" if best else "cuBLAS",
     )  # fmt: skip
     return best
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x (M, K), weight (N, K), bias) for M <= 16, by the kernel or cuBLAS, whichever measured faster."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    """F.linear(x (M, K), weight (N, K), bias) for M <= 16, by the kernel or cuBLAS, whichever measured faster.
+    gated: x is (M, 2K), (gate, up), and the product is of SiLU(gate) * up: in the kernel's loads (one kernel), or
+    triton_fused.silu_mul then cuBLAS (two), whichever measured faster."""
     if _INTERPRETED and x.device.type == "cpu":
-        return _launch(x, weight, bias, CONFIGS[0])
-    key = (*weight.shape, weight.dtype)
+        return _launch(x, weight, bias, CONFIGS[0], gated)
+    key = (*weight.shape, weight.dtype, gated)
     if key not in _choice:
         if torch.cuda.is_current_stream_capturing():
-            return F.linear(x, weight, bias)
-        _choice[key] = _choose(x, weight, bias)
+            return F.linear(triton_fused.silu_mul(x) if gated else x, weight, bias)
+        _choice[key] = _choose(x, weight, bias, gated)
     config = _choice[key]
-    return F.linear(x, weight, bias) if config is None else _launch(x, weight, bias, config)
+    if config is None:
+        return F.linear(triton_fused.silu_mul(x) if gated else x, weight, bias)
+    return _launch(x, weight, bias, config, gated)
 
 
 __all__ = ["CONFIGS", "MAX_ROWS", "linear", "on"]

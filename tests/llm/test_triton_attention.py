@@ -115,7 +115,10 @@ def test_kernel_cases_pass_in_the_triton_interpreter():
     ],
     ids=["f32-gqa-s1", "f32-gqa-s4", "f32-gqa-s32", "bf16-gqa-s4", "bf16-mha-hd32-s4", "f16-gqa-hd80-s2"],
 )
-def test_kernel_equals_reference_in_interpreter(dtype, nh, nkv, hd, splits):
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "combine-kernel"])
+def test_kernel_equals_reference_in_interpreter(monkeypatch, dtype, nh, nkv, hd, splits, fold):
+    """Folded: the last split to arrive combines (and leaves its counter at zero); else a combine kernel."""
+    monkeypatch.setattr(triton_attention, "fold_combine", fold)
     q, k_cache, v_cache, tables, context_lens = make_batch(LENS, nh, nkv, hd, dtype, pad_rows=1)
     args = (q, k_cache, v_cache, tables, context_lens, hd**-0.5)
     out = triton_attention.paged_decode_attention(*args, max_splits=splits)
@@ -124,6 +127,7 @@ def test_kernel_equals_reference_in_interpreter(dtype, nh, nkv, hd, splits):
     real = slice(0, len(LENS))  # the padding row attends to the NaN null block: its output is ignored
     assert out[real].isfinite().all(), "a NaN past some context leaked into a real row"
     torch.testing.assert_close(out[real], want[real], **tolerance(dtype))
+    assert not triton_attention._counters[q.device].any(), "a counter left non-zero breaks the next replay"
 
 
 @in_child
@@ -194,10 +198,11 @@ def test_kernels_compile_for_h100_without_spills(dtype, group, hd, block_size, s
         l_ptr=f32,
         acc_ptr=f32,
         out_ptr=dtype,
+        count_ptr=i32,
     )
-    split = compile_for_h100(
-        triton_attention._split_kernel, pointers, split_config(dtype, group, hd, block_size, splits)
-    )
+    config = split_config(dtype, group, hd, block_size, splits)
+    compile_for_h100(triton_attention._split_kernel, pointers, config | dict(FOLD=False))
+    split = compile_for_h100(triton_attention._split_kernel, pointers, config | dict(FOLD=True))
     compile_for_h100(triton_attention._combine_kernel, pointers, combine_config(hd, block_size, splits))
     cuobjdump = Path(triton_attention.triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:

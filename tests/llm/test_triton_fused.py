@@ -89,6 +89,31 @@ def check_small_gemm(device, dtype, configs=triton_gemm.CONFIGS):
     assert not any(c.any() for c in triton_gemm._counters.values())
 
 
+def check_gated_gemm(device, dtype, configs=triton_gemm.CONFIGS):
+    """down_proj's GEMM with the SiLU-mul in its loads, every config: equal to the same config's GEMM of
+    triton_fused.silu_mul's output (the same roundings; the interpreter rounds to bfloat16 by truncation, so against
+    torch's SiLU-mul a 16-bit sum of K products drifts apart), and in float32 to F.linear of torch's SiLU-mul; rows
+    1-16, widths that no tile divides."""
+    if device == "cuda" and dtype == torch.float32:
+        pytest.skip("float32 stays with cuBLAS (the kernel's tl.dot would round to tf32)")
+    gen = torch.Generator().manual_seed(7)
+    for M, N, K, bias in ((1, 40, 100, True), (7, 96, 330, False), (16, 33, 600, True)):
+        gate_up = (torch.randn(M, 2 * K, generator=gen) * 3).to(device, dtype)
+        w, b = (torch.randn(*shape, generator=gen).to(device, dtype) for shape in ((N, K), (N,)))
+        b = b if bias else None
+        act = F.silu(gate_up[:, :K].float()) * gate_up[:, K:].float()
+        want = F.linear(act, w.float(), None if b is None else b.float())
+        for config in configs:
+            out = triton_gemm._launch(gate_up, w, b, config, gated=True)
+            assert out.dtype == dtype and out.shape == (M, N)
+            two_kernels = triton_gemm._launch(triton_fused.silu_mul(gate_up), w, b, config)
+            exact = dict(atol=0, rtol=0) if device == "cpu" else _tol(dtype)  # cuda: the compiler may contract
+            torch.testing.assert_close(out, two_kernels, **exact, msg=lambda m, c=config: f"{c}: {m}")
+            if dtype == torch.float32:
+                torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-5, msg=lambda m, c=config: f"{c}: {m}")
+    assert not any(c.any() for c in triton_gemm._counters.values())
+
+
 def tiny_model(dtype=torch.float32):
     from demo.build_tiny import build_checkpoint
     from llm import Qwen2LM
@@ -105,7 +130,9 @@ def test_fused_cases_pass_in_the_triton_interpreter():
 
 @in_child
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-@pytest.mark.parametrize("check", [check_add_rms_norm, check_rope_kv_write, check_silu_mul, check_small_gemm])
+@pytest.mark.parametrize(
+    "check", [check_add_rms_norm, check_rope_kv_write, check_silu_mul, check_small_gemm, check_gated_gemm]
+)
 def test_kernel_in_interpreter(check, dtype):
     check("cpu", dtype)
 
@@ -131,8 +158,10 @@ class _Counted:
 def test_model_with_the_kernels_equals_without_in_interpreter(monkeypatch, dtype):
     """A prefill of two sequences, then a static decode step (Triton attention) of both, with the kernels and with
     torch's ops: in float32 hidden states and cache equal; in bfloat16 the kernels are no further from the float32
-    model than torch's ops are. A decoder layer's decode step launches 10 ops and kernels (without them: 14 in
-    float32, 15 in bfloat16 on CPU, 18 on cuda by the profile); in bfloat16 its four GEMMs are triton_gemm's."""
+    model than torch's ops are. A decoder layer's decode step launches 8 ops and kernels in bfloat16, its four GEMMs
+    triton_gemm's (down_proj's with the SiLU-mul in it), 9 in float32 (cuBLAS's GEMMs, then SiLU-mul a kernel of its
+    own); without them 13 in float32, 14 in bfloat16 on CPU (18 on cuda by the profile, with the attention's combine
+    a kernel of its own)."""
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(4))  # the tiny model's hidden size
     results, per_layer, launches, gemms = {}, {}, [0], [0]
     for module, names in ((triton_fused, ("_add_rms_norm_kernel", "_rope_kv_kernel", "_silu_mul_kernel")),
@@ -153,7 +182,9 @@ def test_model_with_the_kernels_equals_without_in_interpreter(monkeypatch, dtype
             static = StaticMeta(torch.tensor([14, 11]), torch.tensor([[1, 3, 7], [2, 7, 7]], dtype=torch.int32),
                                 torch.tensor([7, 4], dtype=torch.int32))  # fmt: skip
             counts, layers = [], model.layers
-            for n in (1, 2):  # the step with one layer, then with both: the difference is one layer's
+            # The step with one layer (twice: the first allocates the attention's counters), then with both: the
+            # difference is one layer's. Writing the same keys to the same slots again changes nothing.
+            for n in (1, 1, 2):
                 model.layers, before = layers[:n], launches[0] + gemms[0]
                 with OpCount() as ops:
                     decode = model(x[:2].to(run_dtype), torch.tensor([[11, 14]]).expand(3, -1), cache, static)
@@ -161,7 +192,7 @@ def test_model_with_the_kernels_equals_without_in_interpreter(monkeypatch, dtype
             model.layers = layers
         results[(run_dtype, enabled)] = [t.float() for t in (prefill, decode, cache.kv[:, :, :7])]
         if run_dtype == dtype:
-            per_layer[enabled] = counts[1] - counts[0]
+            per_layer[enabled] = counts[2] - counts[1]
     assert results[(dtype, True)][1].isfinite().all()
     if dtype == torch.float32:
         for ours, want in zip(results[(dtype, True)], results[(dtype, False)], strict=True):
@@ -172,7 +203,7 @@ def test_model_with_the_kernels_equals_without_in_interpreter(monkeypatch, dtype
             assert (ours.isnan() == want.isnan()).all()  # the same slots written, the free ones untouched
             errs = [float((t - want).nan_to_num().norm() / want.nan_to_num().norm()) for t in (ours, torchs)]
             assert errs[0] <= 1.5 * errs[1] + 1e-3, errs
-    assert per_layer == {True: 10, False: 14 if dtype == torch.float32 else 15}, per_layer
+    assert per_layer == ({True: 9, False: 13} if dtype == torch.float32 else {True: 8, False: 14}), per_layer
     assert gemms[0] > 0 if dtype == torch.bfloat16 else gemms[0] == 0  # float32 stays with torch's GEMM
 
 
@@ -198,16 +229,18 @@ def test_fused_kernels_compile_for_h100(dtype):
     )
     pointers = dict(x_ptr=dtype, w_ptr=dtype, b_ptr=dtype, y_ptr=dtype, part_ptr=torch.float32, count_ptr=torch.int32)
     for block_n, block_k, split_k, warps, stages in triton_gemm.CONFIGS if dtype == torch.bfloat16 else ():
-        constexprs = dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, UPCAST=False)
-        compile_for_h100(
-            triton_gemm._small_gemm_kernel, dict(pointers), constexprs | dict(num_warps=warps, num_stages=stages)
-        )
+        for gated in (False, True):
+            constexprs = dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, UPCAST=False)
+            constexprs |= dict(GATED=gated, num_warps=warps, num_stages=stages)
+            compile_for_h100(triton_gemm._small_gemm_kernel, dict(pointers), constexprs)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-@pytest.mark.parametrize("check", [check_add_rms_norm, check_rope_kv_write, check_silu_mul, check_small_gemm])
+@pytest.mark.parametrize(
+    "check", [check_add_rms_norm, check_rope_kv_write, check_silu_mul, check_small_gemm, check_gated_gemm]
+)
 def test_kernel_on_cuda(check, dtype):
     check("cuda", dtype)
 
@@ -215,16 +248,23 @@ def test_kernel_on_cuda(check, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_small_gemm_choice_and_graph_replay_on_cuda(caplog):
-    """triton_gemm.linear measures the configs against cuBLAS once per shape (logged) and keeps the choice; a split-K
-    launch captured in a CUDA graph gives the right product on every replay (its counters reset themselves)."""
+    """triton_gemm.linear measures the configs against cuBLAS once per shape and gating (logged) and keeps the
+    choice; a split-K launch captured in a CUDA graph gives the right product on every replay (its counters reset
+    themselves)."""
     gen = torch.Generator(device="cuda").manual_seed(6)
     for N, K in ((2048, 1536), (1536, 8960)):
         x = torch.randn(8, K, device="cuda", generator=gen, dtype=torch.bfloat16)
         w = (torch.randn(N, K, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
         with caplog.at_level("INFO", logger="llm.model.triton_gemm"):
             y = triton_gemm.linear(x, w, None)
-        assert (N, K, torch.bfloat16) in triton_gemm._choice and f"{N} x {K}" in caplog.text
+        assert (N, K, torch.bfloat16, False) in triton_gemm._choice and f"{N} x {K}" in caplog.text
         torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2)
+    gate_up = torch.randn(8, 2 * 8960, device="cuda", generator=gen, dtype=torch.bfloat16)  # down_proj, gated
+    with caplog.at_level("INFO", logger="llm.model.triton_gemm"):
+        y = triton_gemm.linear(gate_up, w, None, gated=True)
+    assert (1536, 8960, torch.bfloat16, True) in triton_gemm._choice and "after SiLU-mul" in caplog.text
+    want = F.linear(triton_fused.silu_mul(gate_up).float(), w.float())
+    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
     config = next(c for c in triton_gemm.CONFIGS if c[2] > 1)
     graph = torch.cuda.CUDAGraph()
     triton_gemm._launch(x, w, None, config)  # compiled before the capture
