@@ -44,7 +44,7 @@ SHAPES = {
                  vision_embed_dim=32, vision_depth=1, vision_heads=2, init_std=0.02),
 }  # fmt: skip
 # mode: (static_decode, cuda_graphs, compile_decode, async_decode, the layers' Triton kernels: "all", "prefold" (all
-# but the folds of 2026-12-05: the attention's combine and the MLP's SiLU-mul kernels of their own), "fused" (not
+# but the folds of 2026-12-05: the attention's combine, RoPE + KV write and SiLU-mul kernels of their own), "fused" (not
 # triton_gemm's either) or "none"); "ahead": each decode step launched before the last one's tokens reach the host (the
 # default on cuda), "graphs" without that; "prefold": ahead without the folds; "cublas": ahead with every GEMM by
 # cuBLAS; "unfused": also torch's small ops where llm/model/triton_fused.py has kernels (the step before all three)
@@ -79,7 +79,7 @@ def _use_kernels(mode: str) -> None:
     """The fused kernels on or off for what runs next (a graph keeps what its capture saw)."""
     kernels = MODES[mode][4]
     triton_fused.enabled, triton_gemm.enabled = kernels != "none", kernels in ("all", "prefold")
-    triton_attention.fold_combine = triton_gemm.fuse_silu = kernels == "all"
+    triton_attention.fold_combine = triton_gemm.fuse_silu = triton_gemm.fuse_rope = kernels == "all"
 
 
 async def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -225,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-batch", type=int, default=8)
     p.add_argument("--parts", default="check,decode,launches")
     p.add_argument("--check-modes", default=",".join(MODES), help="of the check (cuda)")
-    p.add_argument(
-        "--modes", help="of the decode table; default eager,unfused,prefold,ahead (cpu: eager,static,ahead)"
-    )
+    p.add_argument("--modes", help="of the decode table; default eager,unfused,prefold,ahead (cpu: eager,static,ahead)")
     args = p.parse_args(argv)
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("llm.engine.decode_step").setLevel(logging.INFO)  # compile and capture times

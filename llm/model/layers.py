@@ -156,16 +156,20 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(self.nh * self.hd, c.hidden_size, c.o_bias, tp)
 
     def forward(self, x, cis, kv_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
-        T = x.shape[0]
-        qkv = self.qkv_proj(x).view(T, self.nh + 2 * self.nkv, self.hd)  # (T, nh + 2nkv, hd)
+        T, shape, w = x.shape[0], (x.shape[0], self.nh + 2 * self.nkv, self.hd), self.qkv_proj.weight
         written = True  # one kernel (one op on CPU) rotates and writes the new keys and values into the cache
-        if triton_fused.on(qkv):
-            triton_fused.rope_kv_write_(qkv, cis, kv_cache, meta.slot_mapping)
-        elif cpu_kernels.on(qkv):
-            cpu_kernels.rope_(qkv, cis, kv_cache, meta.slot_mapping)
+        if triton_fused.on(x) and triton_gemm.on(x, w, rope=True):  # in the q/k/v GEMM's epilogue: none
+            rope = triton_gemm.RopeKV(cis, kv_cache, meta.slot_mapping, self.nh, self.nkv)
+            qkv = triton_gemm.linear(x, w, self.qkv_proj.bias, rope=rope).view(shape)  # (T, nh + 2nkv, hd)
         else:
-            Rotary.apply_(qkv, cis)
-            written = False
+            qkv = self.qkv_proj(x).view(shape)
+            if triton_fused.on(qkv):
+                triton_fused.rope_kv_write_(qkv, cis, kv_cache, meta.slot_mapping)
+            elif cpu_kernels.on(qkv):
+                cpu_kernels.rope_(qkv, cis, kv_cache, meta.slot_mapping)
+            else:
+                Rotary.apply_(qkv, cis)
+                written = False
         out = paged_attention(qkv[:, : self.nh], qkv[:, self.nh :], kv_cache, meta, 1.0, written=written)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, self.nh * self.hd))  # (T, D)
 
