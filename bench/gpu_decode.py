@@ -34,7 +34,7 @@ import torch
 
 from demo.build_tiny import build_checkpoint
 from llm import Engine, EngineConfig, Qwen2LM
-from llm.model import triton_attention, triton_fused, triton_gemm
+from llm.model import pdl, triton_attention, triton_fused, triton_gemm
 from schemas import GenerateRequest, SamplingParams
 
 SHAPES = {
@@ -44,14 +44,17 @@ SHAPES = {
                  vision_embed_dim=32, vision_depth=1, vision_heads=2, init_std=0.02),
 }  # fmt: skip
 # mode: (static_decode, cuda_graphs, compile_decode, async_decode, the layers' Triton kernels: "all", "prefold" (all
-# but the folds of 2026-12-05: the attention's combine, RoPE + KV write and SiLU-mul kernels of their own), "fused" (not
-# triton_gemm's either) or "none"); "ahead": each decode step launched before the last one's tokens reach the host (the
-# default on cuda), "graphs" without that; "prefold": ahead without the folds; "cublas": ahead with every GEMM by
-# cuBLAS; "unfused": also torch's small ops where llm/model/triton_fused.py has kernels (the step before all three)
+# but the folds of 2026-12-05: the attention's combine, RoPE + KV write and SiLU-mul kernels of their own), "fused"
+# (not triton_gemm's either), "none" or "pdl" (all, launched as below)); "ahead": each decode step launched before the
+# last one's tokens reach the host (the default on cuda), "graphs" without that; "prefold": ahead without the folds;
+# "pdl": ahead with our kernels launched by programmatic dependent launch (llm/model/pdl.py, off by default);
+# "cublas": ahead with every GEMM by cuBLAS; "unfused": also torch's small ops where llm/model/triton_fused.py has
+# kernels (the step before all three)
 MODES = {"eager": (False, False, False, False, "all"), "static": (True, False, False, False, "all"),
          "graphs": (True, True, False, False, "all"), "ahead": (True, True, False, True, "all"),
          "prefold": (True, True, False, True, "prefold"), "cublas": (True, True, False, True, "fused"),
-         "unfused": (True, True, False, True, "none"), "compiled": (True, True, True, True, "all")}  # fmt: skip
+         "unfused": (True, True, False, True, "none"), "compiled": (True, True, True, True, "all"),
+         "pdl": (True, True, False, True, "pdl")}  # fmt: skip
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 PROMPT = 128
 
@@ -78,8 +81,9 @@ def _engine(model: Qwen2LM, blocks: int, max_seqs: int, mode: str) -> Engine:
 def _use_kernels(mode: str) -> None:
     """The fused kernels on or off for what runs next (a graph keeps what its capture saw)."""
     kernels = MODES[mode][4]
-    triton_fused.enabled, triton_gemm.enabled = kernels != "none", kernels in ("all", "prefold")
-    triton_attention.fold_combine = triton_gemm.fuse_silu = triton_gemm.fuse_rope = kernels == "all"
+    triton_fused.enabled, triton_gemm.enabled = kernels != "none", kernels in ("all", "pdl", "prefold")
+    triton_attention.fold_combine = triton_gemm.fuse_silu = triton_gemm.fuse_rope = kernels in ("all", "pdl")
+    pdl.enabled = kernels == "pdl"
 
 
 async def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -225,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-batch", type=int, default=8)
     p.add_argument("--parts", default="check,decode,launches")
     p.add_argument("--check-modes", default=",".join(MODES), help="of the check (cuda)")
-    p.add_argument("--modes", help="of the decode table; default eager,unfused,prefold,ahead (cpu: eager,static,ahead)")
+    modes_help = "of the decode table; default eager,unfused,prefold,ahead,pdl (cpu: eager,static,ahead)"
+    p.add_argument("--modes", help=modes_help)
     args = p.parse_args(argv)
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("llm.engine.decode_step").setLevel(logging.INFO)  # compile and capture times
@@ -233,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA device (or --device cpu --shape tiny)")
         return 2
-    default = "eager,unfused,prefold,ahead" if args.device == "cuda" else "eager,static,ahead"
+    default = "eager,unfused,prefold,ahead,pdl" if args.device == "cuda" else "eager,static,ahead"
     modes = (args.modes or default).split(",")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     failed, engines = 0, {}

@@ -36,6 +36,8 @@ import os
 
 import torch
 
+from llm.model import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -52,6 +54,7 @@ _counters: dict[torch.device, torch.Tensor] = {}  # arrivals per (sequence, KV h
 _COUNTERS = 1 << 16
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _split_kernel(
@@ -59,8 +62,10 @@ if triton is not None:
         stride_qb, stride_qh, stride_kh, stride_kb, stride_kt, stride_vh, stride_vb, stride_vt, stride_tb, stride_ob,
         stride_oh, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-        FOLD: tl.constexpr,
+        FOLD: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # llm/model/pdl.py: nothing is read or written before the kernel before this one is done
+            gdc_wait()
         b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         num_heads = tl.num_programs(1) * GROUP
         context_len = tl.load(context_lens_ptr + b)
@@ -112,6 +117,9 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
                 l_i = l_i * alpha + tl.sum(p, 1)
                 m_i = m_new
+        if PDL:
+            gdc_launch_dependents()
+        if start < end:
             if not FOLD or NUM_SPLITS > 1:
                 tl.store(m_ptr + part, m_i, mask=is_head)
                 tl.store(l_ptr + part, l_i, mask=is_head)
@@ -225,14 +233,9 @@ def _next_power_of_2(n: int) -> int:  # triton.next_power_of_2, for when triton 
 
 
 def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    max_splits: int | None = None,
-) -> torch.Tensor:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, max_splits: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """One query token per sequence against its paged context.
 
     q (B, nh, hd); k_cache, v_cache (nkv, num_blocks, block_size, hd); block_tables (B, W) int32, padded with the
@@ -262,6 +265,7 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         **split_config(k_cache.dtype, nh // nkv, hd, block_size, num_splits), FOLD=fold_combine,
+        **pdl.kwargs(q.device),
     )  # fmt: skip
     if not fold_combine:
         _combine_kernel[(B, nh)](

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import torch
 
+from llm.model import pdl
 from llm.model.triton_attention import _INTERPRETED, _next_power_of_2, triton
 
 if triton is not None:
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Whether the layers use these kernels where they can run; bench/gpu_decode.py turns it off to time torch's ops.
 enabled = True
@@ -41,8 +43,11 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(
         x_ptr, delta_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_d, stride_o,
-        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # llm/model/pdl.py: nothing is read or written before the kernel before this one is done
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         is_col = cols < D
@@ -60,8 +65,11 @@ if triton is not None:
     @triton.jit
     def _rope_kv_kernel(
         qkv_ptr, cis_ptr, cache_ptr, slots_ptr, stride_qt, stride_qh, stride_ct, stride_ch, stride_cache_h,
-        NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
+        NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         t, h = tl.program_id(0), tl.program_id(1)  # a token, one of its nh + 2 nkv heads
         i = tl.arange(0, HALF_P2)
         is_pair = i < HALF
@@ -82,7 +90,10 @@ if triton is not None:
             tl.store(dst + 2 * i + 1, odd.to(cache_ptr.dtype.element_ty), mask=is_pair)
 
     @triton.jit
-    def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, stride_g, stride_o, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, stride_g, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         is_col = cols < inter
@@ -101,6 +112,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         _add_rms_norm_kernel[(T,)](
             x, x if delta is None else delta, weight, out, D, eps, x.stride(0), 0 if delta is None else delta.stride(0),
             out.stride(0), HAS_DELTA=delta is not None, BLOCK=_next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
+            **pdl.kwargs(x.device),
         )  # fmt: skip
     return out
 
@@ -118,6 +130,7 @@ def rope_kv_write_(qkv: torch.Tensor, cis: torch.Tensor, kv_cache: torch.Tensor,
         _rope_kv_kernel[(T, H)](
             qkv, cis, kv_cache, slots, qkv.stride(0), qkv.stride(1), cis.stride(0), cis.stride(1), kv_cache.stride(0),
             NH=H - two_nkv, NKV=two_nkv // 2, HALF=hd // 2, HALF_P2=_next_power_of_2(hd // 2), num_warps=1,
+            **pdl.kwargs(qkv.device),
         )  # fmt: skip
 
 
@@ -129,7 +142,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
     if T:
         _silu_mul_kernel[(T, -(-inter // block))](
-            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
+            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl.kwargs(out.device)
         )
     return out
 

@@ -34,11 +34,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from llm.model import triton_fused
+from llm.model import pdl, triton_fused
 from llm.model.triton_attention import _INTERPRETED, triton
 
 if triton is not None:
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,10 @@ if triton is not None:
         x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, cis_ptr, cache_ptr, slots_ptr, M, N, K, stride_xm, stride_wn,
         stride_ym, stride_ct, stride_cache_h, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, UPCAST: tl.constexpr, GATED: tl.constexpr, ROPE_NH: tl.constexpr, ROPE_NKV: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
+        HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # llm/model/pdl.py: nothing is read or written before the kernel before this one is done
+            gdc_wait()
         n_block, split = tl.program_id(0), tl.program_id(1)
         cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, 16)
@@ -109,6 +112,8 @@ if triton is not None:
             if UPCAST:  # the interpreter cannot multiply 16-bit floats
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc += tl.dot(x, tl.trans(w))  # (16, BLOCK_N)
+        if PDL:  # the next kernel may start its launch now (it waits for this one's end before any memory access)
+            gdc_launch_dependents()
         if SPLIT_K == 1:
             _finish(acc, b_ptr, y_ptr, rows, cols, is_row, is_col, stride_ym, HAS_BIAS, cis_ptr, cache_ptr, slots_ptr,
                     stride_ct, stride_cache_h, ROPE_NH, ROPE_NKV, HEAD_DIM, BLOCK_N)  # fmt: skip
@@ -186,7 +191,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         x, weight, weight if bias is None else bias, y, part, counters, cis, cache, slots, M, N, K, x.stride(0),
         weight.stride(0), y.stride(0), cis.stride(0), cache.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split_k, UPCAST=_INTERPRETED, GATED=gated, ROPE_NH=nh, ROPE_NKV=nkv, HEAD_DIM=hd,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl.kwargs(x.device),
     )  # fmt: skip
     return y
 

@@ -201,8 +201,9 @@ def test_kernels_compile_for_h100_without_spills(dtype, group, hd, block_size, s
         count_ptr=i32,
     )
     config = split_config(dtype, group, hd, block_size, splits)
-    compile_for_h100(triton_attention._split_kernel, pointers, config | dict(FOLD=False))
-    split = compile_for_h100(triton_attention._split_kernel, pointers, config | dict(FOLD=True))
+    compile_for_h100(triton_attention._split_kernel, pointers, config | dict(FOLD=False, PDL=False))
+    split = compile_for_h100(triton_attention._split_kernel, pointers, config | dict(FOLD=True, PDL=True))
+    assert "griddepcontrol.wait" in split.asm["ptx"]  # llm/model/pdl.py: the wait before any memory access
     compile_for_h100(triton_attention._combine_kernel, pointers, combine_config(hd, block_size, splits))
     cuobjdump = Path(triton_attention.triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:

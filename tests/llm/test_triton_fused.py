@@ -250,27 +250,38 @@ def test_fused_kernels_compile_for_h100(dtype):
     if INTERPRETED:
         pytest.skip("interpreted kernels do not compile")
     i64 = torch.int64
-    compile_for_h100(
-        triton_fused._add_rms_norm_kernel,
-        dict(x_ptr=dtype, delta_ptr=dtype, w_ptr=dtype, out_ptr=dtype),
-        dict(HAS_DELTA=True, BLOCK=2048, num_warps=4),
+    kernels = [
+        compile_for_h100(
+            triton_fused._add_rms_norm_kernel,
+            dict(x_ptr=dtype, delta_ptr=dtype, w_ptr=dtype, out_ptr=dtype),
+            dict(HAS_DELTA=True, BLOCK=2048, num_warps=4, PDL=pdl),
+        )
+        for pdl in (False, True)
+    ]
+    kernels.append(
+        compile_for_h100(
+            triton_fused._rope_kv_kernel,
+            dict(qkv_ptr=dtype, cis_ptr=torch.float32, cache_ptr=dtype, slots_ptr=i64),
+            dict(NH=12, NKV=2, HALF=64, HALF_P2=64, num_warps=1, PDL=True),
+        )
     )
-    compile_for_h100(
-        triton_fused._rope_kv_kernel,
-        dict(qkv_ptr=dtype, cis_ptr=torch.float32, cache_ptr=dtype, slots_ptr=i64),
-        dict(NH=12, NKV=2, HALF=64, HALF_P2=64, num_warps=1),
-    )
-    compile_for_h100(
-        triton_fused._silu_mul_kernel, dict(gate_up_ptr=dtype, out_ptr=dtype), dict(BLOCK=1024, num_warps=4)
+    kernels.append(
+        compile_for_h100(
+            triton_fused._silu_mul_kernel,
+            dict(gate_up_ptr=dtype, out_ptr=dtype),
+            dict(BLOCK=1024, num_warps=4, PDL=True),
+        )
     )
     pointers = dict(x_ptr=dtype, w_ptr=dtype, b_ptr=dtype, y_ptr=dtype, part_ptr=torch.float32, count_ptr=torch.int32)
     pointers |= dict(cis_ptr=torch.float32, cache_ptr=dtype, slots_ptr=i64)
     for block_n, block_k, split_k, warps, stages in triton_gemm.CONFIGS if dtype == torch.bfloat16 else ():
         for gated, rope in ((False, (0, 0)), (True, (0, 0)), (False, (12, 2))):  # plain, gated, q/k/v with RoPE
             constexprs = dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, UPCAST=False)
-            constexprs |= dict(GATED=gated, ROPE_NH=rope[0], ROPE_NKV=rope[1], HEAD_DIM=128)
+            constexprs |= dict(GATED=gated, ROPE_NH=rope[0], ROPE_NKV=rope[1], HEAD_DIM=128, PDL=gated)
             constexprs |= dict(num_warps=warps, num_stages=stages)
-            compile_for_h100(triton_gemm._small_gemm_kernel, dict(pointers), constexprs)
+            kernels.append(compile_for_h100(triton_gemm._small_gemm_kernel, dict(pointers), constexprs))
+    # llm/model/pdl.py: with PDL every program waits for the kernel before it (first thing), without it none does
+    assert ["griddepcontrol.wait" in k.asm["ptx"] for k in kernels[:4]] == [False, True, True, True]
 
 
 @pytest.mark.gpu
@@ -324,3 +335,48 @@ def test_small_gemm_choice_and_graph_replay_on_cuda(caplog):
         x.normal_(generator=gen)
         graph.replay()
         torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2)
+
+
+def test_pdl_launches_only_on_cuda(monkeypatch):
+    """llm/model/pdl.py: off, no kernel waits; on, still none off cuda (the interpreter has no griddepcontrol)."""
+    from llm.model import pdl
+
+    assert pdl.kwargs(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(pdl, "enabled", True)
+    assert pdl.kwargs(torch.device("cpu")) == {"PDL": False}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pdl_changes_no_output_in_a_cuda_graph(monkeypatch):
+    """A bfloat16 decode step captured in a CUDA graph with every kernel of ours launched by PDL (an H100 or later)
+    writes the same hidden states and cache as without: the kernels wait before any memory access."""
+    from demo.build_tiny import build_checkpoint
+    from llm import Qwen2LM
+    from llm.model import pdl
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9 or more")
+    with tempfile.TemporaryDirectory() as d:
+        model = Qwen2LM.from_pretrained(build_checkpoint(d, seed=3, init_std=0.5), device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
+    tables = torch.tensor([[1, 3, 7], [2, 7, 7]], dtype=torch.int32, device="cuda")
+    static = StaticMeta(torch.tensor([14, 11], device="cuda"), tables, torch.tensor([7, 4], dtype=torch.int32).cuda())
+    positions = torch.tensor([[11, 14]], device="cuda").expand(3, -1)
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "enabled", on)
+        cache = model.new_cache(8, 4)
+        with torch.inference_mode():
+            meta = BatchMeta.build([ChunkSpec([1, 3], 0, 6), ChunkSpec([2], 0, 3)], 4, "cuda")
+            model(x, torch.arange(9, device="cuda").expand(3, -1) + 5, cache, meta)
+            model(x[:2], positions, cache, static)  # warm-up: compiles, and triton_gemm's choices
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = model(x[:2], positions, cache, static)
+            for _ in range(3):
+                graph.replay()
+        torch.cuda.synchronize()
+        results[on] = (out.clone(), cache.kv.clone())
+    for with_pdl, without in zip(results[True], results[False], strict=True):
+        torch.testing.assert_close(with_pdl, without, atol=0, rtol=0, equal_nan=True)
