@@ -44,7 +44,8 @@ SHAPES = {
                  vision_embed_dim=32, vision_depth=1, vision_heads=2, init_std=0.02),
 }  # fmt: skip
 # mode: (static_decode, cuda_graphs, compile_decode, async_decode, the layers' Triton kernels: "all", "prefold" (all
-# but the folds of 2026-12-05: the attention's combine, RoPE + KV write and SiLU-mul kernels of their own), "fused"
+# but the folds of 2026-12-05: the attention's combine, the norms, RoPE + KV write and SiLU-mul kernels of their own,
+# the residual adds in them), "fused"
 # (not triton_gemm's either), "none" or "pdl" (all, launched as below)); "ahead": each decode step launched before the
 # last one's tokens reach the host (the default on cuda), "graphs" without that; "prefold": ahead without the folds;
 # "pdl": ahead with our kernels launched by programmatic dependent launch (llm/model/pdl.py, off by default);
@@ -82,7 +83,8 @@ def _use_kernels(mode: str) -> None:
     """The fused kernels on or off for what runs next (a graph keeps what its capture saw)."""
     kernels = MODES[mode][4]
     triton_fused.enabled, triton_gemm.enabled = kernels != "none", kernels in ("all", "pdl", "prefold")
-    triton_attention.fold_combine = triton_gemm.fuse_silu = triton_gemm.fuse_rope = kernels in ("all", "pdl")
+    folds = kernels in ("all", "pdl")
+    triton_attention.fold_combine = triton_gemm.fuse_norm = triton_gemm.fuse_silu = triton_gemm.fuse_rope = folds
     pdl.enabled = kernels == "pdl"
 
 

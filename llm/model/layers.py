@@ -18,6 +18,7 @@ from torch import nn
 
 from llm.model import cpu_kernels, hugepages, triton_fused, triton_gemm
 from llm.model.attention import BatchMeta, paged_attention
+from llm.model.gemm_kernel import NO_FOLD, Fold, RopeKV
 from llm.model.parallel import TPGroup
 
 
@@ -101,8 +102,9 @@ class Linear(nn.Linear):
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed, gated=False) -> torch.Tensor:
     """A decode step's few rows on cuda by triton_gemm (where it measured faster than cuBLAS); else the CPU kernels'
     or torch's linear. gated (where triton_fused runs): x is an MLP's (gate, up), multiplied as SiLU(gate) * up."""
-    if triton_gemm.on(x, weight, gated):
-        return triton_gemm.linear(x, weight, bias, gated)
+    fold = Fold(gated=True) if gated else NO_FOLD
+    if triton_gemm.on(x, weight, fold):
+        return triton_gemm.linear(x, weight, bias, fold)
     return cpu_kernels.linear(triton_fused.silu_mul(x) if gated else x, weight, bias, packed)
 
 
@@ -155,12 +157,15 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(c.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=c.qkv_bias)
         self.o_proj = RowParallelLinear(self.nh * self.hd, c.hidden_size, c.o_bias, tp)
 
-    def forward(self, x, cis, kv_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+    def forward(self, x, cis, kv_cache: torch.Tensor, meta: BatchMeta, norm: RMSNorm | None = None) -> torch.Tensor:
+        """norm (DecoderLayer.folded): x is the residual stream, normed in q/k/v's GEMM, and o_proj's GEMM adds its
+        output into x (returned)."""
         T, shape, w = x.shape[0], (x.shape[0], self.nh + 2 * self.nkv, self.hd), self.qkv_proj.weight
         written = True  # one kernel (one op on CPU) rotates and writes the new keys and values into the cache
-        if triton_fused.on(x) and triton_gemm.on(x, w, rope=True):  # in the q/k/v GEMM's epilogue: none
-            rope = triton_gemm.RopeKV(cis, kv_cache, meta.slot_mapping, self.nh, self.nkv)
-            qkv = triton_gemm.linear(x, w, self.qkv_proj.bias, rope=rope).view(shape)  # (T, nh + 2nkv, hd)
+        if norm is not None or triton_fused.on(x) and triton_gemm.fuse_rope and triton_gemm.on(x, w):  # in the GEMM
+            rope = RopeKV(cis, kv_cache, meta.slot_mapping, self.nh, self.nkv)
+            fold = Fold(None if norm is None else (norm.weight, norm.eps), rope=rope)
+            qkv = triton_gemm.linear(x, w, self.qkv_proj.bias, fold).view(shape)  # (T, nh + 2nkv, hd)
         else:
             qkv = self.qkv_proj(x).view(shape)
             if triton_fused.on(qkv):
@@ -171,6 +176,8 @@ class Attention(nn.Module):
                 Rotary.apply_(qkv, cis)
                 written = False
         out = paged_attention(qkv[:, : self.nh], qkv[:, self.nh :], kv_cache, meta, 1.0, written=written)  # (T, nh, hd)
+        if norm is not None:
+            return triton_gemm.linear(out.reshape(T, -1), self.o_proj.weight, self.o_proj.bias, Fold(add_to=x))
         return self.o_proj(out.reshape(T, self.nh * self.hd))  # (T, D)
 
 
@@ -181,7 +188,15 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(c.hidden_size, 2 * self.inter, bias=c.mlp_bias)
         self.down_proj = RowParallelLinear(self.inter, c.hidden_size, c.mlp_bias, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """norm (DecoderLayer.folded): x is the residual stream, normed in gate_up's GEMM, and down_proj's GEMM adds
+        its output into x (returned)."""
+        if norm is not None:
+            gate_up = triton_gemm.linear(
+                x, self.gate_up_proj.weight, self.gate_up_proj.bias, Fold((norm.weight, norm.eps))
+            )
+            down = self.down_proj
+            return triton_gemm.linear(gate_up, down.weight, down.bias, Fold(gated=True, add_to=x))
         gate_up = self.gate_up_proj(x)  # (T, 2I)
         if triton_fused.on(gate_up):  # SiLU-mul in down_proj's GEMM (triton_gemm), else a kernel of its own
             return self.down_proj(gate_up, gated=True)
@@ -198,11 +213,29 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, delta, cis, kv_cache, meta: BatchMeta) -> torch.Tensor:
+    def forward(self, x, delta, cis, kv_cache, meta: BatchMeta) -> torch.Tensor | None:
         """x (T, D) is the residual stream, summed in place (a fresh tensor of the forward); `delta` is the previous
-        layer's MLP output, not yet added (None before the first layer). Returns this layer's MLP output."""
+        layer's MLP output, not yet added (None before the first layer). Returns this layer's MLP output, or None
+        where the GEMMs added it (folded)."""
+        if delta is None and self.folded(x):
+            self.self_attn(x, cis, kv_cache, meta, self.input_layernorm)
+            self.mlp(x, self.post_attention_layernorm)
+            return None
         attn = self.self_attn(self.input_layernorm(x, delta), cis, kv_cache, meta)
         return self.mlp(self.post_attention_layernorm(x, attn))
+
+    def folded(self, x: torch.Tensor) -> bool:
+        """Whether the norms and residual adds go into the GEMMs (triton_gemm's folds, with RoPE and SiLU-mul): a
+        decode step's few rows on cuda, one rank (a row-parallel GEMM's output is summed across ranks first)."""
+        g = triton_gemm
+        w = self.self_attn.qkv_proj.weight
+        return (
+            g.fuse_norm
+            and g.fuse_rope
+            and g.fuse_silu
+            and self.mlp.down_proj.tp.world_size == 1
+            and (triton_fused.on(x) and g.on(x, w))
+        )
 
 
 __all__ = [

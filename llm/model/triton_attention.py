@@ -12,7 +12,7 @@ softmax as in Triton's fused-attention tutorial):
   max, sum of exponentials, unnormalised accumulator) in float32, and the last of a (sequence, KV head)'s splits to
   arrive (an atomic counter that it resets, so a CUDA graph replays it) rescales and sums the splits that were
   written: one kernel, where a combine kernel of its own cost a launch per layer (~2 us in a graph on an H200;
-  the split-K fix-up of triton_gemm.py, CUTLASS's and stream-K's). With one split the program writes the output.
+  the split-K fix-up of gemm_kernel.py, CUTLASS's and stream-K's). With one split the program writes the output.
 - No value-dependent grid: the grid is (B, nkv, num_splits) whatever the context lengths are, and num_splits comes
   from shapes alone; each program derives its range from context_lens inside the kernel (a short sequence leaves
   its later splits empty: they only count their arrival, and the combine, doing the same arithmetic, skips them).

@@ -1,9 +1,8 @@
 """The decoder layer's small ops as one Triton kernel each, for cuda: residual add + RMSNorm, RoPE + the KV write,
 SiLU-mul. A decode step of the 2B-shaped model on an H200 ran ~18 kernels per layer with torch's ops (BENCHMARKS.md,
 GPU): four GEMMs, and ~14 small kernels of ~2-3 us each, almost half of the step's GPU time. These made it 10 (four
-GEMMs, these three, the attention's two), with the same math and rounding as the torch path they replace; 7 where
-triton_gemm's q/k/v and down_proj GEMMs do RoPE + the KV write and SiLU-mul (in the same way) and the attention's
-combine is in its split kernel:
+GEMMs, these three, the attention's two), with the same math and rounding as the torch path they replace; 5 where
+they fold into triton_gemm's GEMMs (llm/model/gemm_kernel.py) and the attention's combine into its split kernel:
 
 - `add_rms_norm`: x += delta, rounded to x's dtype and written back (the residual stream), then RMSNorm of that in
   float32, rounded to the dtype before the weight multiplies (as transformers' Qwen2RMSNorm does).

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
 from bench.op_count import OpCount
-from llm.model import triton_attention, triton_fused, triton_gemm
+from llm.model import gemm_kernel, triton_attention, triton_fused, triton_gemm
 from llm.model.attention import BatchMeta, ChunkSpec, StaticMeta, write_kv
+from llm.model.gemm_kernel import Fold, RopeKV
 from llm.model.layers import Rotary
 from tests.llm.test_triton_attention import assert_interpreter_child_passes, compile_for_h100
 
@@ -83,10 +84,10 @@ def check_small_gemm(device, dtype, configs=triton_gemm.CONFIGS):
         # and BLAS's order differs by CPU (2e-5 seen at K = 600 on an AMD EPYC). A wrong tile is off by ~1.
         tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else _tol(dtype)
         for config in configs:
-            out = triton_gemm._launch(x, w, b if bias else None, config)
+            out = gemm_kernel.launch(x, w, b if bias else None, config)
             assert out.dtype == dtype and out.shape == (M, N)
             torch.testing.assert_close(out.float(), want, **tol, msg=lambda m, c=config: f"{c}: {m}")
-    assert not any(c.any() for c in triton_gemm._counters.values())
+    assert not any(c.any() for c in gemm_kernel._counters.values())
 
 
 def check_gated_gemm(device, dtype, configs=triton_gemm.CONFIGS):
@@ -104,14 +105,14 @@ def check_gated_gemm(device, dtype, configs=triton_gemm.CONFIGS):
         act = F.silu(gate_up[:, :K].float()) * gate_up[:, K:].float()
         want = F.linear(act, w.float(), None if b is None else b.float())
         for config in configs:
-            out = triton_gemm._launch(gate_up, w, b, config, gated=True)
+            out = gemm_kernel.launch(gate_up, w, b, config, Fold(gated=True))
             assert out.dtype == dtype and out.shape == (M, N)
-            two_kernels = triton_gemm._launch(triton_fused.silu_mul(gate_up), w, b, config)
+            two_kernels = gemm_kernel.launch(triton_fused.silu_mul(gate_up), w, b, config)
             exact = dict(atol=0, rtol=0) if device == "cpu" else _tol(dtype)  # cuda: the compiler may contract
             torch.testing.assert_close(out, two_kernels, **exact, msg=lambda m, c=config: f"{c}: {m}")
             if dtype == torch.float32:
                 torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-5, msg=lambda m, c=config: f"{c}: {m}")
-    assert not any(c.any() for c in triton_gemm._counters.values())
+    assert not any(c.any() for c in gemm_kernel._counters.values())
 
 
 def check_rope_gemm(device, dtype, configs=triton_gemm.CONFIGS):
@@ -135,9 +136,9 @@ def check_rope_gemm(device, dtype, configs=triton_gemm.CONFIGS):
         write_kv(want_cache, slots, want[:, nh:])
         for config in configs:
             ours_cache, two_cache = cache.clone(), cache.clone()
-            rope = triton_gemm.RopeKV(cis, ours_cache, slots, nh, nkv)
-            out = triton_gemm._launch(x, w, b, config, rope=rope).view(M, -1, hd)
-            two_kernels = triton_gemm._launch(x, w, b, config).view(M, -1, hd)
+            rope = Fold(rope=RopeKV(cis, ours_cache, slots, nh, nkv))
+            out = gemm_kernel.launch(x, w, b, config, rope).view(M, -1, hd)
+            two_kernels = gemm_kernel.launch(x, w, b, config).view(M, -1, hd)
             triton_fused.rope_kv_write_(two_kernels, cis, two_cache, slots)
             exact = dict(atol=0, rtol=0) if device == "cpu" else _tol(dtype)  # cuda: the compiler may contract
             msg = lambda m, c=config: f"{c}: {m}"  # noqa: E731
@@ -146,7 +147,52 @@ def check_rope_gemm(device, dtype, configs=triton_gemm.CONFIGS):
             if dtype == torch.float32:
                 torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-5, msg=msg)
                 torch.testing.assert_close(ours_cache, want_cache, atol=1e-4, rtol=1e-5, equal_nan=True, msg=msg)
-    assert not any(c.any() for c in triton_gemm._counters.values())
+    assert not any(c.any() for c in gemm_kernel._counters.values())
+
+
+def _rel(ours: torch.Tensor, want: torch.Tensor) -> float:
+    return float((ours.float() - want.float()).nan_to_num().norm() / want.float().nan_to_num().norm())
+
+
+def check_norm_add_gemm(device, dtype, configs=triton_gemm.CONFIGS):
+    """The folds of a decode layer on a residual stream, every config: RMSNorm in the loads (against RMSNorm then
+    the product in float32: the norm's output is not rounded to 16 bits, so 16-bit runs are ~1e-3 apart), with RoPE
+    and the KV write (against triton_gemm.without, the kernel-free path), and the residual add, alone and after
+    SiLU-mul (exactly the same config's product added into the residual)."""
+    if device == "cuda" and dtype == torch.float32:
+        pytest.skip("float32 stays with cuBLAS (the kernel's tl.dot would round to tf32)")
+    gen = torch.Generator().manual_seed(9)
+    for M, N, K in ((1, 40, 100), (6, 96, 330), (16, 48, 600)):
+        x, w, b, nw = (torch.randn(*shape, generator=gen).to(device, dtype) for shape in ((M, K), (N, K), (N,), (K,)))
+        norm = (nw, 1e-6)
+        h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()
+        want = F.linear(h, w.float(), b.float())
+        residual = torch.randn(M, N, generator=gen).to(device, dtype)
+        gate_up = torch.randn(M, 2 * K, generator=gen).to(device, dtype)
+        for config in configs:
+            ours = gemm_kernel.launch(x, w, b, config, Fold(norm=norm))
+            assert _rel(ours, want) < (1e-6 if dtype == torch.float32 else 1e-2), config
+            for inputs, fold in (
+                (x, Fold(add_to=residual.clone())),
+                (gate_up, Fold(gated=True, add_to=residual.clone())),
+            ):
+                alone = gemm_kernel.launch(inputs, w, b, config, Fold(gated=fold.gated))
+                summed = gemm_kernel.launch(inputs, w, b, config, fold)
+                assert summed is fold.add_to  # in place
+                # one rounding of the sum apart at most in 16 bits (the interpreter truncates, torch rounds to nearest)
+                exact = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=1e-6, rtol=2**-7)
+                torch.testing.assert_close(summed, residual.clone().add_(alone), **exact)
+    nh, nkv, hd, M, K = 2, 1, 16, 5, 64
+    x, w, nw = (torch.randn(*shape, generator=gen).to(device, dtype) for shape in ((M, K), (64, K), (K,)))
+    cis = Rotary(hd, 10000.0, 64, None, device).step(torch.arange(M, device=device).expand(3, -1), nh, nkv)
+    caches = [torch.full((2, 4, 4, hd), float("nan"), dtype=dtype, device=device) for _ in range(2)]
+    slots = torch.tensor([3, 9, 4, 15, 0], device=device)
+    folds = [Fold((nw, 1e-6), rope=RopeKV(cis, cache, slots, nh, nkv)) for cache in caches]
+    for config in configs:
+        ours, want = gemm_kernel.launch(x, w, None, config, folds[0]), triton_gemm.without(x, w, None, folds[1])
+        assert _rel(ours, want) < (1e-6 if dtype == torch.float32 else 1e-2), config
+        assert (caches[0].isnan() == caches[1].isnan()).all() and _rel(*caches) < 1e-2, config
+    assert not any(c.any() for c in gemm_kernel._counters.values())
 
 
 def tiny_model(dtype=torch.float32):
@@ -167,10 +213,33 @@ def test_fused_cases_pass_in_the_triton_interpreter():
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize(
     "check",
-    [check_add_rms_norm, check_rope_kv_write, check_silu_mul, check_small_gemm, check_gated_gemm, check_rope_gemm],
+    [
+        check_add_rms_norm,
+        check_rope_kv_write,
+        check_silu_mul,
+        check_small_gemm,
+        check_gated_gemm,
+        check_rope_gemm,
+        check_norm_add_gemm,
+    ],
 )
 def test_kernel_in_interpreter(check, dtype):
     check("cpu", dtype)
+
+
+@in_child
+def test_choice_adds_into_copies_of_the_residual_in_interpreter(monkeypatch):
+    """triton_gemm's choice (its timing made up here) runs every path on copies of the residual stream: the stream is
+    summed once, by the chosen path; a config that disagrees is never chosen."""
+    times = iter(range(100, 0, -1))  # each timing faster than the one before: the last config that agrees wins
+    monkeypatch.setattr(triton_gemm, "_graph_us", lambda fn, reps=20: (fn(), next(times))[1])
+    gen = torch.Generator().manual_seed(10)
+    x, w, residual = (torch.randn(*shape, generator=gen).to(torch.bfloat16) for shape in ((3, 64), (32, 64), (3, 32)))
+    before = residual.clone()
+    assert triton_gemm._choose(x, w, None, Fold(add_to=residual)) == triton_gemm.CONFIGS[-1]
+    torch.testing.assert_close(residual, before, atol=0, rtol=0)
+    monkeypatch.setattr(gemm_kernel, "launch", lambda *args: torch.zeros(3, 32, dtype=torch.bfloat16))  # all wrong
+    assert triton_gemm._choose(x, w, None, Fold(add_to=residual)) is None
 
 
 class _Counted:
@@ -194,17 +263,18 @@ class _Counted:
 def test_model_with_the_kernels_equals_without_in_interpreter(monkeypatch, dtype):
     """A prefill of two sequences, then a static decode step (Triton attention) of both, with the kernels and with
     torch's ops: in float32 hidden states and cache equal; in bfloat16 the kernels are no further from the float32
-    model than torch's ops are. A decoder layer's decode step launches 7 ops and kernels in bfloat16, its four GEMMs
-    triton_gemm's (q/k/v's with RoPE and the KV write in it, down_proj's with the SiLU-mul), 9 in float32 (cuBLAS's
-    GEMMs, RoPE + KV write and SiLU-mul kernels of their own); without them 13 in float32, 14 in bfloat16 on CPU (18
-    on cuda by the profile, with the attention's combine a kernel of its own)."""
+    model than torch's ops are. A decoder layer's decode step launches 5 kernels in bfloat16: its four GEMMs,
+    triton_gemm's with the layer's small ops folded in (the norms, RoPE and the KV write, SiLU-mul, the residual
+    adds), and the attention; 9 ops and kernels in float32 (cuBLAS's GEMMs, the small ops kernels of their own);
+    without them 13 in float32, 14 in bfloat16 on CPU (18 on cuda by the profile, with the attention's combine a
+    kernel of its own)."""
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(4))  # the tiny model's hidden size
     results, per_layer, launches, gemms = {}, {}, [0], [0]
     for module, names in ((triton_fused, ("_add_rms_norm_kernel", "_rope_kv_kernel", "_silu_mul_kernel")),
                           (triton_attention, ("_split_kernel", "_combine_kernel"))):  # fmt: skip
         for name in names:
             monkeypatch.setattr(module, name, _Counted(getattr(module, name), launches))
-    monkeypatch.setattr(triton_gemm, "_small_gemm_kernel", _Counted(triton_gemm._small_gemm_kernel, gemms))
+    monkeypatch.setattr(gemm_kernel, "_small_gemm_kernel", _Counted(gemm_kernel._small_gemm_kernel, gemms))
     runs = [(dtype, True), (dtype, False)] + ([(torch.float32, False)] if dtype != torch.float32 else [])
     for run_dtype, enabled in runs:
         model = tiny_model(run_dtype)
@@ -239,7 +309,7 @@ def test_model_with_the_kernels_equals_without_in_interpreter(monkeypatch, dtype
             assert (ours.isnan() == want.isnan()).all()  # the same slots written, the free ones untouched
             errs = [float((t - want).nan_to_num().norm() / want.nan_to_num().norm()) for t in (ours, torchs)]
             assert errs[0] <= 1.5 * errs[1] + 1e-3, errs
-    assert per_layer == ({True: 9, False: 13} if dtype == torch.float32 else {True: 7, False: 14}), per_layer
+    assert per_layer == ({True: 9, False: 13} if dtype == torch.float32 else {True: 5, False: 14}), per_layer
     assert gemms[0] > 0 if dtype == torch.bfloat16 else gemms[0] == 0  # float32 stays with torch's GEMM
 
 
@@ -272,14 +342,18 @@ def test_fused_kernels_compile_for_h100(dtype):
             dict(BLOCK=1024, num_warps=4, PDL=True),
         )
     )
-    pointers = dict(x_ptr=dtype, w_ptr=dtype, b_ptr=dtype, y_ptr=dtype, part_ptr=torch.float32, count_ptr=torch.int32)
-    pointers |= dict(cis_ptr=torch.float32, cache_ptr=dtype, slots_ptr=i64)
+    f32, i32 = torch.float32, torch.int32
+    pointers = dict(x_ptr=dtype, w_ptr=dtype, b_ptr=dtype, y_ptr=dtype, part_ptr=f32, ssq_ptr=f32, count_ptr=i32)
+    pointers |= dict(norm_ptr=dtype, cis_ptr=f32, cache_ptr=dtype, slots_ptr=i64)
+    # (GATED, NORM, ADD, RoPE heads): plain; down_proj, o_proj and gate_up folded; q/k/v with its norm and RoPE
+    folds = ((False, False, False, (0, 0)), (True, False, True, (0, 0)), (False, False, True, (0, 0)),
+             (False, True, False, (0, 0)), (False, True, False, (12, 2)))  # fmt: skip
     for block_n, block_k, split_k, warps, stages in triton_gemm.CONFIGS if dtype == torch.bfloat16 else ():
-        for gated, rope in ((False, (0, 0)), (True, (0, 0)), (False, (12, 2))):  # plain, gated, q/k/v with RoPE
+        for gated, norm, add, rope in folds:
             constexprs = dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, UPCAST=False)
-            constexprs |= dict(GATED=gated, ROPE_NH=rope[0], ROPE_NKV=rope[1], HEAD_DIM=128, PDL=gated)
-            constexprs |= dict(num_warps=warps, num_stages=stages)
-            kernels.append(compile_for_h100(triton_gemm._small_gemm_kernel, dict(pointers), constexprs))
+            constexprs |= dict(GATED=gated, NORM=norm, ADD=add, ROPE_NH=rope[0], ROPE_NKV=rope[1], HEAD_DIM=128)
+            constexprs |= dict(num_warps=warps, num_stages=stages, PDL=gated)
+            kernels.append(compile_for_h100(gemm_kernel._small_gemm_kernel, dict(pointers), constexprs))
     # llm/model/pdl.py: with PDL every program waits for the kernel before it (first thing), without it none does
     assert ["griddepcontrol.wait" in k.asm["ptx"] for k in kernels[:4]] == [False, True, True, True]
 
@@ -289,7 +363,15 @@ def test_fused_kernels_compile_for_h100(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize(
     "check",
-    [check_add_rms_norm, check_rope_kv_write, check_silu_mul, check_small_gemm, check_gated_gemm, check_rope_gemm],
+    [
+        check_add_rms_norm,
+        check_rope_kv_write,
+        check_silu_mul,
+        check_small_gemm,
+        check_gated_gemm,
+        check_rope_gemm,
+        check_norm_add_gemm,
+    ],
 )
 def test_kernel_on_cuda(check, dtype):
     check("cuda", dtype)
@@ -307,30 +389,35 @@ def test_small_gemm_choice_and_graph_replay_on_cuda(caplog):
         w = (torch.randn(N, K, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
         with caplog.at_level("INFO", logger="llm.model.triton_gemm"):
             y = triton_gemm.linear(x, w, None)
-        assert (N, K, torch.bfloat16, False, False) in triton_gemm._choice and f"{N} x {K}" in caplog.text
+        assert (N, K, torch.bfloat16, (False,) * 4) in triton_gemm._choice and f"{N} x {K}" in caplog.text
         torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2)
     gate_up = torch.randn(8, 2 * 8960, device="cuda", generator=gen, dtype=torch.bfloat16)  # down_proj, gated
     with caplog.at_level("INFO", logger="llm.model.triton_gemm"):
-        y = triton_gemm.linear(gate_up, w, None, gated=True)
-    assert (1536, 8960, torch.bfloat16, True, False) in triton_gemm._choice and "after SiLU-mul" in caplog.text
+        y = triton_gemm.linear(gate_up, w, None, Fold(gated=True))
+    assert (1536, 8960, torch.bfloat16, Fold(gated=True).key()) in triton_gemm._choice and "(SiLU-mul)" in caplog.text
     want = F.linear(triton_fused.silu_mul(gate_up).float(), w.float())
     torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
     x, w = x[:, :1536], (torch.randn(2048, 1536, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)  # q/k/v
     cis = Rotary(128, 1e6, 64, None, "cuda").step(torch.arange(8, device="cuda").expand(3, -1), 12, 2)
     cache = torch.zeros(4, 4, 16, 128, dtype=torch.bfloat16, device="cuda")
-    rope = triton_gemm.RopeKV(cis, cache, torch.arange(8, device="cuda") * 3, 12, 2)
+    rope = RopeKV(cis, cache, torch.arange(8, device="cuda") * 3, 12, 2)
     with caplog.at_level("INFO", logger="llm.model.triton_gemm"):
-        y = triton_gemm.linear(x, w, None, rope=rope)
-    assert (2048, 1536, torch.bfloat16, False, True) in triton_gemm._choice and "with RoPE" in caplog.text
+        y = triton_gemm.linear(x, w, None, Fold(rope=rope))
+    assert (2048, 1536, torch.bfloat16, Fold(rope=rope).key()) in triton_gemm._choice and "(RoPE/KV)" in caplog.text
     want = F.linear(x, w).view(8, 16, 128)
     triton_fused.rope_kv_write_(want, cis, cache_want := torch.zeros_like(cache), rope.slots)
     torch.testing.assert_close(y.view(8, 16, 128).float(), want.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(cache.float(), cache_want.float(), atol=2e-2, rtol=2e-2)
+    residual, out = (torch.randn(8, 1536, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    before, w = residual.clone(), (torch.randn(1536, 1536, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    assert triton_gemm.linear(out, w, None, Fold(add_to=residual)) is residual  # o_proj, into the residual stream
+    want = before.float() + F.linear(out.float(), w.float())
+    torch.testing.assert_close(residual.float(), want, atol=3e-2, rtol=2e-2)  # summed once, timing runs aside
     config = next(c for c in triton_gemm.CONFIGS if c[2] > 1)
     graph = torch.cuda.CUDAGraph()
-    triton_gemm._launch(x, w, None, config)  # compiled before the capture
+    gemm_kernel.launch(x, w, None, config)  # compiled before the capture
     with torch.cuda.graph(graph):
-        y = triton_gemm._launch(x, w, None, config)
+        y = gemm_kernel.launch(x, w, None, config)
     for _ in range(3):
         x.normal_(generator=gen)
         graph.replay()
