@@ -195,6 +195,10 @@ def check_norm_add_gemm(device, dtype, configs=triton_gemm.CONFIGS):
     assert not any(c.any() for c in gemm_kernel._counters.values())
 
 
+CHECKS = [check_add_rms_norm, check_rope_kv_write, check_silu_mul, check_small_gemm, check_gated_gemm, check_rope_gemm,
+          check_norm_add_gemm]  # fmt: skip
+
+
 def tiny_model(dtype=torch.float32):
     from demo.build_tiny import build_checkpoint
     from llm import Qwen2LM
@@ -211,18 +215,7 @@ def test_fused_cases_pass_in_the_triton_interpreter():
 
 @in_child
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-@pytest.mark.parametrize(
-    "check",
-    [
-        check_add_rms_norm,
-        check_rope_kv_write,
-        check_silu_mul,
-        check_small_gemm,
-        check_gated_gemm,
-        check_rope_gemm,
-        check_norm_add_gemm,
-    ],
-)
+@pytest.mark.parametrize("check", CHECKS)
 def test_kernel_in_interpreter(check, dtype):
     check("cpu", dtype)
 
@@ -361,18 +354,7 @@ def test_fused_kernels_compile_for_h100(dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-@pytest.mark.parametrize(
-    "check",
-    [
-        check_add_rms_norm,
-        check_rope_kv_write,
-        check_silu_mul,
-        check_small_gemm,
-        check_gated_gemm,
-        check_rope_gemm,
-        check_norm_add_gemm,
-    ],
-)
+@pytest.mark.parametrize("check", CHECKS)
 def test_kernel_on_cuda(check, dtype):
     check("cuda", dtype)
 
