@@ -160,12 +160,13 @@ class Attention(nn.Module):
     def forward(self, x, cis, kv_cache: torch.Tensor, meta: BatchMeta, norm: RMSNorm | None = None) -> torch.Tensor:
         """norm (DecoderLayer.folded): x is the residual stream, normed in q/k/v's GEMM, and o_proj's GEMM adds its
         output into x (returned)."""
-        T, shape, w = x.shape[0], (x.shape[0], self.nh + 2 * self.nkv, self.hd), self.qkv_proj.weight
+        T = x.shape[0]
+        shape = (T, self.nh + 2 * self.nkv, self.hd)
         written = True  # one kernel (one op on CPU) rotates and writes the new keys and values into the cache
-        if norm is not None or triton_fused.on(x) and triton_gemm.fuse_rope and triton_gemm.on(x, w):  # in the GEMM
-            rope = RopeKV(cis, kv_cache, meta.slot_mapping, self.nh, self.nkv)
+        if norm is not None or triton_fused.on(x) and triton_gemm.fuse_rope and triton_gemm.on(x, self.qkv_proj.weight):
+            rope = RopeKV(cis, kv_cache, meta.slot_mapping, self.nh, self.nkv)  # in the GEMM's finish
             fold = Fold(None if norm is None else (norm.weight, norm.eps), rope=rope)
-            qkv = triton_gemm.linear(x, w, self.qkv_proj.bias, fold).view(shape)  # (T, nh + 2nkv, hd)
+            qkv = triton_gemm.linear(x, self.qkv_proj.weight, self.qkv_proj.bias, fold).view(shape)
         else:
             qkv = self.qkv_proj(x).view(shape)
             if triton_fused.on(qkv):
@@ -227,14 +228,14 @@ class DecoderLayer(nn.Module):
     def folded(self, x: torch.Tensor) -> bool:
         """Whether the norms and residual adds go into the GEMMs (triton_gemm's folds, with RoPE and SiLU-mul): a
         decode step's few rows on cuda, one rank (a row-parallel GEMM's output is summed across ranks first)."""
-        g = triton_gemm
-        w = self.self_attn.qkv_proj.weight
+        g = triton_gemm  # NOTE: triton_fused.on first: on CPU it is the whole cost of this check
         return (
-            g.fuse_norm
+            triton_fused.on(x)
+            and g.fuse_norm
             and g.fuse_rope
             and g.fuse_silu
             and self.mlp.down_proj.tp.world_size == 1
-            and (triton_fused.on(x) and g.on(x, w))
+            and g.on(x, self.self_attn.qkv_proj.weight)
         )
 
 
