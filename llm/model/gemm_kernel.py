@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from llm.model import pdl
-from llm.model.triton_attention import _INTERPRETED, triton
+from llm.model.triton_attention import _INTERPRETED, arrival_counters, triton
 
 if triton is not None:
     import triton.language as tl
@@ -38,8 +38,6 @@ if triton is not None:
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
 CONFIGS = ((16, 256, 1, 4, 4), (32, 256, 1, 4, 4), (64, 128, 1, 4, 4), (16, 512, 1, 4, 3), (16, 256, 2, 4, 4),
            (16, 256, 4, 4, 4), (32, 256, 4, 4, 4), (16, 256, 8, 4, 4))  # fmt: skip
-_counters: dict[torch.device, torch.Tensor] = {}  # per device, never reallocated (captured graphs hold them)
-_COUNTERS = 1 << 15  # column blocks at most: 524k output columns at BLOCK_N 16
 
 
 class RopeKV(NamedTuple):
@@ -178,9 +176,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
     n_blocks = -(-N // block_n)
     part = torch.empty(split_k * 16, N, dtype=torch.float32, device=x.device) if split_k > 1 else y
     ssq = torch.empty(split_k * 16, n_blocks, dtype=torch.float32, device=x.device) if split_k > 1 else part
-    counters = _counters.get(x.device)
-    if counters is None:  # zeros; each launch leaves them zero
-        counters = _counters[x.device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=x.device)
+    counters = arrival_counters(x.device)  # one per column block
     cis, cache, slots, nh, nkv = fold.rope or (weight, weight, weight, 0, 0)
     hd = cache.shape[-1] if fold.rope else 2
     if fold.rope:

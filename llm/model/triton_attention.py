@@ -47,11 +47,18 @@ except ImportError:  # the CPU build of torch does not bring triton: the referen
 # NOTE: read once, at the same moment triton.jit reads it to decide whether the kernels below are interpreted.
 _INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET", "0") == "1"
 _BLOCK_N = 32  # keys per loop step; any block_size works because each key finds its block through the table
-# Whether the last split to arrive combines the splits (one kernel); off: a combine kernel of its own (two, the
-# kernel before 2026-12-05), for bench/gpu_decode.py to time both in one run.
-fold_combine = True
-_counters: dict[torch.device, torch.Tensor] = {}  # arrivals per (sequence, KV head); captured graphs hold them
+fold_combine = True  # off: the combine a kernel of its own (before 2026-12-05), for bench/gpu_decode.py to time
+# Arrival counters of the kernels whose last program finishes (these, gemm_kernel.py's), zero after each launch, one
+# buffer per device, never reallocated (captured graphs hold it): launches are stream-ordered.
+_counters: dict[torch.device, torch.Tensor] = {}
 _COUNTERS = 1 << 16
+
+
+def arrival_counters(device: torch.device) -> torch.Tensor:
+    if (counters := _counters.get(device)) is None:
+        counters = _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return counters
+
 
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -219,13 +226,8 @@ def split_config(cache_dtype: torch.dtype, group: int, head_dim: int, block_size
 
 
 def combine_config(head_dim: int, block_size: int, num_splits: int) -> dict:
-    return dict(
-        HEAD_DIM=head_dim,
-        HEAD_DIM_P2=max(16, _next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits,
-        SPLITS_P2=_next_power_of_2(num_splits),
-    )
+    hd_p2, splits_p2 = max(16, _next_power_of_2(head_dim)), _next_power_of_2(num_splits)
+    return dict(HEAD_DIM=head_dim, HEAD_DIM_P2=hd_p2, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, SPLITS_P2=splits_p2)
 
 
 def _next_power_of_2(n: int) -> int:  # triton.next_power_of_2, for when triton is missing
@@ -257,9 +259,7 @@ def paged_decode_attention(
     m_i, l_i = torch.empty(B, nh, num_splits, **f32), torch.empty(B, nh, num_splits, **f32)
     acc = torch.empty(B, nh, num_splits, hd, **f32)
     out = torch.empty_like(q)  # (B, nh, hd)
-    counters = _counters.get(q.device)
-    if counters is None:  # zeros; each launch leaves them zero
-        counters = _counters[q.device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=q.device)
+    counters = arrival_counters(q.device)
     _split_kernel[(B, nkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, m_i, l_i, acc, out, counters, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),

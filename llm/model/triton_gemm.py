@@ -14,6 +14,7 @@ kernel and decides nothing), never for float32 (cuBLAS keeps the reference numer
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from llm.model import gemm_kernel, triton_fused
 from llm.model.gemm_kernel import CONFIGS, NO_FOLD, Fold, RopeKV
-from llm.model.triton_attention import _INTERPRETED, triton
+from llm.model.triton_attention import _COUNTERS, _INTERPRETED, triton
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def on(x: torch.Tensor, weight: torch.Tensor, fold: Fold = NO_FOLD) -> bool:
         and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.stride(1) == weight.stride(1) == 1
-        and -(-weight.shape[0] // 16) <= gemm_kernel._COUNTERS
+        and -(-weight.shape[0] // 16) <= _COUNTERS  # a counter per column block
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and not torch.compiler.is_compiling()
@@ -89,7 +90,7 @@ def _choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fo
     # NOTE: the timing runs add into a copy of the residual stream (adding is not idempotent), and write the cache
     # (RoPE) with the same keys and values each time: the chosen path writes them last, after this.
     def run(config: tuple[int, ...] | None, scratch: torch.Tensor | None) -> torch.Tensor:
-        f = Fold(fold.norm, fold.gated, fold.rope, scratch)
+        f = dataclasses.replace(fold, add_to=scratch)
         return without(x, weight, bias, f) if config is None else gemm_kernel.launch(x, weight, bias, config, f)
 
     residual = None if fold.add_to is None else fold.add_to.clone()

@@ -87,7 +87,7 @@ def check_small_gemm(device, dtype, configs=triton_gemm.CONFIGS):
             out = gemm_kernel.launch(x, w, b if bias else None, config)
             assert out.dtype == dtype and out.shape == (M, N)
             torch.testing.assert_close(out.float(), want, **tol, msg=lambda m, c=config: f"{c}: {m}")
-    assert not any(c.any() for c in gemm_kernel._counters.values())
+    assert not any(c.any() for c in triton_attention._counters.values())
 
 
 def check_gated_gemm(device, dtype, configs=triton_gemm.CONFIGS):
@@ -112,7 +112,7 @@ def check_gated_gemm(device, dtype, configs=triton_gemm.CONFIGS):
             torch.testing.assert_close(out, two_kernels, **exact, msg=lambda m, c=config: f"{c}: {m}")
             if dtype == torch.float32:
                 torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-5, msg=lambda m, c=config: f"{c}: {m}")
-    assert not any(c.any() for c in gemm_kernel._counters.values())
+    assert not any(c.any() for c in triton_attention._counters.values())
 
 
 def check_rope_gemm(device, dtype, configs=triton_gemm.CONFIGS):
@@ -147,7 +147,7 @@ def check_rope_gemm(device, dtype, configs=triton_gemm.CONFIGS):
             if dtype == torch.float32:
                 torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-5, msg=msg)
                 torch.testing.assert_close(ours_cache, want_cache, atol=1e-4, rtol=1e-5, equal_nan=True, msg=msg)
-    assert not any(c.any() for c in gemm_kernel._counters.values())
+    assert not any(c.any() for c in triton_attention._counters.values())
 
 
 def _rel(ours: torch.Tensor, want: torch.Tensor) -> float:
@@ -192,7 +192,7 @@ def check_norm_add_gemm(device, dtype, configs=triton_gemm.CONFIGS):
         ours, want = gemm_kernel.launch(x, w, None, config, folds[0]), triton_gemm.without(x, w, None, folds[1])
         assert _rel(ours, want) < (1e-6 if dtype == torch.float32 else 1e-2), config
         assert (caches[0].isnan() == caches[1].isnan()).all() and _rel(*caches) < 1e-2, config
-    assert not any(c.any() for c in gemm_kernel._counters.values())
+    assert not any(c.any() for c in triton_attention._counters.values())
 
 
 CHECKS = [check_add_rms_norm, check_rope_kv_write, check_silu_mul, check_small_gemm, check_gated_gemm, check_rope_gemm,
