@@ -29,7 +29,7 @@ print(sys.version.split()[0], *(f'{p} {v(p)}' for p in ('torch', 'triton', 'tran
 # 74b37ff a batch-8 step measured 2.63 ms beside the build, 1.97 ms after it).
 [ "${CPU_KERNELS:-1}" = 1 ] && python3 -c "from llm.model import cpu_kernels; cpu_kernels.load()" > "$OUT/cpu_kernels.log" 2>&1 &
 # A part whose limit is 0 is left out; DECODE_ARGS and TESTS pick what runs of the first two.
-[ "${DECODE_S:-240}" -gt 0 ] && timeout "${DECODE_S:-240}" python3 -m bench.gpu_decode ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.md"
+[ "${DECODE_S:-300}" -gt 0 ] && timeout "${DECODE_S:-300}" python3 -m bench.gpu_decode ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.md"
 [ "${TESTS_S:-120}" -gt 0 ] && timeout "${TESTS_S:-120}" python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/llm/test_triton_attention.py \
     tests/llm/test_triton_fused.py tests/llm/test_engine.py tests/llm/test_async_decode.py tests/encoders/test_qwen2_5_vl.py \
     tests/encoders/test_placement.py} 2>&1 | tee "$OUT/tests.log"

@@ -43,19 +43,19 @@ SHAPES = {
     "tiny": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
                  vision_embed_dim=32, vision_depth=1, vision_heads=2, init_std=0.02),
 }  # fmt: skip
-# mode: (static_decode, cuda_graphs, compile_decode, async_decode, the layers' Triton kernels: "all", "prefold" (all
+# mode: (static_decode, cuda_graphs, compile_decode, async_decode, the layers' Triton kernels: "all"; "prefold" (all
 # but the folds of 2026-12-05: the attention's combine, the norms, RoPE + KV write and SiLU-mul kernels of their own,
-# the residual adds in them), "fused"
-# (not triton_gemm's either), "none" or "pdl" (all, launched as below)); "ahead": each decode step launched before the
-# last one's tokens reach the host (the default on cuda), "graphs" without that; "prefold": ahead without the folds;
-# "pdl": ahead with our kernels launched by programmatic dependent launch (llm/model/pdl.py, off by default);
-# "cublas": ahead with every GEMM by cuBLAS; "unfused": also torch's small ops where llm/model/triton_fused.py has
-# kernels (the step before all three)
+# the residual adds in them); "fused" (not triton_gemm's either); "none"; "pdl" and "pdl-wait" (all, launched as
+# below)). "ahead": each decode step launched before the last one's tokens reach the host (the default on cuda),
+# "graphs" without that; "prefold": ahead without the folds; "pdl": ahead with our kernels launched by programmatic
+# dependent launch (llm/model/pdl.py, off by default), the GEMMs prefetching their first weight tiles before they
+# wait; "pdl-wait": the same without that prefetch; "cublas": ahead with every GEMM by cuBLAS; "unfused": also
+# torch's small ops where llm/model/triton_fused.py has kernels (the step before all three)
 MODES = {"eager": (False, False, False, False, "all"), "static": (True, False, False, False, "all"),
          "graphs": (True, True, False, False, "all"), "ahead": (True, True, False, True, "all"),
          "prefold": (True, True, False, True, "prefold"), "cublas": (True, True, False, True, "fused"),
          "unfused": (True, True, False, True, "none"), "compiled": (True, True, True, True, "all"),
-         "pdl": (True, True, False, True, "pdl")}  # fmt: skip
+         "pdl": (True, True, False, True, "pdl"), "pdl-wait": (True, True, False, True, "pdl-wait")}  # fmt: skip
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 PROMPT = 128
 
@@ -82,10 +82,10 @@ def _engine(model: Qwen2LM, blocks: int, max_seqs: int, mode: str) -> Engine:
 def _use_kernels(mode: str) -> None:
     """The fused kernels on or off for what runs next (a graph keeps what its capture saw)."""
     kernels = MODES[mode][4]
-    triton_fused.enabled, triton_gemm.enabled = kernels != "none", kernels in ("all", "pdl", "prefold")
-    folds = kernels in ("all", "pdl")
+    triton_fused.enabled, triton_gemm.enabled = kernels != "none", kernels not in ("none", "fused")
+    folds = kernels in ("all", "pdl", "pdl-wait")
     triton_attention.fold_combine = triton_gemm.fuse_norm = triton_gemm.fuse_silu = triton_gemm.fuse_rope = folds
-    pdl.enabled = kernels == "pdl"
+    pdl.enabled, pdl.prefetch = kernels.startswith("pdl"), kernels == "pdl"
 
 
 async def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="check,decode,launches")
     checked = ",".join(m for m in MODES if m != "compiled")  # compile_decode is off (and ~2 minutes to compile)
     p.add_argument("--check-modes", default=checked, help="of the check (cuda); default all but compiled")
-    modes_help = "of the decode table; default eager,unfused,prefold,ahead,pdl (cpu: eager,static,ahead)"
+    modes_help = "of the decode table; default eager,unfused,prefold,ahead,pdl-wait,pdl (cpu: eager,static,ahead)"
     p.add_argument("--modes", help=modes_help)
     args = p.parse_args(argv)
     logging.basicConfig(format="%(name)s: %(message)s")
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA device (or --device cpu --shape tiny)")
         return 2
-    default = "eager,unfused,prefold,ahead,pdl" if args.device == "cuda" else "eager,static,ahead"
+    default = "eager,unfused,prefold,ahead,pdl-wait,pdl" if args.device == "cuda" else "eager,static,ahead"
     modes = (args.modes or default).split(",")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     failed, engines = 0, {}

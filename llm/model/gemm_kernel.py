@@ -73,16 +73,22 @@ if triton is not None:
         stride_xm, stride_wn, stride_ym, stride_ct, stride_cache_h, eps, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
         ADD: tl.constexpr, ROPE_NH: tl.constexpr, ROPE_NKV: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):  # fmt: skip
-        if PDL:  # llm/model/pdl.py: nothing is read or written before the kernel before this one is done
-            gdc_wait()
         n_block, split = tl.program_id(0), tl.program_id(1)
-        cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.arange(0, 16)
-        is_col, is_row = cols < N, rows < M
         k_len = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # whole tiles per split
         k_start = split * k_len
         k_end = tl.minimum(k_start + k_len, K)
+        if PREFETCH > 0:  # PDL: the first weight tiles into L2 while the kernel before ends (it writes no weight)
+            row, start, n = _prefetch_span(n_block, k_start, k_end, N, BLOCK_N, PREFETCH)
+            _prefetch_l2(
+                w_ptr + row.to(tl.int64) * stride_wn + start, n * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            )
+        if PDL:  # llm/model/pdl.py: nothing is read or written before the kernel before this one is done
+            gdc_wait()
+        cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, 16)
+        is_col, is_row = cols < N, rows < M
         acc = tl.full([16, BLOCK_N], 0.0, tl.float32)
         ssq = tl.full([16], 0.0, tl.float32)  # NORM: the rows' sums of squares over this split's columns
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -130,6 +136,25 @@ if triton is not None:
                 _finish(acc, ssq, b_ptr, y_ptr, rows, cols, is_row, is_col, K, stride_ym, eps, HAS_BIAS, NORM, ADD,
                         cis_ptr, cache_ptr, slots_ptr, stride_ct, stride_cache_h, ROPE_NH, ROPE_NKV, HEAD_DIM,
                         BLOCK_N)  # fmt: skip
+
+    @triton.jit
+    def _prefetch_span(n_block, k_start, k_end, N, BLOCK_N: tl.constexpr, SPAN: tl.constexpr):
+        """PREFETCH's 128 pieces (one a thread at 4 warps) of a program's first SPAN weight columns in each of its rows:
+        (row, first column, columns); every piece a multiple of 8 columns, none past the split or the last row."""
+        i = tl.arange(0, 128)
+        row = n_block * BLOCK_N + i % BLOCK_N
+        end = tl.minimum(k_start + SPAN, k_end)
+        step = ((end - k_start + 128 // BLOCK_N - 1) // (128 // BLOCK_N) + 7) // 8 * 8
+        start = k_start + i // BLOCK_N * step
+        return row, start, tl.where(row < N, tl.maximum(tl.minimum(step, end - start), 0), 0)
+
+    @triton.jit
+    def _prefetch_l2(ptrs, nbytes):
+        """sm_90's cp.async.bulk.prefetch.L2: nbytes (a multiple of 16; 0, none) from each 16-byte-aligned pointer."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; } // $0",
+            "=r,l,r", [ptrs, nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
 
     @triton.jit
     def _finish(
@@ -183,12 +208,18 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
         assert N == (nh + 2 * nkv) * hd and cis.shape[1:] == (nh + nkv, hd // 2, 2) and cis.is_contiguous(), cis.shape
         assert cache.stride(2) == hd and cache.stride(1) == cache.shape[2] * hd, "cache heads must be contiguous"
     norm, eps = fold.norm or (weight, 0.0)
+    launch_pdl = pdl.kwargs(x.device)
+    # the pipeline's first tiles, where each piece of them is whole 16 bytes at a 16-byte boundary
+    aligned = (
+        K % 8 == 0 and weight.stride(0) % 8 == 0 and weight.data_ptr() % 16 == 0 and weight.element_size() in (2, 4)
+    )
+    prefetch = block_k * stages if launch_pdl["PDL"] and pdl.prefetch and aligned else 0
     _small_gemm_kernel[(n_blocks, split_k)](
         x, weight, weight if bias is None else bias, y, part, ssq, counters, norm, cis, cache, slots, M, N, K,
         x.stride(0), weight.stride(0), y.stride(0), cis.stride(0), cache.stride(0), eps, HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, UPCAST=_INTERPRETED, GATED=fold.gated,
         NORM=fold.norm is not None, ADD=fold.add_to is not None, ROPE_NH=nh, ROPE_NKV=nkv, HEAD_DIM=hd,
-        num_warps=warps, num_stages=stages, **pdl.kwargs(x.device),
+        num_warps=warps, num_stages=stages, PREFETCH=prefetch, **launch_pdl,
     )  # fmt: skip
     return y
 

@@ -6,6 +6,7 @@ for an H100 without one.
 
 from __future__ import annotations
 
+import math
 import tempfile
 
 import pytest
@@ -235,6 +236,49 @@ def test_choice_adds_into_copies_of_the_residual_in_interpreter(monkeypatch):
     assert triton_gemm._choose(x, w, None, Fold(add_to=residual)) is None
 
 
+if triton_attention.triton is not None:
+    tl = triton_attention.triton.language
+
+    @triton_attention.triton.jit
+    def _span_kernel(bounds_ptr, out_ptr, N, BLOCK_N: tl.constexpr, SPAN: tl.constexpr):
+        """gemm_kernel._prefetch_span for each (column block, split) program, given its split's columns."""
+        p = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        row, start, n = gemm_kernel._prefetch_span(
+            tl.program_id(0), tl.load(bounds_ptr + 2 * p), tl.load(bounds_ptr + 2 * p + 1), N, BLOCK_N, SPAN
+        )
+        i = tl.arange(0, 128)
+        tl.store(out_ptr + p * 384 + i, row)
+        tl.store(out_ptr + p * 384 + 128 + i, start)
+        tl.store(out_ptr + p * 384 + 256 + i, n)
+
+
+@in_child
+def test_prefetch_covers_each_rows_first_tiles_in_interpreter():
+    """PDL's prefetch (gemm_kernel): a program's pieces cover, in each of its weight rows, exactly the first
+    BLOCK_K * num_stages columns of its split, once, in whole 16 bytes from 16-byte boundaries; none past the last
+    row or in an empty split."""
+    for block_n, block_k, split_k, _, stages in triton_gemm.CONFIGS:
+        for N, K in ((40, 1536), (96, 8960), (17, 200)):
+            k_len = math.ceil(math.ceil(K / split_k) / block_k) * block_k  # as the kernel splits
+            n_blocks, span = -(-N // block_n), block_k * stages
+            bounds = torch.tensor(
+                [[s * k_len, min(s * k_len + k_len, K)] for _ in range(n_blocks) for s in range(split_k)]
+            )
+            out = torch.zeros(n_blocks * split_k, 3, 128, dtype=torch.int64)
+            _span_kernel[(n_blocks, split_k)](bounds, out, N, BLOCK_N=block_n, SPAN=span)
+            for p, (rows, starts, ns) in enumerate(out.tolist()):
+                k0, k1 = bounds[p].tolist()
+                end = min(k0 + span, k1) if k0 < k1 else k0
+                for r in range(p // split_k * block_n, (p // split_k + 1) * block_n):
+                    pieces = sorted((s, s + n) for row, s, n in zip(rows, starts, ns, strict=True) if row == r and n)
+                    assert all(s % 8 == 0 and e % 8 == 0 for s, e in pieces), pieces  # 2- or 4-byte elements
+                    if r >= N or k0 == end:
+                        assert not pieces, (r, pieces)
+                        continue
+                    assert (pieces[0][0], pieces[-1][1]) == (k0, end), (block_n, split_k, N, K, p, r, pieces)
+                    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:])), pieces  # no gap, no overlap
+
+
 class _Counted:
     """A Triton kernel whose launches are counted, run outside the dispatch mode (the interpreter runs aten ops of
     its own, which a GPU launch does not)."""
@@ -341,14 +385,21 @@ def test_fused_kernels_compile_for_h100(dtype):
     # (GATED, NORM, ADD, RoPE heads): plain; down_proj, o_proj and gate_up folded; q/k/v with its norm and RoPE
     folds = ((False, False, False, (0, 0)), (True, False, True, (0, 0)), (False, False, True, (0, 0)),
              (False, True, False, (0, 0)), (False, True, False, (12, 2)))  # fmt: skip
+    gemms = []  # each GEMM variant's PDL, and with it PREFETCH
     for block_n, block_k, split_k, warps, stages in triton_gemm.CONFIGS if dtype == torch.bfloat16 else ():
         for gated, norm, add, rope in folds:
             constexprs = dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, UPCAST=False)
             constexprs |= dict(GATED=gated, NORM=norm, ADD=add, ROPE_NH=rope[0], ROPE_NKV=rope[1], HEAD_DIM=128)
-            constexprs |= dict(num_warps=warps, num_stages=stages, PDL=gated)
+            constexprs |= dict(num_warps=warps, num_stages=stages, PDL=gated, PREFETCH=block_k * stages if gated else 0)
             kernels.append(compile_for_h100(gemm_kernel._small_gemm_kernel, dict(pointers), constexprs))
+            gemms.append(gated)
     # llm/model/pdl.py: with PDL every program waits for the kernel before it (first thing), without it none does
     assert ["griddepcontrol.wait" in k.asm["ptx"] for k in kernels[:4]] == [False, True, True, True]
+    # with PREFETCH the GEMM's programs prefetch their first weight tiles before that wait, and only then
+    prefetched = [k.asm["ptx"].find("cp.async.bulk.prefetch.L2") for k in kernels[4:]]
+    assert [at >= 0 for at in prefetched] == gemms, prefetched
+    waits = [k.asm["ptx"].find("griddepcontrol.wait") for k in kernels[4:]]
+    assert all(at < wait for at, wait in zip(prefetched, waits, strict=True) if at >= 0)
 
 
 @pytest.mark.gpu
@@ -413,6 +464,32 @@ def test_pdl_launches_only_on_cuda(monkeypatch):
     assert pdl.kwargs(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setattr(pdl, "enabled", True)
     assert pdl.kwargs(torch.device("cpu")) == {"PDL": False}
+
+
+@needs_triton
+def test_prefetch_only_with_pdl_and_whole_16_bytes(monkeypatch):
+    """gemm_kernel.launch asks for the prefetch (the pipeline's first BLOCK_K * num_stages columns) only when PDL
+    launches the kernel, pdl.prefetch is on, and every piece is whole 16 bytes at a 16-byte boundary."""
+    from llm.model import pdl
+
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs["PREFETCH"])
+
+    monkeypatch.setattr(gemm_kernel, "_small_gemm_kernel", Kernel())
+    config = triton_gemm.CONFIGS[0]  # (16, 256, 1, 4, 4)
+    x, w = torch.zeros(2, 1536, dtype=torch.bfloat16), torch.zeros(64, 1536, dtype=torch.bfloat16)
+    gemm_kernel.launch(x, w, None, config)  # PDL off (cpu)
+    monkeypatch.setattr(pdl, "kwargs", lambda device: dict(PDL=True, launch_pdl=True))
+    gemm_kernel.launch(x, w, None, config)
+    gemm_kernel.launch(x[:, :100], w[:, :100], None, config)  # rows of 200 bytes: pieces would straddle 16 bytes
+    gemm_kernel.launch(x[:, 8:], w[:, 8:], None, config)  # rows from 16 bytes in: aligned
+    gemm_kernel.launch(x[:, 4:1532], w[:, 4:1532], None, config)  # from 8 bytes in: not
+    monkeypatch.setattr(pdl, "prefetch", False)
+    gemm_kernel.launch(x, w, None, config)
+    assert seen == [0, 1024, 0, 1024, 0, 0]
 
 
 @pytest.mark.gpu
