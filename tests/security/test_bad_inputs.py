@@ -57,6 +57,14 @@ def _cases(server: str, port: int, root: Path) -> dict[str, tuple]:
         "not_json": (b"{not json", 400, INVALID, None, None, "not valid JSON"),
         "not_an_object": ([1, 2, 3], 400, INVALID, None, None, "JSON object"),
         "nested_100000_deep": (b"[" * 100_000 + b"]" * 100_000, 400, INVALID, None, None, "nested too deeply"),
+        "unpaired_surrogate": (
+            rb'{"messages": [{"role": "user", "content": "\ud800"}]}',
+            400,
+            INVALID,
+            None,
+            None,
+            "surrogate",
+        ),
         "missing_messages": ({"model": "qwen2-vl-tiny"}, 400, INVALID, "messages", "missing", "Field required"),
         "empty_messages": ({"messages": []}, 400, INVALID, "messages", "too_short", "at least 1"),
         "unknown_role": (

@@ -62,6 +62,24 @@ def test_json_nested_beyond_the_decoders_depth_is_a_400(deep):
 
 
 @pytest.mark.parametrize(
+    "body",
+    [rb'{"messages": [{"role": "user", "content": "a\ud800"}]}', rb'{"content": "\udc00"}', rb'{"m": 1, "\uD83D": [2]}',
+     rb'{"stop": ["\ude00\ud83d"]}'],
+)  # fmt: skip
+def test_an_unpaired_surrogate_escape_is_a_400(body):
+    """json.loads keeps a lone \\ud800 in a string, which the tokenizer cannot encode: a 400, not a 500 later."""
+    with pytest.raises(InvalidRequest) as e:
+        asyncio.run(read_json(_request([body]), 1 << 20))
+    assert e.value.status == 400 and "unpaired UTF-16 surrogate" in e.value.message
+
+
+@pytest.mark.parametrize("body", [rb'{"c": "\ud83d\ude00 and \\ud800"}', '{"c": "\u00e9 \U0001f600"}'.encode()])
+def test_surrogate_pairs_and_escaped_backslashes_are_kept(body):
+    """An emoji as a pair of escapes (Python's json.dumps writes them so), or a literal backslash before "ud800"."""
+    assert asyncio.run(read_json(_request([body]), 1 << 20))["c"].encode("utf-8")
+
+
+@pytest.mark.parametrize(
     "lost", [ActorDiedError(), ActorUnavailableError("unreachable", None), NodeDiedError("n"), ChannelLost("r1")]
 )
 def test_a_lost_replica_is_a_503_to_retry_and_not_a_500(caplog, lost):
