@@ -3,6 +3,8 @@ and every decode mode that CPU can run (graphs and compiling are cuda's) still r
 
 from __future__ import annotations
 
+import pytest
+
 from bench import gpu_decode
 from llm.model import pdl, triton_attention, triton_fused, triton_gemm
 
@@ -12,6 +14,7 @@ FLAGS = [(triton_fused, "enabled"), (triton_gemm, "enabled"), (triton_gemm, "fus
          (pdl, "prefetch")]  # fmt: skip
 
 
+@pytest.mark.slow  # 7-10 s
 def test_each_part_and_mode_runs_on_cpu(capsys, monkeypatch):
     for module, name in FLAGS:
         monkeypatch.setattr(module, name, getattr(module, name))
