@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+from deployments.ingress import client_json
 from deployments.ingress.tools import tool_choice
 from schemas import InvalidRequest
 from schemas.config import Limits
@@ -26,9 +27,9 @@ def check_cost(req: GenerationRequest, limits: Limits) -> None:
         first = first or param
         if param == "structured_outputs.json" and isinstance(value, str):  # a schema as JSON text
             try:
-                value = json.loads(value)
-            except ValueError:
-                pass  # xgrammar refuses it when it is converted
+                value = client_json.loads(value, param, param)
+            except client_json.NotJson:
+                pass  # xgrammar refuses it when it is converted, in its words
         if isinstance(value, dict) and (worst := _most_optional(value)) > limits.max_optional_properties:
             raise InvalidRequest(
                 f"{param}: an object has {worst} properties that are not required, over the limit of "

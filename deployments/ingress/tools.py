@@ -11,6 +11,7 @@ import json
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
+from deployments.ingress import client_json
 from deployments.ingress.structured import json_grammar
 from deployments.ingress.tool_parser import END, START
 from schemas import InvalidRequest
@@ -60,11 +61,8 @@ def check_tools(req: ChatCompletionRequest) -> None:
     for i, m in enumerate(req.messages):
         for j, call in enumerate(m.tool_calls):
             called.add(call.id)
-            try:
-                json.loads(call.function.arguments)
-            except ValueError as e:
-                param = f"messages[{i}].tool_calls[{j}].function.arguments"
-                raise InvalidRequest(f"{param}: not JSON: {e}", param=param) from e
+            param = f"messages[{i}].tool_calls[{j}].function.arguments"
+            client_json.loads(call.function.arguments, param, param)  # rendered below: JSON, and bounded
         if m.role == "tool" and m.tool_call_id not in called:
             raise InvalidRequest(
                 f"messages[{i}]: no earlier assistant message made a call with id {m.tool_call_id!r}",

@@ -50,6 +50,13 @@ def _png_header(width: int, height: int) -> bytes:
 PNG = image_bytes(make_image(64, 64))
 
 
+def _deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "object"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 def _cases(server: str, port: int, root: Path) -> dict[str, tuple]:
     """name -> (body, status, error type, param, code or None, message fragment)."""
     return {
@@ -65,6 +72,34 @@ def _cases(server: str, port: int, root: Path) -> dict[str, tuple]:
             None,
             "surrogate",
         ),
+        "schema_60_objects_deep": (  # xgrammar's conversion grows with the cube of the depth (800: 71 s of a core)
+            _chat(response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": _deep_schema(60)}}),
+            400,
+            INVALID,
+            None,
+            None,
+            "nested too deeply (over 100 levels)",
+        ),
+        "tool_arguments_unpaired_surrogate": (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c", "content": "r"},
+                ],
+                "max_tokens": 4,
+            },
+            400,
+            INVALID,
+            "messages[1].tool_calls[0].function.arguments",
+            None,
+            "surrogate",
+        ),  # fmt: skip
         "missing_messages": ({"model": "qwen2-vl-tiny"}, 400, INVALID, "messages", "missing", "Field required"),
         "empty_messages": ({"messages": []}, 400, INVALID, "messages", "too_short", "at least 1"),
         "unknown_role": (

@@ -61,6 +61,14 @@ def test_json_nested_beyond_the_decoders_depth_is_a_400(deep):
     assert asyncio.run(read_json(_request([b"[" * 100 + b"]" * 100]), 1 << 20))  # nesting a client may well send
 
 
+@pytest.mark.parametrize("body", [b"{not json", b"\xff\xfe{}", b'{"seed": 1' + b"0" * 5000 + b"}"])
+def test_a_body_json_cannot_read_is_a_400(body):
+    """Not JSON, not UTF-8, or an integer of 5,001 digits (json.loads raises a plain ValueError past 4,300)."""
+    with pytest.raises(InvalidRequest) as e:
+        asyncio.run(read_json(_request([body]), 1 << 20))
+    assert e.value.status == 400 and "not valid JSON" in e.value.message
+
+
 @pytest.mark.parametrize(
     "body",
     [rb'{"messages": [{"role": "user", "content": "a\ud800"}]}', rb'{"content": "\udc00"}', rb'{"m": 1, "\uD83D": [2]}',
