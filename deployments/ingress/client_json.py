@@ -1,8 +1,9 @@
 """JSON from the client, the body and the JSON that its strings hold (a tool call's arguments, a schema as text):
 a 400 for what json.loads reads but what comes after it cannot take. Nesting past MAX_JSON_DEPTH (json.dumps, the
 chat template and pickling recurse per level, and xgrammar's conversion of a schema grows with the cube of its depth:
-400 levels of objects took 10 s of a core, 800 took 71 s, in a 33 KB schema) and an unpaired UTF-16 surrogate escape
-("\\ud800", which json.loads keeps and no tokenizer encodes)."""
+objects nested 200 deep took 1.1 s of a core here, 400 deep 8.7 s (16 KB of schema), and 48 deep, what the limit
+lets through, 0.02 s) and an unpaired UTF-16 surrogate escape ("\\ud800", which json.loads keeps and no tokenizer
+encodes)."""
 
 from __future__ import annotations
 
