@@ -72,7 +72,7 @@ def _cases(server: str, port: int, root: Path) -> dict[str, tuple]:
             None,
             "surrogate",
         ),
-        "schema_60_objects_deep": (  # xgrammar's conversion grows with the cube of the depth (800: 71 s of a core)
+        "schema_60_objects_deep": (  # xgrammar's conversion grows with the cube of the depth (400: 8.7 s of a core)
             _chat(response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": _deep_schema(60)}}),
             400,
             INVALID,
