@@ -15,9 +15,10 @@ from schemas import InvalidRequest
 
 MAX_JSON_DEPTH = 100  # arrays and objects, one in another; a real request nests under 20 (a schema's object: 2 each)
 
-# A surrogate reaches a string only as a \u escape (raw UTF-8 cannot encode one). Only a text with such an escape (an
-# emoji's pair, often) or with more brackets than the limit is walked. On a 10 MB image body: json.loads 12 ms, the
-# search for a backslash 0.1 ms (base64 has none), the regex's 2.4 ms, the walk 0.3 ms.
+# A surrogate reaches a string only as a \u escape (raw UTF-8 cannot encode one): strings are looked at only in a text
+# with such an escape (an emoji's pair, often). Measured here: on a 10 MB image body json.loads takes 5-13 ms, the
+# search for a backslash 0.1 ms (base64 has none), the regex's 2.4 ms, counting brackets 6 ms, the walk of its few
+# containers 0.01 ms; on a prompt of 100,000 token ids json.loads 5 ms, the walk 4 ms.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
@@ -42,21 +43,20 @@ def check(value: Any, text: bytes | str, what: str, param: str | None = None) ->
     """A 400 for `value`, parsed from `text`, nested deeper than MAX_JSON_DEPTH or holding an unpaired surrogate."""
     raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
     surrogates = b"\\" in raw and _SURROGATE_ESCAPE.search(raw) is not None  # memchr first
-    if not surrogates and raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
-        return
+    walked = (str, dict, list) if surrogates else (dict, list)
     stack = [(value, 1)]
     while stack:
         node, depth = stack.pop()
-        if isinstance(node, str):
-            if surrogates and not _encodes(node):
+        if isinstance(node, str):  # walked only when the text has a surrogate's escape
+            if not _encodes(node):
                 raise InvalidRequest(
                     f"{what} has a string with an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)", param=param
                 )
         elif isinstance(node, (dict, list)):
             if depth > MAX_JSON_DEPTH:
                 raise too_deep(what, param)
-            items = [*node.keys(), *node.values()] if isinstance(node, dict) else node
-            stack += [(child, depth + 1) for child in items if isinstance(child, (str, dict, list))]
+            items = node if isinstance(node, list) else [*node, *node.values()] if surrogates else node.values()
+            stack += [(child, depth + 1) for child in items if isinstance(child, walked)]
 
 
 def too_deep(what: str, param: str | None = None) -> InvalidRequest:

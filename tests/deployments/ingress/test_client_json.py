@@ -33,7 +33,7 @@ def test_depth_up_to_the_limit_and_not_past_it(kind):
 
 
 def test_many_brackets_side_by_side_are_not_depth():
-    """A body of more brackets than the limit walks its values (the count is only the fast path); shallow, it passes."""
+    """More brackets than the limit, side by side and shallow: it passes."""
     body = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "[{"}] * 300}]})
     assert len(client_json.loads(body, "request body")["messages"][0]["content"]) == 300
 
