@@ -141,6 +141,7 @@ if triton is not None:
     def _prefetch_span(n_block, k_start, k_end, N, BLOCK_N: tl.constexpr, SPAN: tl.constexpr):
         """PREFETCH's 128 pieces (one a thread at 4 warps) of a program's first SPAN weight columns in each of its rows:
         (row, first column, columns); every piece a multiple of 8 columns, none past the split or the last row."""
+        tl.static_assert(128 % BLOCK_N == 0, "a program's rows share the 128 pieces evenly")
         i = tl.arange(0, 128)
         row = n_block * BLOCK_N + i % BLOCK_N
         end = tl.minimum(k_start + SPAN, k_end)
