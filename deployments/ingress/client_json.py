@@ -27,19 +27,19 @@ class NotJson(InvalidRequest):
 
 
 def loads(text: bytes | str, what: str, param: str | None = None) -> Any:
-    """json.loads, with a 400 naming `what` (and `param`) for text that is not JSON (NotJson) or that check()
+    """json.loads, with a 400 naming `what` (and `param`) for text that is not JSON (NotJson) or that _check()
     refuses."""
     try:  # NOTE: ValueError: JSONDecodeError, UnicodeDecodeError, and an integer of over 4,300 digits (CPython's cap)
         value = json.loads(text)
     except ValueError as e:
         raise NotJson(f"{what} is not valid JSON: {e}", param=param) from e
     except RecursionError as e:  # json's decoder recurses per level: [[[[...]]]] a few thousand deep
-        raise too_deep(what, param) from e
-    check(value, text, what, param)
+        raise _too_deep(what, param) from e
+    _check(value, text, what, param)
     return value
 
 
-def check(value: Any, text: bytes | str, what: str, param: str | None = None) -> None:
+def _check(value: Any, text: bytes | str, what: str, param: str | None = None) -> None:
     """A 400 for `value`, parsed from `text`, nested deeper than MAX_JSON_DEPTH or holding an unpaired surrogate."""
     raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
     surrogates = b"\\" in raw and _SURROGATE_ESCAPE.search(raw) is not None  # memchr first
@@ -54,12 +54,12 @@ def check(value: Any, text: bytes | str, what: str, param: str | None = None) ->
                 )
         elif isinstance(node, (dict, list)):
             if depth > MAX_JSON_DEPTH:
-                raise too_deep(what, param)
+                raise _too_deep(what, param)
             items = node if isinstance(node, list) else [*node, *node.values()] if surrogates else node.values()
             stack += [(child, depth + 1) for child in items if isinstance(child, walked)]
 
 
-def too_deep(what: str, param: str | None = None) -> InvalidRequest:
+def _too_deep(what: str, param: str | None = None) -> InvalidRequest:
     return InvalidRequest(f"{what} is nested too deeply (over {MAX_JSON_DEPTH} levels)", param=param)
 
 
@@ -71,4 +71,4 @@ def _encodes(s: str) -> bool:
     return True
 
 
-__all__ = ["MAX_JSON_DEPTH", "NotJson", "check", "loads", "too_deep"]
+__all__ = ["MAX_JSON_DEPTH", "NotJson", "loads"]
