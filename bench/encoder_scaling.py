@@ -110,7 +110,7 @@ def deploy(name: str, checkpoint: Path, max_replicas: int, seconds_per_gflop: fl
     if name != "cost":
         options["request_router_config"] = RequestRouterConfig()  # Serve's default: power of two on counts
     slow = functools.partial(SlowViT, seconds_per_gflop=seconds_per_gflop)
-    encoder = Encoder.options(**options).bind(args, None, model_factory=slow)
+    encoder = Encoder.options(**options).bind(args, model_factory=slow)
     llm = LLM.options(ray_actor_options={"num_cpus": 1}).bind(args)
     app = Ingress.options(ray_actor_options={"num_cpus": 0.25}).bind(encoder, llm, args)
     serve.run(app, name=name, route_prefix=f"/{name}", logging_config=QUIET)

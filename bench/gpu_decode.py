@@ -92,7 +92,7 @@ async def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> lis
     async def one(i: int, ids: list[int]) -> list[int]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         out = []
-        async for chunk in engine.generate(GenerateRequest(f"r{i}", ids, [], [], params)):
+        async for chunk in engine.generate(GenerateRequest(request_id=f"r{i}", prompt_token_ids=ids, sampling=params)):
             out += chunk.token_ids
         return out
 

@@ -21,7 +21,7 @@ from bench.workload import BenchRequest, chat_body
 from deployments.ingress.prompt import build_prompt, load_tokenizer
 from encoders import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, load_rgb
 from llm import Engine, EngineConfig, Qwen2LM, num_kv_blocks
-from schemas import GenerateRequest, LLMArgs, SamplingParams
+from schemas import GenerateRequest, LLMArgs, MediaItem, SamplingParams
 from schemas.openai import ChatCompletionRequest
 
 
@@ -61,22 +61,29 @@ class InProcess:
             eos_token_ids=set(),
         )
 
-    def _prepare(self, req: BenchRequest) -> tuple[list[int], list, list, list[str]]:
+    def _prepare(self, req: BenchRequest) -> tuple[list[int], list, list[MediaItem]]:
         messages = ChatCompletionRequest.model_validate(chat_body(req, "m")).messages
         images = [load_rgb(png) for png in req.images]
-        grids = [self.processing.grid_thw(im.width, im.height) for im in images]
-        counts = [self.processing.num_image_tokens(im.width, im.height) for im in images]
-        keys = [f"{hashlib.sha256(png).hexdigest()}:{im.width}x{im.height}" for png, im in zip(req.images, images)]
-        return build_prompt(self.tokenizer, messages, self.image_token_id, counts), images, grids, keys
+        items = [
+            MediaItem(
+                f"{hashlib.sha256(png).hexdigest()}:{im.width}x{im.height}",
+                self.processing.grid_thw(im.width, im.height),
+                self.processing.num_image_tokens(im.width, im.height),
+            )
+            for png, im in zip(req.images, images, strict=True)
+        ]
+        counts = [item.num_tokens for item in items]
+        return build_prompt(self.tokenizer, messages, self.image_token_id, counts), images, items
 
     async def _one(self, i: int, req: BenchRequest, t0: float) -> RequestResult:
         sent = time.perf_counter()
         result = RequestResult(i, ok=False, sent=sent - t0, expected_tokens=req.output_len)
-        prompt, images, grids, keys = self._prepare(req)
+        prompt, images, items = self._prepare(req)
         embeds = await asyncio.to_thread(self.vision.encode, images) if images else []  # as an encoder replica
         params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
         last = None
-        async for chunk in self.engine.generate(GenerateRequest(f"b{i}", prompt, grids, embeds, params, keys)):
+        inp = GenerateRequest(request_id=f"b{i}", prompt_token_ids=prompt, sampling=params, items=items)
+        async for chunk in self.engine.generate(inp, embeds):
             now = time.perf_counter()
             if last is None:
                 result.ttft = now - sent

@@ -46,7 +46,7 @@ def deploy(name: str, checkpoint: Path, overlap: bool, seconds_per_gflop: float)
     encoder = Encoder.options(autoscaling_config=None, num_replicas=1, ray_actor_options={"num_cpus": 0.5})
     llm = LLM.options(ray_actor_options={"num_cpus": 1})
     app = Ingress.options(ray_actor_options={"num_cpus": 0.25}).bind(
-        encoder.bind(args, None, model_factory=factory), llm.bind(args), args
+        encoder.bind(args, model_factory=factory), llm.bind(args), args
     )
     serve.run(app, name=name, route_prefix=f"/{name}", logging_config=QUIET)
 

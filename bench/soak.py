@@ -19,12 +19,14 @@ Bounds (each a flag); a broken one exits non-zero:
   n=2 requests put two sequences in its queue), no error event in a 200 stream, every good request a 200 and
   every bad one its own 4xx;
 - each replica's (and the HTTP proxy's) resident memory grows by at most `--max-rss-growth-mib` (150) from a
-  sample taken after `--warmup` requests to one taken after the load has settled; the EmbeddingCache may also
-  grow by the bytes its LRU holds (bounded by `encoder.cache_gib`, by design);
+  sample taken after `--warmup` requests to one taken after the load has settled; an Ingress may also grow by the
+  bytes its embedding cache holds (its refs of embeddings under Ray's inline limit live in its memory; bounded by
+  `encoder.cache_gib`, by design);
 - each replica's growth fitted by least squares over the second half of the `--rounds` (a leak goes on at a steady
   rate; warm-up and fragmentation level off) at most `--max-rss-slope-mib-per-1k` (2) MiB per 1,000 requests; beside
   it, the Python objects each replica made since it started (a leak grows them too, fragmentation does not);
-- object store bytes in use after settling at most `--max-object-store-growth-mib` (10) above the first sample;
+- object store bytes in use after settling at most `--max-object-store-growth-mib` (10) above the first sample, plus
+  what the ingress's embedding cache holds there by design (bounded by `encoder.cache_gib`);
 - after settling (polled for up to `--settle-s`, 10 s): no sequence running or waiting in the engine and no KV
   block held by a sequence (`kv_usage` counts blocks with a reference; cached-but-free prefix blocks are free);
 - no ERROR line or traceback in the app's replica logs, the proxy's, or its replica processes' stderr during the load
@@ -53,14 +55,20 @@ __all__ = ["Bounds", "Mix", "SoakResult", "check", "report", "soak"]
 
 
 def _rss_less_cache(s: dict, name: str) -> int | None:
-    """A replica's resident bytes, less what the EmbeddingCache's LRU holds by design (bounded by encoder.cache_gib)."""
+    """A replica's resident bytes, less what the Ingress's embedding cache holds by design (bounded by
+    encoder.cache_gib)."""
     rss = s["rss"].get(name)
-    return rss - s["cache"]["bytes"] if rss is not None and name.startswith("EmbeddingCache#") else rss
+    return rss - s["cache"]["bytes"] if rss is not None and name.startswith("Ingress#") else rss
+
+
+def _store_growth(s: dict, before: dict) -> int:
+    """Object store bytes in use above `before`, less what the embedding cache holds there by design."""
+    return s["store"]["bytes"] - before["store"]["bytes"] - max(0, s["cache"]["bytes"] - before["cache"]["bytes"])
 
 
 def _drained(s: dict, before: dict, max_store: int) -> bool:
-    e, grown = s["engine"], s["store"]["bytes"] - before["store"]["bytes"]
-    return e["running"] == e["waiting"] == 0 and e["kv_usage"] == 0 and grown <= max_store
+    e = s["engine"]
+    return e["running"] == e["waiting"] == 0 and e["kv_usage"] == 0 and _store_growth(s, before) <= max_store
 
 
 # ---- The soak -----------------------------------------------------------------------------------------------------
@@ -139,7 +147,7 @@ def check(result: SoakResult) -> list[str]:
         if name not in before["rss"]:
             continue  # a replica started during the load (encoder autoscaling): no baseline
         allowed = b.max_rss_growth_mib * MIB
-        if name.startswith("EmbeddingCache#"):  # its LRU fills by design, up to encoder.cache_gib
+        if name.startswith("Ingress#"):  # its embedding cache fills by design, up to encoder.cache_gib
             allowed += max(0, settled["cache"]["bytes"] - before["cache"]["bytes"])
         if rss - before["rss"][name] > allowed:
             out.append(f"{name}: RSS grew {(rss - before['rss'][name]) / MIB:.0f} MiB, over {allowed / MIB:.0f}")
@@ -149,7 +157,7 @@ def check(result: SoakResult) -> list[str]:
                 f"{name}: RSS still growing {slope / MIB:.2f} MiB per 1000 requests over the second half, over "
                 f"{b.max_rss_slope_mib_per_1k:g}"
             )
-    grown = settled["store"]["bytes"] - before["store"]["bytes"]
+    grown = _store_growth(settled, before)
     if grown > b.max_object_store_growth_mib * MIB:
         out.append(
             f"object store: {grown / MIB:.1f} MiB more in use after settling, over "

@@ -56,7 +56,7 @@ def sample(app: str) -> dict[str, Any]:
     name_of = {pid: name for name, pid in pids.items()}
     census = [
         c
-        for deployment in ("Ingress", "Encoder", "EmbeddingCache", "LLM")
+        for deployment in ("Ingress", "Encoder", "LLM")
         for c in serve.get_deployment_handle(deployment, app).broadcast("heap").results(timeout_s=60)
     ]
     return {
@@ -64,8 +64,15 @@ def sample(app: str) -> dict[str, Any]:
         "objects": {name_of[c["pid"]]: c["python_objects"] for c in census if c["pid"] in name_of},
         "store": object_store(),
         "engine": serve.get_deployment_handle("LLM", app).stats.remote().result(),
-        "cache": serve.get_deployment_handle("EmbeddingCache", app).stats.remote().result(),
+        "cache": _cache(serve.get_deployment_handle("Ingress", app).stats.remote().result()),
     }
+
+
+def _cache(ingress_stats: dict) -> dict[str, int]:
+    """The ingress's embedding cache counts (hits, misses, bytes...), zeros when it has none (colocated: the LLM
+    replica's own, in its memory)."""
+    keys = ("hits", "misses", "evictions", "entries", "objects", "bytes", "max_bytes")
+    return {k: ingress_stats.get(f"cache_{k}", 0) for k in keys}
 
 
 def serve_logs(app: str) -> dict[Path, int]:
@@ -84,8 +91,9 @@ def serve_logs(app: str) -> dict[Path, int]:
 
 
 # Ray Serve's own errors, not ours: counted apart. Its request router sets the result of a request that its caller
-# cancelled meanwhile (seen on the Encoder's calls to the EmbeddingCache, Ray 2.60). Only where no frame of the
-# traceback is ours: the same error from our routers' override (deployments/ingress/router.py) was ours, and fixed.
+# cancelled meanwhile (seen on the Encoder's calls to the EmbeddingCache replica there was, Ray 2.60). Only where no
+# frame of the traceback is ours: the same error from our routers' override (deployments/ingress/router.py) was
+# ours, and fixed.
 UPSTREAM = ("Unexpected error in _fulfill_pending_requests",)
 OURS = re.compile(r'File "[^"]*/(deployments|encoders|llm|schemas)/')
 THROUGH_OURS = " [through our code]"

@@ -1,4 +1,4 @@
-"""`build_app(args)`: the application graph, Ingress -> (Encoder -> EmbeddingCache, LLM), from `args:`."""
+"""`build_app(args)`: the application graph, Ingress -> (Encoder, LLM), from `args:`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from typing import Any
 from ray.serve import Application
 
 from deployments.ingress import Ingress
-from encoders.cache_server import EmbeddingCache
 from encoders.server import Encoder
 from llm import TextConfig
 from llm.model.parallel import check_divisible
@@ -31,5 +30,4 @@ def build_app(args: dict[str, Any]) -> Application:
     llm = LLM.options(**llm_placement(tp, app_args.device)).bind(plain)  # GPUs checked, ranks packed on one node
     if app_args.encoder.colocated:  # no encoder tier: the LLM replica encodes the images itself
         return Ingress.bind(None, llm, plain)
-    # NOTE: bound even with cache_gib 0 (then unused), so that serve_config.yaml's entry for it always applies.
-    return Ingress.bind(Encoder.bind(plain, EmbeddingCache.bind(plain)), llm, plain)
+    return Ingress.bind(Encoder.bind(plain), llm, plain)

@@ -1,5 +1,5 @@
-"""The encoder replicas: images in, projected embeddings out. Their Serve deployments (`encoders.server:Encoder`,
-`encoders.cache_server:EmbeddingCache`) are not imported here: the families load without Ray Serve."""
+"""The encoder replicas: images in, projected embeddings out. Their Serve deployment (`encoders.server:Encoder`) is
+not imported here: the families load without Ray Serve."""
 
 from encoders.batching import ImageBatcher, Preprocessed
 from encoders.cache import EmbeddingLRU, cache_scope, embedding_key

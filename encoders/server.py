@@ -1,8 +1,8 @@
 """Encoder deployment: image bytes in, projected embeddings (num_image_tokens, llm_hidden) out.
 
-Serve autoscales this deployment on its own; the ingress fans each image out to it. Images of concurrent requests
-are packed into one ViT forward (`encoders.ImageBatcher`); embeddings seen before come from the shared
-`EmbeddingCache`."""
+Serve autoscales this deployment on its own; the ingress fans each request's images out to it, as many to a call as
+one ViT forward takes, and keeps the references to what comes back (its embedding cache: the ingress's, keyed where
+the key is known). Images of concurrent calls are packed into one ViT forward (`encoders.ImageBatcher`)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,12 @@ from typing import Any
 import torch
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.handle import DeploymentHandle
 
 from deployments.ingress.encoder_router import CostRouter
 from encoders import EncoderRunner, VisionEncoder
 from encoders.autoscaling import ARRIVING_COST, AUTOSCALING, MEAN_COST, PENDING_COST, TARGET_COST, ArrivalMeter
 from encoders.video_decode import Video
-from schemas import DRAIN_POLL_S, AppArgs, EncoderArgs, ModelSpec, quiet_client_errors
+from schemas import DRAIN_POLL_S, AppArgs, EncoderArgs, InvalidRequest, ModelSpec, quiet_client_errors
 from schemas.metrics import EncoderMetrics, heap_census
 from schemas.transfer import send_tensors_out_of_band
 
@@ -39,12 +38,7 @@ DEFAULT_TARGET_COST = 10.0  # GFLOP: about 0.4 s of a 2-core CPU replica on the 
     graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
 )
 class Encoder:
-    def __init__(
-        self,
-        args: dict[str, Any],
-        cache: DeploymentHandle | None = None,
-        model_factory: Callable[..., VisionEncoder] | None = None,
-    ):
+    def __init__(self, args: dict[str, Any], model_factory: Callable[..., VisionEncoder] | None = None):
         self.args = AppArgs.model_validate(args)
         quiet_client_errors()  # a bad image is one WARNING line, not an ERROR traceback
         send_tensors_out_of_band()
@@ -62,15 +56,7 @@ class Encoder:
         self.pending_cost = 0.0  # GFLOP of the images queued and running here (the autoscaling metric)
         self.arrivals = ArrivalMeter()  # GFLOP of the images that came to be encoded here, lately
         self.target_cost = self._target_cost(self.args.encoder, self.runner.gflops)
-        self.cache = cache if self.args.encoder.cache_gib > 0 else None
-        self._puts: set[asyncio.Task] = set()
-        logger.info(
-            "encoder ready: %s on %s (%s), cache %s",
-            self.args.model,
-            spec.device,
-            spec.dtype,
-            "on" if self.cache is not None else "off",
-        )
+        logger.info("encoder ready: %s on %s (%s)", self.args.model, spec.device, spec.dtype)
 
     @staticmethod
     def _target_cost(opts: EncoderArgs, gflops: float | None) -> float:
@@ -84,45 +70,31 @@ class Encoder:
         logger.info("encoder autoscaling: target %.2f GFLOP per replica (%s)", target, why)
         return target
 
-    async def _cached(self, key: str) -> torch.Tensor | None:
-        try:
-            return await self.cache.get.remote(key)
-        except Exception:  # a cache that is down or restarting is a miss, never a failure
-            logger.warning("embedding cache unavailable; encoding %s", key[:16], exc_info=True)
-            return None
-
-    async def _put(self, key: str, embeds: torch.Tensor) -> None:
-        try:
-            await self.cache.put.remote(key, embeds)
-        except Exception:
-            logger.warning("could not cache %s", key[:16], exc_info=True)
-
-    async def encode(self, image: bytes | Video, key: str | None = None, cost: float | None = None) -> torch.Tensor:
-        """An image's bytes or a video (encoders.video_decode.Video) -> its (num_tokens, llm_hidden) embedding.
-        `cost`: its encoding cost (encoders/cost.py), which the callers' router routes on and which counts here as
-        pending until the call ends (a call without one counts nothing)."""
+    async def encode(self, jobs: list[bytes | Video], cost: float | None = None) -> list[torch.Tensor | InvalidRequest]:
+        """Images' bytes or videos (encoders.video_decode.Video; a chunk of one's tubelets) -> each one's
+        (num_tokens, llm_hidden) embedding, or the client's error with it (an image that does not decode fails
+        alone, not the call: the other images of the call are good). `cost`: the jobs' encoding cost
+        (encoders/cost.py), which the callers' router routes on and which counts here as pending until the call
+        ends (a call without one counts nothing)."""
         # NOTE: returned, not ray.put: the caller owns the result, so it outlives this replica.
         self._add_pending(cost or 0.0)
+        if cost:  # the leading signal
+            self.arrivals.add(cost)
         try:
-            if key is not None and self.cache is not None:
-                self.metrics.cache_queries.inc()
-                if (hit := await self._cached(key)) is not None:
-                    self.metrics.cache_hits.inc()
-                    return hit
-            if cost:  # the leading signal counts work to do: a cache hit is none
-                self.arrivals.add(cost)
-            embeds = await self.runner.encode(image)
-        except asyncio.CancelledError:  # the client went away: the image leaves the batch queue unencoded
-            self.num_cancelled += 1
-            self.metrics.cancelled.inc()
+            return list(await asyncio.gather(*(self._one(job) for job in jobs)))
+        except asyncio.CancelledError:  # the client went away: images still queued leave the batch unencoded
+            self.num_cancelled += len(jobs)
+            self.metrics.cancelled.inc(len(jobs))
             raise
         finally:
             self._add_pending(-(cost or 0.0))
-        if key is not None and self.cache is not None:  # in the background: the caller does not wait for it
-            task = asyncio.create_task(self._put(key, embeds))
-            self._puts.add(task)
-            task.add_done_callback(self._puts.discard)
-        return embeds
+
+    async def _one(self, job: bytes | Video) -> torch.Tensor | InvalidRequest:
+        try:
+            return await self.runner.encode(job)
+        except InvalidRequest as e:
+            logger.warning("a client's image could not be encoded (%d): %s", e.status, e.message)
+            return e
 
     def _add_pending(self, cost: float) -> None:
         self.pending_cost += cost

@@ -1,17 +1,17 @@
-"""The LLM replica's side of a request's images: their embeddings fetched from the ObjectRefs the ingress sends, one
-future per image or video, so that the engine's prefill can run up to the first one not here yet."""
+"""The LLM replica's side of a request's images: their embeddings fetched from the ObjectRefs the ingress sends (one
+per encoder call, each the list of the embeddings that call made), one future per image or video, so that the engine's
+prefill can run up to the first one not here yet."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 from typing import Any
 
 import ray
 import torch
 from ray.exceptions import TaskCancelledError
 
-from schemas import EncoderUnavailable, InvalidRequest, observe, root_cause
+from schemas import EncoderUnavailable, InvalidRequest, MediaItem, observe, root_cause
 from schemas.errors import REPLICA_GONE
 
 # Errors that mean "the encoder replica (or its node) went away", not "this image is bad".
@@ -23,57 +23,59 @@ def bad_image(index: int, e: InvalidRequest) -> InvalidRequest:
     return InvalidRequest(f"image {index}: {e.message}", param="messages")
 
 
-def _check_refs(refs: list[Any]) -> None:
+def check_refs(refs: list[Any]) -> None:
     for ref in refs:  # invariant: the ingress passes references, never embeddings
         if not isinstance(ref, ray.ObjectRef):
             raise TypeError(f"image embeddings must arrive as ObjectRefs, got {type(ref).__name__}")
 
 
-async def fetch_embeds(refs: list[Any], timeout_s: float, first: int = 0) -> list[torch.Tensor]:
-    """The embeddings of `refs`, images `first`, `first` + 1, ... of the request (the ingress's numbering of its
-    encoder calls). EncoderUnavailable names those whose encoder replica went away or that did not come in
-    `timeout_s`: the ingress retries them on another replica."""
-    _check_refs(refs)
-    tasks = [asyncio.ensure_future(ref) for ref in refs]
+async def _fetch_call(ref: ray.ObjectRef, call: int, timeout_s: float) -> list[torch.Tensor | InvalidRequest]:
+    """What encoder call `call` returned. EncoderUnavailable when its replica went away or it did not come in
+    `timeout_s`: the ingress encodes its images once more, on another replica."""
     try:
-        done, pending = await asyncio.wait(tasks, timeout=timeout_s) if tasks else (set(), set())
-    finally:  # also when this generation is cancelled: no task left to fail unobserved
-        for task in tasks:
-            task.cancel()
-            task.add_done_callback(observe)
-    lost = [first + i for i, t in enumerate(tasks) if t in pending]
-    for i, task in enumerate(tasks, start=first):
-        if task in done and task.exception() is not None:
-            cause = root_cause(task.exception())
-            if isinstance(cause, InvalidRequest):
-                raise bad_image(i, cause) from None
-            if not isinstance(cause, _ENCODER_GONE):
-                raise task.exception()
-            lost.append(i)
-    if lost:
-        raise EncoderUnavailable(f"no embeddings for images {sorted(lost)}", sorted(lost))
-    return [t.result() for t in tasks]
+        async with asyncio.timeout(timeout_s):
+            return await ref
+    except TimeoutError:
+        raise EncoderUnavailable(f"encoder call {call} did not answer in {timeout_s:g} s", [call]) from None
+    except Exception as e:
+        cause = root_cause(e)
+        if isinstance(cause, _ENCODER_GONE):
+            raise EncoderUnavailable(f"encoder call {call} was lost ({type(cause).__name__})", [call]) from None
+        if isinstance(cause, InvalidRequest):
+            raise cause from None
+        raise
 
 
-async def _fetch_item(refs: list[Any], timeout_s: float, first: int) -> torch.Tensor:
-    embeds = await fetch_embeds(refs, timeout_s, first)
-    return embeds[0] if len(embeds) == 1 else torch.cat(embeds)  # a video's chunks, in order, are its embedding
+async def _item(index: int, item: MediaItem, calls: list[asyncio.Future]) -> torch.Tensor:
+    pieces = []
+    try:
+        for call, position in item.pieces:
+            out = (await calls[call])[position]  # a tensor, or the client's error with this image
+            if isinstance(out, BaseException):
+                raise out
+            pieces.append(out)
+    except InvalidRequest as e:
+        raise bad_image(index, e) from None
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # a video's chunks, in order, are its embedding
 
 
-def per_item(embeds: list[torch.Tensor], embeds_per_item: list[int]) -> list[torch.Tensor]:
-    """One embedding per image or video: a video's chunks, in order, concatenated."""
-    if not embeds_per_item:
-        return embeds
-    at = list(itertools.accumulate(embeds_per_item, initial=0))
-    return [torch.cat(embeds[a:b]) for a, b in itertools.pairwise(at)]
+class ImageArrivals:
+    """One future per image or video (`items`), done with its (num_tokens, D) embedding, or failed: EncoderUnavailable
+    naming the encoder calls lost, or the client's InvalidRequest naming the image. Each encoder call is fetched
+    once, whatever the number of items it holds. `cancel` when the generation ends."""
+
+    def __init__(self, items: list[MediaItem], refs: list[Any], timeout_s: float):
+        check_refs(refs)  # here, before the generation starts
+        self.calls = [asyncio.ensure_future(_fetch_call(ref, c, timeout_s)) for c, ref in enumerate(refs)]
+        for call in self.calls:  # one that no item awaits any more (an earlier piece failed) fails unobserved
+            call.add_done_callback(observe)
+        self.items = [asyncio.ensure_future(_item(i, item, self.calls)) for i, item in enumerate(items)]
+
+    def cancel(self) -> None:
+        """Nothing of the request's images is waited for any more."""
+        for future in self.items + self.calls:
+            future.cancel()
+            future.add_done_callback(observe)
 
 
-def image_arrivals(refs: list[Any], embeds_per_item: list[int], timeout_s: float) -> list[asyncio.Future]:
-    """One future per image or video (`embeds_per_item`: how many refs make each; empty: one each), done with its
-    (num_tokens, D) embedding, or failed as `fetch_embeds` fails. Cancel those left when the generation ends."""
-    _check_refs(refs)  # here, before the generation starts
-    at = list(itertools.accumulate(embeds_per_item or [1] * len(refs), initial=0))
-    return [asyncio.ensure_future(_fetch_item(refs[a:b], timeout_s, a)) for a, b in itertools.pairwise(at)]
-
-
-__all__ = ["bad_image", "fetch_embeds", "image_arrivals", "per_item"]
+__all__ = ["ImageArrivals", "bad_image", "check_refs"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +18,7 @@ from deployments.ingress.router import PrefixAffinityRouter
 from encoders import EmbeddingLRU, EncoderRunner
 from llm import Engine, EngineConfig, Qwen2LM, TextConfig, num_kv_blocks
 from llm.channel import Outbox
-from llm.images import bad_image, fetch_embeds, image_arrivals, per_item
+from llm.images import ImageArrivals, bad_image
 from llm.model.parallel import ParallelLM, TPGroup, init_process_group
 from llm.tp import COLLECTIVE_TIMEOUT_S, Ranks
 from schemas import (
@@ -30,11 +29,11 @@ from schemas import (
     EncoderUnavailable,
     GenerateRequest,
     InvalidRequest,
+    MediaItem,
     ModelSpec,
     Overloaded,
     Routed,
     TokenChunk,
-    observe,
     quiet_client_errors,
     this_replica,
 )
@@ -130,9 +129,6 @@ class LLM:
         # Messages sent back to ingress replicas: chunks on generations' own streams, and channel messages
         self.sent = {"stream_messages": 0, "channel_messages": 0, "channel_generations": 0, "channels_opened": 0}
         self._metrics_task: asyncio.Task | None = None
-        # NOTE: an image's tokens are known before its embeddings from the ingress's count (num_image_tokens), or
-        # with M-RoPE from its grid; a request with neither for a 1-D RoPE LM waits for all its embeddings
-        self.mrope = model.config.mrope_section is not None
         self.vision = self.vision_cache = None
         if self.args.encoder.colocated:  # the encoder lives here, sharing this replica's device with the engine
             self.vision = EncoderRunner(
@@ -186,25 +182,26 @@ class LLM:
         if self.ranks is not None:
             self.ranks.check()
 
-    async def _encode_here(self, images: list[bytes], keys: list[str]) -> list[torch.Tensor]:
-        """Colocated mode: encode the request's images in this replica (a local cache stands in for the shared one)."""
+    async def _encode_here(self, items: list[MediaItem], media: list[Any]) -> list[torch.Tensor]:
+        """Colocated mode: encode the request's images (`media`: each item's bytes, or a Video) in this replica, a
+        local cache by content key in place of the ingress's."""
         assert self.vision is not None and self.vision_cache is not None, "images as bytes need encoder.colocated"
+        assert len(media) == len(items), (len(media), len(items))
 
-        async def one(i: int, data: bytes) -> torch.Tensor:
-            key = keys[i] if keys else None
-            if key is not None and (hit := self.vision_cache.get(key)) is not None:
+        async def one(i: int, item: MediaItem, data: Any) -> torch.Tensor:
+            if item.key and (hit := self.vision_cache.get(item.key)) is not None:
                 return hit
             try:
                 embeds = await self.vision.encode(data)
             except InvalidRequest as e:
                 raise bad_image(i, e) from None
-            if key is not None:
-                self.vision_cache.put(key, embeds)
+            if item.key:
+                self.vision_cache.put(item.key, embeds)
             return embeds
 
         self.engine.encoding += 1  # the engine's CPU rule leaves the cores to the encoding meanwhile (engine.py)
         try:
-            return list(await asyncio.gather(*(one(i, data) for i, data in enumerate(images))))
+            return list(await asyncio.gather(*(one(i, *pair) for i, pair in enumerate(zip(items, media)))))
         finally:
             self.engine.encoding -= 1
 
@@ -214,51 +211,54 @@ class LLM:
     async def heap(self) -> dict[str, Any]:
         return heap_census()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Routed | Exception]:
+    async def generate(
+        self, request: GenerateRequest, media: list[Any] | None = None
+    ) -> AsyncIterator[TokenChunk | Routed | Exception]:
         """The chunks of one generation; with `request.channel` a `Routed` first, and the chunks through that
-        ingress's channel when it has one open here (deployments/ingress/channel.py). An error the ingress answers
-        (`_ANSWERED`) is the stream's last item, with one log line here."""
+        ingress's channel when it has one open here (deployments/ingress/channel.py). `media`: the ObjectRefs of the
+        encoder calls that hold its items' embeddings (`MediaItem.pieces` says where), or colocated, each item's
+        bytes. An error the ingress answers (`_ANSWERED`) is the stream's last item, with one log line here."""
         try:
-            async for item in self._generate(request):
+            async for item in self._generate(request, media or []):
                 yield item
         except _ANSWERED as e:
             level = logging.INFO if isinstance(e, InvalidRequest) else logging.WARNING
             logger.log(level, "%s: %s: %s", request.request_id, type(e).__name__, e)
             yield e
 
-    async def _generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Routed]:
+    async def _generate(self, request: GenerateRequest, media: list[Any]) -> AsyncIterator[TokenChunk | Routed]:
         if self._metrics_task is None:  # started on the replica's event loop, which __init__ may not run on
             self._metrics_task = asyncio.create_task(self.metrics.run())
-        arrivals, timeout_s = [], self.args.encoder.timeout_s
-        if request.images:
-            embeds = per_item(await self._encode_here(request.images, request.image_keys), request.embeds_per_item)
-        elif self.args.llm.overlap_encoding and (self.mrope or request.num_image_tokens):  # futures: prefill overlaps
-            embeds = arrivals = image_arrivals(request.image_embeds, request.embeds_per_item, timeout_s)
+        arrivals: ImageArrivals | None = None
+        if not request.items:
+            embeds = []
+        elif self.vision is not None:
+            embeds = await self._encode_here(request.items, media)
         else:
-            embeds = per_item(await fetch_embeds(request.image_embeds, timeout_s), request.embeds_per_item)
-        inp = dataclasses.replace(request, image_embeds=embeds, images=[], embeds_per_item=[])  # tensors or futures
+            arrivals = ImageArrivals(request.items, media, self.args.encoder.timeout_s)
+            # futures: prefill overlaps encoding; else all of them first
+            embeds = arrivals.items if self.args.llm.overlap_encoding else await asyncio.gather(*arrivals.items)
         try:
-            async for item in self._submit(request, inp):
+            async for item in self._submit(request, embeds):
                 yield item
         finally:  # the generation ended: images still being fetched are not waited for
-            for future in arrivals:
-                future.cancel()
-                future.add_done_callback(observe)
+            if arrivals is not None:
+                arrivals.cancel()
 
-    async def _submit(self, request: GenerateRequest, inp: GenerateRequest) -> AsyncIterator[TokenChunk | Routed]:
+    async def _submit(self, request: GenerateRequest, embeds: list[Any]) -> AsyncIterator[TokenChunk | Routed]:
         if (grammar := request.sampling.grammar) is not None:  # compiled off the event loop; `submit` finds it cached
             await asyncio.to_thread(self.engine.grammars.compile, grammar)
         box = self.channels.get(request.channel) if request.channel and self.replica_id else None
         if box is None:
             if request.channel and self.replica_id:
                 yield Routed(self.replica_id, via_channel=False)
-            async for chunk in self.engine.generate(inp):
+            async for chunk in self.engine.generate(request, embeds):
                 self.sent["stream_messages"] += 1
                 yield chunk
             return
         done, sink = box.attach(request.request_id)  # attached before any await: the channel cannot close between
         try:
-            seq = self.engine.submit(inp, sink)
+            seq = self.engine.submit(request, sink, embeds)
         except BaseException:
             box.detach(request.request_id)
             raise

@@ -90,7 +90,11 @@ class EncoderArgs(_Strict):
     )
     max_batch_wait_ms: float = Field(2.0, ge=0.0, description="How long an idle encoder waits to fill a batch.")
     cache_gib: float = Field(
-        0.5, ge=0.0, description="Embedding cache shared by the encoder replicas, in GiB (LRU); 0 turns it off."
+        0.5,
+        ge=0.0,
+        description="Embedding cache, in GiB (LRU; 0 turns it off): each ingress replica keeps references to the "
+        "embeddings the encoder replicas made (they stay in Ray's object store; counted at 4 bytes a value); "
+        "colocated, the LLM replica keeps the embeddings themselves.",
     )
     timeout_s: float = Field(
         30.0, gt=0.0, description="Longest wait for an image's embedding; then it is retried once, then 503."

@@ -4,7 +4,7 @@ streams back (plain dataclasses: hot path)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 FinishReason = Literal["stop", "length"]
 
@@ -43,21 +43,32 @@ class SamplingParams:
 
 
 @dataclass(slots=True)
+class MediaItem:
+    """One image or video of a prompt, as the ingress planned it and the engine lays it out: one record from the
+    ingress to the engine (its bytes travel apart, to an encoder, and its embedding apart again, by reference)."""
+
+    key: str  # content key: the embedding cache's and the prefix cache's for its tokens ("": never shared)
+    grid_thw: tuple[int, int, int]  # its patch grid; with M-RoPE its tokens are t*h*w / merge_size**2
+    num_tokens: int  # its placeholder tokens in the prompt, as the ingress counted them
+    # A video's seconds per tubelet (its temporal_patch_size / sampled fps): Qwen2.5-VL's temporal positions step by
+    # tokens_per_second times it. None: an image.
+    second_per_grid_t: float | None = None
+    # Encoder tier: where its embedding comes from, piece by piece (a video encoded in chunks: the chunks, in order),
+    # each (encoder call, position): the call's ObjectRef among those sent with the request, and the place in the
+    # list that call returned; the LLM concatenates the pieces. Empty when the LLM replica encodes it (colocated).
+    pieces: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(slots=True)
 class GenerateRequest:
+    """What the ingress hands an LLM replica for one choice (built by keyword), and what its engine takes. The
+    embeddings are not in it: `LLM.generate` takes them as their own argument (ObjectRefs of the encoder calls, or
+    colocated, each item's bytes), `Engine.submit` as tensors or futures of them."""
+
     request_id: str
     prompt_token_ids: list[int]
-    # One (t, h, w) patch grid per image, in prompt order; with M-RoPE, rows of embeddings = t*h*w / merge_size**2
-    # (for 1-D RoPE LMs, the LLaVAs, an image takes as many tokens as `num_image_tokens` or its embedding's rows say).
-    image_grid_thw: list[tuple[int, int, int]]
-    # One per image: ObjectRefs from the ingress (never the tensors themselves: the ingress must not hold
-    # embeddings); the LLM replica puts the fetched (num_image_tokens, D) tensors here before the engine takes it.
-    image_embeds: list[Any]
     sampling: SamplingParams
-    # One content key per image (hash of its bytes and size): prefix-cache keys for its placeholder tokens.
-    image_keys: list[str] = field(default_factory=list)
-    # Colocated mode only (`encoder.colocated`): the images' bytes (a video: encoders.video_decode.Video), encoded by
-    # the LLM replica itself.
-    images: list[Any] = field(default_factory=list)
+    items: list[MediaItem] = field(default_factory=list)  # the images and videos, in prompt order
     # A hash of the conversation's first turn: the LLM request router sends every turn to the replica holding it.
     routing_key: str | None = None
     # The calling ingress replica's id: its tokens come through that ingress's per-step channel to the replica
@@ -66,24 +77,6 @@ class GenerateRequest:
     # The tenant's scope of the prefix cache (encoders.cache_scope): its blocks chain from a hash of it, so two
     # scopes never share a block; "": the shared cache.
     cache_scope: str = ""
-    # One per image or video (or empty: all images): a video's seconds per tubelet (temporal_patch_size / its
-    # sampled fps), None for an image. Qwen2.5-VL's temporal positions step by tokens_per_second times it.
-    second_per_grid_ts: list[float | None] = field(default_factory=list)
-    # One per image or video (or empty: one each): how many of `image_embeds` make it, in order (a video encoded in
-    # chunks of tubelets on several encoder replicas); the LLM replica concatenates them.
-    embeds_per_item: list[int] = field(default_factory=list)
-    # One per image or video (or empty: its embedding's rows, or its M-RoPE grid, say): its placeholder tokens, as the
-    # ingress counted them to build the prompt. With them the engine lays out an image before its embedding arrives
-    # (prefill overlapped with encoding, 1-D RoPE LMs too); an embedding of another row count fails its sequence.
-    num_image_tokens: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        n = sum(self.embeds_per_item) if self.embeds_per_item else len(self.image_grid_thw)
-        assert n == len(self.image_embeds) + len(self.images), "one grid per image"
-        assert not (self.image_embeds and self.images), "embeddings or bytes, not both"
-        assert not self.image_keys or len(self.image_keys) == len(self.image_grid_thw), "one key per image"
-        assert not self.second_per_grid_ts or len(self.second_per_grid_ts) == len(self.image_grid_thw)
-        assert not self.num_image_tokens or len(self.num_image_tokens) == len(self.image_grid_thw), "one per image"
 
 
 @dataclass(slots=True)
@@ -163,6 +156,7 @@ __all__ = [
     "FinishReason",
     "GenerateRequest",
     "Item",
+    "MediaItem",
     "Routed",
     "SamplingParams",
     "TokenChunk",

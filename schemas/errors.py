@@ -53,14 +53,15 @@ class Overloaded(RuntimeError):
 
 
 class EncoderUnavailable(RuntimeError):
-    """Embeddings of these images could not be had (their replica died, or timed out): the ingress retries them."""
+    """What these encoder calls made could not be had (their replica died, or they timed out): `calls` are their
+    indices among the ObjectRefs the ingress sent with the request, whose images it encodes once more."""
 
-    def __init__(self, message: str, image_indices: list[int]):
+    def __init__(self, message: str, calls: list[int]):
         super().__init__(message)
-        self.message, self.image_indices = message, image_indices
+        self.message, self.calls = message, calls
 
     def __reduce__(self):
-        return (type(self), (self.message, self.image_indices))
+        return (type(self), (self.message, self.calls))
 
 
 class ChannelLost(Overloaded):

@@ -40,6 +40,9 @@ class IngressMetrics:
         self.video_probe = Histogram(
             "vlm_video_probe_seconds", "Reading a video's container at the ingress.", boundaries=LATENCY_S
         )
+        # The embedding cache (deployments/ingress/embedding_cache.py): each image, or chunk of a video, looked up
+        self.cache_queries = Counter("vlm_embedding_cache_queries_total", "Embedding cache lookups.")
+        self.cache_hits = Counter("vlm_embedding_cache_hits_total", "Embedding cache lookups that found the image.")
 
     def on_videos(self, stats: list[tuple[int, int, float]]) -> None:
         """(sampled frames, tokens, probe seconds) of each video of a request."""
@@ -55,12 +58,10 @@ class EncoderMetrics:
         self.latency = Histogram("vlm_encoder_latency_seconds", "One batched encoder forward.", boundaries=LATENCY_S)
         self.batch_size = Histogram("vlm_encoder_batch_size", "Images in one encoder forward.", boundaries=BATCH_SIZES)
         self.images = Counter("vlm_images_encoded_total", "Images run through the vision encoder.")
-        self.cache_queries = Counter("vlm_embedding_cache_queries_total", "Embedding cache lookups.")
-        self.cache_hits = Counter("vlm_embedding_cache_hits_total", "Embedding cache lookups that found the image.")
         self.cancelled = Counter("vlm_encoder_cancelled_total", "Image encodings cancelled (client left).")
         # The cost of encoder work (encoders/cost.py) as the router and the autoscaler see it.
         self.pending_cost = Gauge("vlm_encoder_pending_cost_gflop", "GFLOP of images queued and running here.")
-        self.cost = Counter("vlm_encoder_cost_gflop_total", "GFLOP of the images that arrived (hits included).")
+        self.cost = Counter("vlm_encoder_cost_gflop_total", "GFLOP of the images that arrived.")
         self.video_decode = Histogram(
             "vlm_video_decode_seconds", "Decoding a video's (or chunk's) sampled frames.", boundaries=LATENCY_S
         )

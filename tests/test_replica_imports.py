@@ -1,5 +1,5 @@
-"""A replica's start is mostly imports (a new Encoder replica's scale-up waits on them): the modules the ingress, the
-LLM and the embedding cache replicas import leave transformers' modeling modules alone, which pull in
+"""A replica's start is mostly imports (a new Encoder replica's scale-up waits on them): the modules the ingress and
+the LLM replicas import leave transformers' modeling modules alone, which pull in
 torch._dynamo and torch.distributed.tensor (~3 s a process on this VM). Only an Encoder replica imports its family's
 tower, when it builds one."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVERS = ("deployments.ingress.server", "llm.server", "encoders.cache_server", "encoders.server", "deployments.app")
+SERVERS = ("deployments.ingress.server", "llm.server", "encoders.server", "deployments.app")
 HEAVY = ("transformers.modeling_utils", "torch._dynamo", "torch.distributed.tensor")
 
 

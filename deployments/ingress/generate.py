@@ -1,13 +1,15 @@
-"""A prompt's generations, up to their first text deltas: its images and videos encoded (a video over the encoder's
-batch in chunks of tubelets, one call each across the encoder replicas; those whose encoder replica went away
-once more), its choices started on the LLM tier (all once more when their replica went away first), and each
-choice's token chunks turned into text. Chat and text completions both start here."""
+"""A prompt's generations, up to their first text deltas: its images and videos encoded (those in the embedding cache
+not again; the others in calls of at most one ViT forward each, across the encoder replicas; a video over the
+encoder's batch in chunks of tubelets; those whose encoder replica went away once more), its choices started on the
+LLM tier (all once more when their replica went away first), and each choice's token chunks turned into text. Chat
+and text completions both start here."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
@@ -15,21 +17,25 @@ from transformers import PreTrainedTokenizerBase
 
 from deployments.ingress.channel import ROUTE_TIMEOUT_S, ChannelHub, TokenStream
 from deployments.ingress.detokenize import TextDelta, TextRules
-from deployments.ingress.items import Prepared
+from deployments.ingress.embedding_cache import EmbeddingRefs
+from deployments.ingress.items import EncoderJob, Prepared
 from schemas import (
     LLM_GONE,
     AppArgs,
     EncoderUnavailable,
     GenerateRequest,
+    MediaItem,
     Overloaded,
     SamplingParams,
     observe,
     root_cause,
 )
+from schemas.metrics import IngressMetrics
 
 logger = logging.getLogger("ray.serve")
 
 Started = tuple[list[AsyncIterator[TextDelta]], list[TextDelta]]  # each choice's deltas, and its first delta
+Job = tuple[int, int]  # (item, job): a prompt's item's encoder job (an image, or a chunk of a video)
 
 
 class Generator:
@@ -40,23 +46,35 @@ class Generator:
         hub: ChannelHub,
         args: AppArgs,
         tokenizer: PreTrainedTokenizerBase,
+        *,
+        embedding_row_bytes: int = 0,
+        metrics: IngressMetrics | None = None,
     ):
+        """`encoder`: the Encoder deployment's handle, None when the LLM replica encodes (colocated);
+        `embedding_row_bytes`: what one row of an embedding counts against the embedding cache's budget."""
         self.encoder, self.llm, self.hub, self.args, self.tokenizer = encoder, llm, hub, args, tokenizer
         self.counts = {"encoder_retries": 0, "encoder_failures": 0, "encoder_timeouts": 0, "llm_retries": 0}
+        budget = int(args.encoder.cache_gib * (1 << 30))
+        self.cache = EmbeddingRefs(budget) if encoder is not None and budget > 0 else None
+        self.row_bytes, self.metrics = embedding_row_bytes, metrics
 
     async def start(
         self, p: Prepared, params: list[SamplingParams], text: TextRules, request_id: str, first: int = 0
     ) -> Started:
         """Encode `p`'s images and start one generation per `params` (choices `first`, `first` + 1, ...), up to
         their first deltas, so that an early error still gets its own status."""
-        if self.encoder is None or not p.images:  # colocated: the LLM replica gets the bytes and encodes them
-            return await self._generate(p, params, text, [], request_id, first)
+        if self.encoder is None or not p.items:  # colocated: the LLM replica gets the bytes and encodes them
+            media = [item.data for item in p.items]
+            return await self._generate(p, params, text, [item.media for item in p.items], media, request_id, first)
         calls: list[DeploymentResponse] = []
+        made: list[Any] = []  # the refs of this request's own calls
         try:
-            return await self._encode_and_generate(p, params, text, request_id, first, calls)
+            return await self._encode_and_generate(p, params, text, request_id, first, calls, made)
         except BaseException:  # client gone, deadline, or an error: images still queued are not encoded
             for call in calls:
                 call.cancel()
+            if self.cache is not None:  # what they hold may be a cancellation, or an error: not for later requests
+                self.cache.discard(made)
             raise
 
     async def start_all(
@@ -82,11 +100,34 @@ class Generator:
             raise
         return [s for r in results for s in r[0]], [d for r in results for d in r[1]]
 
-    async def _encode(self, p: Prepared, indices: list[int], calls: list[DeploymentResponse]) -> list[Any]:
-        """One encoder call per image (and per chunk of a video), concurrently, each naming its cost (the Encoder's
-        router, encoder_router.py, spreads them by it); only ObjectRefs come back (the ingress never holds
-        embeddings). The calls are added to `calls`, to be cancelled if the request ends early."""
-        responses = [self.encoder.encode.remote(p.jobs[i], p.job_keys[i], cost=p.job_costs[i]) for i in indices]
+    async def _locate(
+        self, p: Prepared, jobs: list[Job], calls: list[DeploymentResponse], made: list[Any]
+    ) -> dict[Job, tuple[Any, int]]:
+        """Where each job's embedding is: (the ObjectRef of an encoder call, its position in what the call
+        returns). Found in the cache, or encoded: the misses, in prompt order, in calls of at most one ViT
+        forward's patches (encoder.max_batch_patches; a bigger job alone), concurrently, each naming its cost (the
+        Encoder's router, encoder_router.py, spreads them by it). Only ObjectRefs come back (the ingress never
+        holds embeddings). The calls are added to `calls` (cancelled if the request ends early), their refs to
+        `made`."""
+        where: dict[Job, tuple[Any, int]] = {}
+        misses = []
+        for i, j in jobs:
+            hit = self.cache.get(p.items[i].jobs[j].key) if self.cache is not None else None
+            if hit is not None:
+                where[(i, j)] = hit
+            else:
+                misses.append((i, j))
+        if self.cache is not None and self.metrics is not None:
+            self.metrics.cache_queries.inc(len(jobs))
+            if len(where):  # NOTE: Ray counters refuse inc(0)
+                self.metrics.cache_hits.inc(len(where))
+        groups = _pack([(job, p.items[job[0]].jobs[job[1]]) for job in misses], self.args.encoder.max_batch_patches)
+        if not groups:
+            return where
+        responses = [
+            self.encoder.encode.remote([job.data for _, job in group], cost=sum(job.cost for _, job in group))
+            for group in groups
+        ]
         calls += responses
         refs = asyncio.gather(*(r._to_object_ref() for r in responses))
         refs.add_done_callback(observe)  # a request that ends early leaves it failing unobserved
@@ -95,63 +136,81 @@ class Generator:
             # cancelled, dropping the cancellation: Serve cancels a request's calls (these) just before the request
             # itself when its client leaves, and the request went on to re-encode and generate for nobody.
             async with asyncio.timeout(self.args.encoder.timeout_s):
-                return list(await refs)
+                got = await refs
         except TimeoutError:
             self.counts["encoder_timeouts"] += 1
             raise Overloaded("no encoder replica took the images in time", retry_after_s=2) from None
+        made += got
+        for group, ref in zip(groups, got, strict=True):
+            for position, (at, _) in enumerate(group):
+                where[at] = (ref, position)
+            if self.cache is not None:
+                rows = sum(job.num_tokens for _, job in group)
+                self.cache.put([job.key for _, job in group], ref, rows * self.row_bytes)
+        return where
 
-    async def _encode_and_generate(self, p, params, text, request_id, first, calls) -> Started:
-        """The generations start as soon as every image is on an encoder replica: the LLM fetches each embedding as
-        it is made and prefills up to the first not there yet (llm/images.py). An image lost on the way (its replica
-        went away) fails the generations; it is encoded once more, each image at most once more."""
-        refs, retried = await self._encode(p, list(range(len(p.jobs))), calls), set()
+    async def _encode_and_generate(self, p, params, text, request_id, first, calls, made) -> Started:
+        """The generations start as soon as every image is on an encoder replica (or in the cache): the LLM fetches
+        each embedding as it is made and prefills up to the first not there yet (llm/images.py). An image lost on
+        the way (its replica went away) fails the generations; it is encoded once more, each image at most once
+        more."""
+        jobs = [(i, j) for i, item in enumerate(p.items) for j in range(len(item.jobs))]
+        where, retried = await self._locate(p, jobs, calls, made), set()
         while True:
+            items, refs = _layout(p, where)
             try:
-                return await self._generate(p, params, text, refs, request_id, first)
+                return await self._generate(p, params, text, items, refs, request_id, first)
             except Exception as e:
                 cause = root_cause(e)
                 if not isinstance(cause, EncoderUnavailable):
                     raise
-                if retried & set(cause.image_indices):  # NOTE: one image at a time now, as each arrives or fails
+                gone = {refs[c] for c in cause.calls}
+                lost = [job for job, (ref, _) in where.items() if ref in gone]
+                if self.cache is not None:
+                    self.cache.discard(gone)
+                if retried & set(lost):  # NOTE: one call at a time, as each arrives or fails
                     self.counts["encoder_failures"] += 1
                     raise Overloaded(
                         "image encoding failed twice; the encoder tier is recovering", retry_after_s=2
                     ) from e
-                logger.warning("%s: %s; retrying them once", request_id, cause.message)
-                retried |= set(cause.image_indices)
-                self.counts["encoder_retries"] += len(cause.image_indices)
-                for i, ref in zip(cause.image_indices, await self._encode(p, cause.image_indices, calls), strict=True):
-                    refs[i] = ref
+                images = sorted(i for i, _ in lost)  # a video's: once per chunk lost
+                logger.warning("%s: %s; encoding images %s once more", request_id, cause.message, images)
+                retried |= set(lost)
+                self.counts["encoder_retries"] += len(lost)
+                where |= await self._locate(p, lost, calls, made)
 
     async def _generate(
-        self, p: Prepared, params: list[SamplingParams], text: TextRules, refs: list[Any], request_id: str, first: int
+        self,
+        p: Prepared,
+        params: list[SamplingParams],
+        text: TextRules,
+        items: list[MediaItem],
+        media: list[Any],
+        request_id: str,
+        first: int,
     ) -> Started:
         """The generations, up to their first chunks. Each attempt waits at most ROUTE_TIMEOUT_S for an LLM replica
         to take each, else 503 (none alive); an LLM replica lost before the first chunks (its call or its token channel
-        says so first, schemas.LLM_GONE): all once more (Serve's router routes around a dead replica)."""
+        says so first, schemas.LLM_GONE): all once more (Serve's router routes around a dead replica). `media`: the
+        encoder calls' ObjectRefs (`items`' pieces point into them), or colocated, each item's bytes."""
         channel = self.hub.id if self.args.llm.token_channel else None
         requests = [
             GenerateRequest(
-                f"{request_id}-{first + i}",
-                p.prompt,
-                p.grids,
-                refs,
-                sampling,
-                p.image_keys,
-                p.images if self.encoder is None else [],
-                p.routing_key or None,
-                channel,
-                p.cache_scope,
-                p.second_per_grid_ts if p.num_videos else [],
-                p.jobs_per_item if len(p.jobs) > len(p.images) else [],
-                p.num_tokens,
+                request_id=f"{request_id}-{first + i}",
+                prompt_token_ids=p.prompt,
+                sampling=sampling,
+                items=items,
+                routing_key=p.routing_key or None,
+                channel=channel,
+                cache_scope=p.cache_scope,
             )
             for i, sampling in enumerate(params)
         ]
         for attempt in (1, 2):
             call = self.llm.options(stream=True).generate.remote
             streams = [
-                self._events(TokenStream(self.hub, call(r), r.request_id, ROUTE_TIMEOUT_S), text) for r in requests
+                self._events(TokenStream(self.hub, call(r, media), r.request_id, ROUTE_TIMEOUT_S), text)
+                for r in requests
             ]
             try:
                 return streams, list(await asyncio.gather(*(anext(s) for s in streams)))
@@ -179,6 +238,32 @@ class Generator:
             # chunk: cancelling a task that is returning races Ray's bookkeeping of its result (seen crashing
             # the ingress's core worker when results go through plasma).
             gen.close(cancel=not engine_done)
+
+
+def _layout(p: Prepared, where: dict[Job, tuple[Any, int]]) -> tuple[list[MediaItem], list[Any]]:
+    """What the LLM is sent: each item's record with its pieces, (call, position) per job, and the calls' ObjectRefs,
+    each once (a call that holds several of the prompt's images, or one found in the cache for several)."""
+    refs = list(dict.fromkeys(where[(i, j)][0] for i, item in enumerate(p.items) for j in range(len(item.jobs))))
+    index = {ref: c for c, ref in enumerate(refs)}
+    items = []
+    for i, item in enumerate(p.items):
+        pieces = tuple((index[where[(i, j)][0]], where[(i, j)][1]) for j in range(len(item.jobs)))
+        items.append(replace(item.media, pieces=pieces))
+    return items, refs
+
+
+def _pack(jobs: list[tuple[Job, EncoderJob]], max_patches: int) -> list[list[tuple[Job, EncoderJob]]]:
+    """Jobs, in order, into calls of at most `max_patches` patches each (one bigger alone): what one ViT forward
+    of the Encoder's batcher takes, so that a call is one forward's worth and costs one call's overhead."""
+    groups: list[list[tuple[Job, EncoderJob]]] = []
+    patches = 0
+    for pair in jobs:
+        if not groups or patches + pair[1].patches > max_patches:
+            groups.append([])
+            patches = 0
+        groups[-1].append(pair)
+        patches += pair[1].patches
+    return groups
 
 
 __all__ = ["Generator", "Started"]

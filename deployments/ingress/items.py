@@ -1,5 +1,5 @@
-"""What preparing a request gives: the prompt and its encoder calls (Prepared), and the request's images and videos
-(Item) found in its messages, in prompt order. CPU only."""
+"""What preparing a request gives: the prompt and its images and videos (Prepared), each one record (Item) from its
+header to the engine, with the encoder work it takes (EncoderJob). CPU only."""
 
 from __future__ import annotations
 
@@ -9,55 +9,60 @@ from dataclasses import dataclass, field
 
 from deployments.ingress.prompt import template_messages
 from encoders.video_decode import Video
+from schemas import MediaItem
 from schemas.openai import ChatCompletionRequest, ImagePart, Message, TextPart
 
 
 @dataclass(slots=True)
-class Prepared:
-    prompt: list[int] = field(default_factory=list)
-    images: list[bytes | Video] = field(default_factory=list)  # images and videos, in prompt order
-    image_keys: list[str] = field(default_factory=list)
-    grids: list[tuple[int, int, int]] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)  # each item's placeholder tokens in `prompt`
-    second_per_grid_ts: list[float | None] = field(default_factory=list)  # a video's seconds per tubelet
-    num_videos: int = 0
-    # The encoder calls: an image, a video, or a chunk of a video's tubelets each, with its embedding cache key;
-    # jobs_per_item[i]: how many of them make item i (the LLM concatenates them in order).
-    jobs: list[bytes | Video] = field(default_factory=list)
-    job_keys: list[str] = field(default_factory=list)
-    jobs_per_item: list[int] = field(default_factory=list)
-    job_costs: list[float] = field(default_factory=list)  # each call's encoding cost, GFLOP (encoders/cost.py)
-    video_stats: list[tuple[int, int, float]] = field(default_factory=list)  # (frames, tokens, probe s) received
-    max_tokens: int = 0
-    dropped_messages: int = 0
-    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each image kept
-    image_numbers: list[int] = field(default_factory=list)  # its index among the request's images
-    routing_key: str = ""  # the conversation's first turn: which LLM replica holds its prefix (ingress/router.py)
-    grammar: str | None = None  # structured outputs: the grammar every choice must match (ingress/structured.py)
-    text: str = ""  # a text completion's prompt as text, for echo
-    cache_scope: str = ""  # the tenant's scope of the embedding and prefix caches (encoders.cache_scope)
+class EncoderJob:
+    """One embedding's worth of encoder work: an image, or a chunk of a video's tubelets."""
+
+    data: bytes | Video
+    key: str  # its embedding cache key
+    cost: float  # GFLOP (encoders/cost.py): what the Encoder's router and autoscaling weigh
+    patches: int  # ViT patches: a call takes as many jobs as one forward does (encoder.max_batch_patches)
+    num_tokens: int  # its embedding's rows
 
 
 @dataclass(slots=True)
 class Item:
-    """An image or a video of the request."""
+    """An image or a video of the request: where it is in the messages, its bytes, what the engine needs of it
+    (`media`: key, grid, tokens, timing; sent to the LLM as it is) and the encoder work that makes its embedding."""
 
     message: int
     number: int  # its index among the request's images (videos: -1)
-    size: tuple[int, int]
+    size: tuple[int, int]  # (width, height)
     data: bytes | Video
-    key: str
-    grid: tuple[int, int, int]
-    num_tokens: int
+    media: MediaItem
     placeholder_id: int
-    second_per_grid_t: float | None = None  # videos only
-    jobs: list[tuple[bytes | Video, str]] = field(default_factory=list)  # its encoder calls; empty: one, itself
-    cost: float = 0.0  # its encoding cost, GFLOP (encoders/cost.py)
+    jobs: list[EncoderJob]  # one, or a video's chunks in order
     probe_s: float = 0.0  # a video's container read
 
     @property
     def is_video(self) -> bool:
         return isinstance(self.data, Video)
+
+    @property
+    def cost(self) -> float:
+        return sum(job.cost for job in self.jobs)
+
+
+@dataclass(slots=True)
+class Prepared:
+    prompt: list[int] = field(default_factory=list)
+    items: list[Item] = field(default_factory=list)  # the images and videos the prompt keeps, in prompt order
+    video_stats: list[tuple[int, int, float]] = field(default_factory=list)  # (frames, tokens, probe s) received
+    max_tokens: int = 0
+    dropped_messages: int = 0
+    routing_key: str = ""  # the conversation's first turn: which LLM replica holds its prefix (ingress/router.py)
+    grammar: str | None = None  # structured outputs: the grammar every choice must match (ingress/structured.py)
+    text: str = ""  # a text completion's prompt as text, for echo
+    cache_scope: str = ""  # the tenant's scope of the embedding and prefix caches (encoders.cache_scope)
+
+    @property
+    def images(self) -> list[Item]:
+        """The images kept (grounding boxes are in pixels of the images)."""
+        return [item for item in self.items if not item.is_video]
 
 
 def image_params(req: ChatCompletionRequest) -> list[tuple[int, str, str]]:
@@ -101,4 +106,4 @@ def in_prompt_order(req: ChatCompletionRequest, images: list[Item], videos: list
     ]
 
 
-__all__ = ["Item", "Prepared", "first_turn_key", "image_params", "in_prompt_order", "scoped_key"]
+__all__ = ["EncoderJob", "Item", "Prepared", "first_turn_key", "image_params", "in_prompt_order", "scoped_key"]

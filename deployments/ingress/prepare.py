@@ -7,13 +7,21 @@ import hashlib
 from pathlib import Path
 
 from deployments.ingress.grammar_cost import check_cost
-from deployments.ingress.items import Item, Prepared, first_turn_key, image_params, in_prompt_order, scoped_key
+from deployments.ingress.items import (
+    EncoderJob,
+    Item,
+    Prepared,
+    first_turn_key,
+    image_params,
+    in_prompt_order,
+    scoped_key,
+)
 from deployments.ingress.prompt import build_prompt, check_reserved, load_tokenizer, needs_typed_content
 from deployments.ingress.structured import response_grammar
 from deployments.ingress.tools import check_tools, renders_tools, template_tools, tool_grammar, tools_as_text
 from deployments.ingress.videos import VideoPreparer, video_params
 from encoders import data_url_format, decode_data_url, embedding_key, probe_image
-from schemas import AppArgs, InvalidRequest, ModelSpec
+from schemas import AppArgs, InvalidRequest, MediaItem, ModelSpec
 from schemas.completions import CompletionRequest
 from schemas.openai import ChatCompletionRequest, Message
 from schemas.requests import GenerationRequest
@@ -106,25 +114,21 @@ class Preparer:
             scope,
         )
         grid = self.processing.grid_thw(info.width, info.height)
-        return Item(
-            message,
-            number,
-            (info.width, info.height),
-            data,
-            key,
-            grid,
-            self.processing.num_image_tokens(info.width, info.height),
-            self.image_token_id,
-            cost=self.image_cost.gflop(grid),
-        )
+        num_tokens = self.processing.num_image_tokens(info.width, info.height)
+        job = EncoderJob(data, key, self.image_cost.gflop(grid), _patches(grid), num_tokens)
+        media = MediaItem(key, grid, num_tokens)
+        return Item(message, number, (info.width, info.height), data, media, self.image_token_id, [job])
 
     def _video(self, message: int, param: str, part, req: ChatCompletionRequest, fetched: dict, scope: str) -> Item:
         v = self.videos.prepare(param, part, req, fetched)
         plan = v.video.plan
-        chunks = [(data, scoped_key(key, scope)) for data, key in v.chunks]
-        key, cost = scoped_key(v.key, scope), self.image_cost.gflop(plan.grid_thw)
-        return Item(message, -1, v.size, v.video, key, plan.grid_thw, plan.num_tokens, self.video_token_id,
-                    plan.second_per_grid_t, chunks, cost, v.probe_s)  # fmt: skip
+        share = self.image_cost.gflop(plan.grid_thw) / len(v.chunks)  # a video's chunks: equal shares of its tubelets
+        jobs = [
+            EncoderJob(data, scoped_key(key, scope), share, _patches(data.plan.grid_thw), data.plan.num_tokens)
+            for data, key in v.chunks
+        ]
+        media = MediaItem(scoped_key(v.key, scope), plan.grid_thw, plan.num_tokens, plan.second_per_grid_t)
+        return Item(message, -1, v.size, v.video, media, self.video_token_id, jobs, v.probe_s)
 
     def _items(self, req: ChatCompletionRequest, fetched: dict[str, bytes], scope: str) -> list[Item]:
         """The request's images and videos, probed and planned, in prompt order."""
@@ -165,31 +169,16 @@ class Preparer:
         self, req: ChatCompletionRequest, images: list[Item], n_system: int, start: int, generation_prompt=True
     ) -> Prepared:
         kept: list[Message] = req.messages[:n_system] + req.messages[start:]
-        out = Prepared(dropped_messages=start - n_system)
         kept_items = [im for im in images if im.message < n_system or im.message >= start]
-        for image in kept_items:
-            out.images.append(image.data)
-            out.image_keys.append(image.key)
-            out.grids.append(image.grid)
-            out.num_tokens.append(image.num_tokens)
-            out.second_per_grid_ts.append(image.second_per_grid_t)
-            out.num_videos += image.is_video
-            jobs = image.jobs or [(image.data, image.key)]
-            out.jobs += [data for data, _ in jobs]
-            out.job_keys += [key for _, key in jobs]
-            out.job_costs += [image.cost / len(jobs)] * len(jobs)  # a video's chunks: equal shares of its tubelets
-            out.jobs_per_item.append(len(jobs))
-            if not image.is_video:  # grounding boxes are in pixels of the images
-                out.image_sizes.append(image.size)
-                out.image_numbers.append(image.number)
+        out = Prepared(items=kept_items, dropped_messages=start - n_system)
         out.routing_key = first_turn_key(
-            kept[: n_system + 1], [im.key for im in images if im.message < n_system or im.message == start]
+            kept[: n_system + 1], [im.media.key for im in images if im.message < n_system or im.message == start]
         )
         out.prompt = build_prompt(
             self.tokenizer,
             kept if self.renders_tools else tools_as_text(req, kept),
             self.image_token_id,
-            out.num_tokens,
+            [im.media.num_tokens for im in kept_items],
             self.tokens.per_image_ids,
             self.forbidden_ids,
             self.typed_content,
@@ -208,7 +197,7 @@ class Preparer:
     @staticmethod
     def _with_video_stats(p: Prepared, items: list[Item]) -> Prepared:
         """The request's videos (kept or not) for the metrics: (frames sampled, tokens, probe seconds) each."""
-        p.video_stats = [(len(v.data.plan.indices), v.num_tokens, v.probe_s) for v in items if v.is_video]
+        p.video_stats = [(len(v.data.plan.indices), v.media.num_tokens, v.probe_s) for v in items if v.is_video]
         return p
 
     def _fits(self, req: GenerationRequest, p: Prepared) -> bool:
@@ -266,6 +255,11 @@ class Preparer:
         """The prompt ids that prepare() would give the whole conversation (images and videos checked and
         expanded), whether or not they fit the context: /tokenize's answer."""
         return self._build(req, self._items(req, fetched, ""), 0, 0, generation_prompt).prompt
+
+
+def _patches(grid: tuple[int, int, int]) -> int:
+    t, h, w = grid
+    return t * h * w
 
 
 __all__ = ["Prepared", "Preparer", "first_turn_key", "image_params"]

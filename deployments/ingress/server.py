@@ -59,7 +59,8 @@ class Ingress:
         self.args = AppArgs.model_validate(args)
         quiet_client_errors()
         self.hub = ChannelHub(llm, this_replica())  # the token channels to the LLM replicas (ingress/channel.py)
-        self.prep = Preparer(self.args, ModelSpec.from_args(self.args))  # the checkpoint's facts, read once here
+        spec = ModelSpec.from_args(self.args)  # the checkpoint's facts, read once here
+        self.prep = Preparer(self.args, spec)
         self.tokenizer, self.max_model_len = self.prep.tokenizer, self.prep.max_model_len
         self.grounding = GroundingTokens.of(self.tokenizer)  # None: this family's answers carry no boxes
         limits = self.args.limits
@@ -75,7 +76,10 @@ class Ingress:
             urls.allowed_domains if urls.allow_http else "off",
             urls.file_root or "off",
         )
-        self.gen = Generator(encoder, llm, self.hub, self.args, self.tokenizer)
+        row_bytes = spec.text_config.hidden_size * 4  # float32: the cache's budget holds whatever the encoders' dtype
+        self.gen = Generator(
+            encoder, llm, self.hub, self.args, self.tokenizer, embedding_row_bytes=row_bytes, metrics=self.metrics
+        )
         info = InfoRoutes(self.args.model_name, self.max_model_len)
         tokens = TokenRoutes(self.prep, self.fetcher, self.args.limits.max_request_bytes)
         self.routes = {
@@ -131,9 +135,10 @@ class Ingress:
         return head_only(response) if request.method == "HEAD" else response
 
     async def stats(self) -> dict[str, int]:
-        """Images re-encoded after their encoder replica went away, requests that gave up on them (503), and
-        requests sent again after their LLM replica went away."""
-        return dict(self.gen.counts)
+        """Images re-encoded after their encoder replica went away, requests that gave up on them (503), requests
+        sent again after their LLM replica went away, and the embedding cache's counts (`cache_*`)."""
+        cache = self.gen.cache.stats() if self.gen.cache is not None else {}
+        return {**self.gen.counts, **{f"cache_{k}": v for k, v in cache.items()}}
 
     async def heap(self) -> dict[str, Any]:
         return heap_census()
@@ -161,13 +166,13 @@ class Ingress:
         log = {
             "id": request_id,
             "prompt": sum(len(p.prompt) for p in prompts),
-            "images": sum(len(p.images) for p in prompts),
+            "images": sum(len(p.items) for p in prompts),
             "started": started,
             "ttft": time.monotonic() - started,
             "dropped": sum(p.dropped_messages for p in prompts),
         }
         self.metrics.ttft.observe(log["ttft"])
-        if n_images := sum(len(p.images) - p.num_videos for p in prompts):  # NOTE: Ray counters refuse inc(0)
+        if n_images := sum(len(p.images) for p in prompts):  # NOTE: Ray counters refuse inc(0)
             self.metrics.images.inc(n_images)
         for p in prompts:
             self.metrics.on_videos(p.video_stats)
@@ -194,8 +199,8 @@ class Ingress:
             pixel_boxes,
             marks=self.grounding,
             tokenizer=self.tokenizer,
-            image_sizes=p.image_sizes,
-            image_numbers=p.image_numbers,
+            image_sizes=[im.size for im in p.images],
+            image_numbers=[im.number for im in p.images],
         )
         if req.stream:
             done = lambda choices: self._log(log, choices)  # noqa: E731

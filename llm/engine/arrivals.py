@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from llm.engine.scheduler import Scheduler
 from llm.engine.sequence import Sequence
-from schemas import GenerateRequest
 
 
 @dataclass(slots=True)
@@ -24,12 +23,12 @@ class Arrival:
     embeds: torch.Tensor | BaseException
 
 
-def split_pending(inp: GenerateRequest) -> tuple[GenerateRequest, dict[int, asyncio.Future]]:
-    """The request with None for each image still a future, and those futures by image index."""
-    pending = {i: f for i, f in enumerate(inp.image_embeds) if isinstance(f, asyncio.Future)}
-    if pending:
-        inp = replace(inp, image_embeds=[None if i in pending else e for i, e in enumerate(inp.image_embeds)])
-    return inp, pending
+def split_pending(
+    embeds: list[torch.Tensor | asyncio.Future],
+) -> tuple[list[torch.Tensor | None], dict[int, asyncio.Future]]:
+    """The embeddings with None for each still a future, and those futures by image index."""
+    pending = {i: f for i, f in enumerate(embeds) if isinstance(f, asyncio.Future)}
+    return [None if i in pending else e for i, e in enumerate(embeds)], pending
 
 
 def on_arrival(seq: Sequence, index: int, put: Callable[[Arrival], None]) -> Callable[[asyncio.Future], None]:

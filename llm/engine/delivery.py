@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from llm.engine.sequence import Sequence
-from schemas import GenerateRequest, TokenChunk
+from schemas import TokenChunk
 
 Sink = Callable[[TokenChunk | BaseException], None]
 Item = tuple[Sequence, Sink, TokenChunk | BaseException]
@@ -52,15 +52,12 @@ class Delivery:
 
 
 async def coalesced(
-    submit: Callable[[GenerateRequest, Sink], Sequence],
-    cancel: Callable[[Sequence], None],
-    inp: GenerateRequest,
-    interval_s: float,
+    submit: Callable[[Sink], Sequence], cancel: Callable[[Sequence], None], interval_s: float
 ) -> AsyncIterator[TokenChunk]:
     """`Engine.generate`: one sequence's chunks as a stream, at most one per `interval_s` (first and last at once);
     a consumer that goes away cancels the sequence."""
     out: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
-    seq = submit(inp, out.put_nowait)
+    seq = submit(out.put_nowait)
     last_yield = 0.0
     try:
         while True:

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as Sequence_
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,8 +79,9 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         # written by the worker only
         self.counts = dict(
-            finished=0, failed=0, steps=0, ahead_steps=0, cpu_threads=config.cpu_threads or 0, cpu_thread_changes=0
-        )
+            finished=0, failed=0, steps=0, ahead_steps=0, cpu_threads=config.cpu_threads or 0, cpu_thread_changes=0,
+            step_cpu_s=0.0,
+        )  # fmt: skip
         # A decode step whose next one is launched before its tokens reach the host (vLLM's asynchronous scheduling,
         # for decode-only steps of plain rows): the host's work between two steps overlaps the device's.
         auto = self.runner.device.type == "cuda"
@@ -125,17 +127,21 @@ class Engine:
             [self.inter_token_times.popleft() for _ in range(len(self.inter_token_times))],
         )
 
-    def submit(self, inp: GenerateRequest, sink: Sink) -> Sequence:
-        """Check and queue a sequence; raises `InvalidRequest` or `Overloaded` at once. `sink` is called on the
-        caller's event loop with each `TokenChunk` (the last has a finish reason) or one exception; a step's
-        chunks for all the sequences of one event loop arrive in one callback. `cancel` ends it early. A grammar
-        is compiled here unless cached: `grammars.compile` it on a worker thread first to keep the loop free. An
-        image's embeddings may be an `asyncio.Future` of them, on this event loop (see the module's docstring)."""
+    def submit(
+        self, inp: GenerateRequest, sink: Sink, embeds: Sequence_[torch.Tensor | asyncio.Future] = ()
+    ) -> Sequence:
+        """Check and queue a sequence; raises `InvalidRequest` or `Overloaded` at once. `embeds`: one per item of
+        `inp`, its (num_tokens, D) embedding or an `asyncio.Future` of it on this event loop (see the module's
+        docstring). `sink` is called on the caller's event loop with each `TokenChunk` (the last has a finish reason)
+        or one exception; a step's chunks for all the sequences of one event loop arrive in one callback. `cancel`
+        ends it early. A grammar is compiled here unless cached: `grammars.compile` it on a worker thread first to
+        keep the loop free."""
         loop = asyncio.get_running_loop()
         grammar = self.grammars.compile(g) if (g := inp.sampling.grammar) is not None else None
-        inp, pending = split_pending(inp)
+        assert len(embeds) == len(inp.items), (len(embeds), len(inp.items))
+        arrived, pending = split_pending(list(embeds))
         seq = make_sequence(
-            inp, next(self._ids), grammar=grammar, eos_token_ids=self.eos_token_ids, **self._sequence_kwargs
+            inp, arrived, next(self._ids), grammar=grammar, eos_token_ids=self.eos_token_ids, **self._sequence_kwargs
         )
         if self.dead is not None:
             raise self._dead_error()
@@ -154,9 +160,11 @@ class Engine:
         seq.cancelled.set()
         self._inbox.put(None)  # wake the worker if it sleeps
 
-    def generate(self, inp: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    def generate(
+        self, inp: GenerateRequest, embeds: Sequence_[torch.Tensor | asyncio.Future] = ()
+    ) -> AsyncIterator[TokenChunk]:
         """One sequence's chunks, coalesced to at most one per `stream_interval_s` (first and last at once)."""
-        return coalesced(self.submit, self.cancel, inp, self.config.stream_interval_s)
+        return coalesced(lambda sink: self.submit(inp, sink, embeds), self.cancel, self.config.stream_interval_s)
 
     def _loop(self) -> None:
         threads = StepThreads.start(self.config, self.counts)  # None: the worker's threads stay as they are
@@ -179,9 +187,10 @@ class Engine:
                     if keepalive is not None:
                         keepalive()
                     continue
-                started = time.monotonic()
+                started, cpu = time.monotonic(), time.thread_time()
                 with torch.inference_mode():
                     self._step(chunks)
+                self.counts["step_cpu_s"] += time.thread_time() - cpu  # the worker's own CPU in steps
                 if trace is not None:
                     trace.record(started, chunks)
                 self.delivery.flush()

@@ -17,7 +17,7 @@ from llm.engine.grammar import new_matcher
 from llm.engine.logits import RowState
 from llm.engine.sampling import make_generator
 from llm.model.positions import linear_positions, mrope_positions, video_time_interval
-from schemas import GenerateRequest, InvalidRequest, SamplingParams, TokenLogprob
+from schemas import GenerateRequest, InvalidRequest, MediaItem, SamplingParams, TokenLogprob
 
 
 @dataclass(slots=True, eq=False)
@@ -123,33 +123,23 @@ class Sequence:
         return hashes
 
 
-def _image_counts(inp: GenerateRequest, merge_size: int, mrope: bool) -> list[int]:
-    """Tokens per image: as the ingress counted them (`num_image_tokens`), else its embedding's rows, else (not
-    arrived yet) its M-RoPE grid's. An arrived embedding's rows must equal that count, and with M-RoPE so must the
-    grid's (positions follow the grid)."""
+def _image_counts(items: list[MediaItem], embeds: list[torch.Tensor | None], merge_size: int, mrope: bool) -> list[int]:
+    """Tokens per image, as the ingress counted them. An embedding that has arrived must have as many rows, and with
+    M-RoPE the grid must give as many tokens (positions follow the grid)."""
     counts = []
-    for i, (embeds, (t, h, w)) in enumerate(zip(inp.image_embeds, inp.image_grid_thw, strict=True)):
-        rows, grid = None if embeds is None else int(embeds.shape[0]), t * h * w // merge_size**2
-        if mrope and rows is not None and rows != grid:
-            raise ValueError(f"image {i}: {rows} embedding rows for a grid of {grid} tokens")
-        if inp.num_image_tokens:
-            n = inp.num_image_tokens[i]
-        elif rows is not None:
-            n = rows
-        elif mrope:
-            n = grid
-        else:  # NOTE: a 1-D RoPE LM's image: only the ingress's count (or the embedding) says how many tokens it takes
-            raise ValueError(f"image {i} is not encoded yet and has no num_image_tokens (needed without M-RoPE)")
-        if mrope and n != grid:
-            raise ValueError(f"image {i}: {n} tokens announced for a grid of {grid} tokens")
-        if rows is not None and rows != n:
-            raise ValueError(f"image {i}: {rows} embedding rows for {n} placeholder tokens")
+    for i, (item, x) in enumerate(zip(items, embeds, strict=True)):
+        n, (t, h, w) = item.num_tokens, item.grid_thw
+        if mrope and n != t * h * w // merge_size**2:
+            raise ValueError(f"image {i}: {n} tokens announced for a grid of {t * h * w // merge_size**2} tokens")
+        if x is not None and x.shape[0] != n:
+            raise ValueError(f"image {i}: {x.shape[0]} embedding rows for {n} placeholder tokens")
         counts.append(n)
     return counts
 
 
 def make_sequence(
     inp: GenerateRequest,
+    embeds: list[torch.Tensor | None],
     seq_id: int,
     *,
     max_model_len: int,
@@ -162,9 +152,9 @@ def make_sequence(
     video_token_id: int | None = None,
     tokens_per_second: float | None = None,
 ) -> Sequence:
-    """The request's checks (context length, logit_bias's tokens, embedding rows against placeholders and grids),
-    then its state. Videos' placeholders are `video_token_id`; `tokens_per_second`: Qwen2.5-VL's temporal position
-    rule."""
+    """The request's checks (context length, embedding rows against placeholders and grids), then its state.
+    `embeds`: one per item, its (num_tokens, D) embedding, or None until it arrives (`Sequence.set_image`). Videos'
+    placeholders are `video_token_id`; `tokens_per_second`: Qwen2.5-VL's temporal position rule."""
     n_prompt, n_max = len(inp.prompt_token_ids), inp.sampling.max_tokens
     bias, vocab_size, mrope = inp.sampling.logit_bias, lm_config.vocab_size, lm_config.mrope_section is not None
     if bias and not (0 <= min(bias) and max(bias) < vocab_size):  # the ingress checked: a second line of defence
@@ -181,7 +171,7 @@ def make_sequence(
     is_mm = ids == image_token_id
     if video_token_id is not None:
         is_mm |= ids == video_token_id
-    counts = _image_counts(inp, merge_size, mrope)  # an image not arrived yet (None) is laid out all the same
+    counts = _image_counts(inp.items, embeds, merge_size, mrope)  # one not arrived yet is laid out all the same
     n_mm = int(is_mm.sum())
     if n_mm and not counts:  # the ingress refuses placeholders typed as text first: a second line of defence
         raise InvalidRequest(
@@ -197,14 +187,18 @@ def make_sequence(
         if starts[k + n - 1] != starts[k] + n - 1:
             raise ValueError(f"the {n} placeholder tokens of image {i} are not one contiguous run")
         # No key: a unique one, so that this prompt's image blocks never match another's.
-        key = inp.image_keys[i] if inp.image_keys else f"unshared-{inp.request_id}-{i}"
+        key = inp.items[i].key or f"unshared-{inp.request_id}-{i}"
         spans.append((starts[k], starts[k] + n, key))
         k += n
     # NOTE: after the checks above, which are the LLM side's one check of the images against the prompt
-    intervals = [None if s is None else video_time_interval(s, tokens_per_second) for s in inp.second_per_grid_ts]
+    grids = [item.grid_thw for item in inp.items]
+    intervals = [
+        None if (s := item.second_per_grid_t) is None else video_time_interval(s, tokens_per_second)
+        for item in inp.items
+    ]
     positions, rope_delta = (
         mrope_positions(
-            ids, image_token_id, inp.image_grid_thw, merge_size, video_token_id=video_token_id, time_intervals=intervals
+            ids, image_token_id, grids, merge_size, video_token_id=video_token_id, time_intervals=intervals or None
         )
         if mrope
         else linear_positions(ids)
@@ -219,7 +213,7 @@ def make_sequence(
         positions,
         rope_delta,
         is_mm,
-        list(inp.image_embeds),
+        list(embeds),
         spans,
         p,
         stop_ids,

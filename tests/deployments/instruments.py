@@ -187,10 +187,10 @@ class LocatingLLM(LLM.func_or_class):
         with open(Path(self.record_dir) / f"{os.getpid()}.located", "a") as f:
             f.writelines(json.dumps({"size": w["object_size"], "nodes": len(w["node_ids"])}) + "\n" for w in where)
 
-    async def generate(self, request):
-        if request.image_embeds:
-            await asyncio.to_thread(self._locate, request.image_embeds)
-        async for item in super().generate(request):
+    async def generate(self, request, media=None):
+        if media:
+            await asyncio.to_thread(self._locate, media)
+        async for item in super().generate(request, media):
             yield item
 
 

@@ -25,7 +25,6 @@ from ray.cluster_utils import Cluster
 
 from deployments.ingress import Ingress
 from encoders import Qwen2VLVisionEncoder, family_of
-from encoders.cache_server import EmbeddingCache
 from encoders.server import Encoder
 from llm.server import LLM
 from schemas import AppArgs
@@ -35,7 +34,6 @@ from tests.helpers import data_url, free_port, make_image
 
 # Placement: each node advertises a custom resource; each deployment asks for a sliver of its node's.
 HEAD = {"num_cpus": 0.1, "resources": {"head": 0.01}}
-CACHE = {"num_cpus": 0, "resources": {"head": 0.01}}
 ENCODER = {"num_cpus": 0.5, "resources": {"encoder_node": 0.01}}
 LLM_OPTIONS = {"num_cpus": 1, "resources": {"llm_node": 0.01}}
 # NOTE: a killed node is declared dead after health_check_period_ms * failure_threshold (Ray's default 3 s * 5);
@@ -76,10 +74,9 @@ def build(args: dict[str, Any], hold: Path) -> serve.Application:
     """deployments/app.py's graph, with the per-deployment overrides a multi-node serve_config.yaml would set. The
     LLM's decode steps hold while the file `hold` exists (phase two)."""
     plain = AppArgs.model_validate(args).model_dump()
-    cache = EmbeddingCache.options(ray_actor_options=CACHE).bind(plain)
     # One encoder replica, so that "the encoder's node" is one node.
     encoder = Encoder.options(num_replicas=1, autoscaling_config=None, ray_actor_options=ENCODER).bind(
-        plain, cache, model_factory=SlowOnCue
+        plain, model_factory=SlowOnCue
     )
     llm = LLM.options(ray_actor_options=LLM_OPTIONS).bind(plain, model_factory=HeldLM.holding(str(hold)))
     return Ingress.options(ray_actor_options=HEAD).bind(encoder, llm, plain)

@@ -29,7 +29,7 @@ STREAM = 900  # the killed replica's streams: long enough to be cut (max_model_l
 def url(ray_serve, app_args):
     # A channel stays open for the whole test: every generation after the warm-up goes through it.
     args = {**app_args, "encoder": {"startup_check": False}, "llm": {**app_args["llm"], "token_channel_idle_s": 600}}
-    encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=1, autoscaling_config=None).bind(args, None)
+    encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=1, autoscaling_config=None).bind(args)
     llm = LLM.options(
         ray_actor_options={"num_cpus": 0.5}, num_replicas=1, autoscaling_config=None, graceful_shutdown_timeout_s=1
     ).bind(args)  # the open channel would hold it up
@@ -173,7 +173,7 @@ def test_the_client_whose_request_opened_the_channel_leaving_closes_nothing(ray_
     one of them, so every stream attached to it failed (a 503 before the first token, an error event after)."""
     app = "channel_owner"
     args = {**app_args, "encoder": {"startup_check": False}, "llm": {**app_args["llm"], "token_channel_idle_s": 600}}
-    encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=1, autoscaling_config=None).bind(args, None)
+    encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=1, autoscaling_config=None).bind(args)
     llm = LLM.options(
         ray_actor_options={"num_cpus": 0.5}, num_replicas=1, autoscaling_config=None, graceful_shutdown_timeout_s=1
     ).bind(args)

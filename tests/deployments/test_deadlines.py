@@ -46,7 +46,7 @@ def slow(ray_serve, app_args, tmp_path_factory):
         "llm": {**app_args["llm"], "max_num_seqs": 1, "max_queued_requests": 1},
     }  # one runs, one waits
     encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=None, num_replicas=1).bind(
-        args, None, model_factory=functools.partial(SlowEncoder, delay_s=ENCODE_S, record_dir=record_dir)
+        args, model_factory=functools.partial(SlowEncoder, delay_s=ENCODE_S, record_dir=record_dir)
     )
     llm = LLM.options(ray_actor_options=SMALL).bind(args, model_factory=SlowLM.load)
     serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name="slow", route_prefix="/slow")
@@ -63,7 +63,7 @@ def queue_app(ray_serve, app_args):
         "encoder": {"cache_gib": 0, "startup_check": False},
         "llm": {**app_args["llm"], "max_num_seqs": 1, "max_queued_requests": 1},
     }
-    encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=None, num_replicas=1).bind(args, None)
+    encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=None, num_replicas=1).bind(args)
     llm = LLM.options(ray_actor_options=SMALL).bind(args, model_factory=SlowLM.load)
     serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name="queue", route_prefix="/queue")
     yield f"{ray_serve}/queue"

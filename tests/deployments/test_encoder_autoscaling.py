@@ -43,9 +43,7 @@ def scaling(ray_serve, app_args, checkpoint, tmp_path_factory):
         "look_back_period_s": 2,
     }
     slow = functools.partial(SlowEncoder, delay_s=1.0, record_dir=str(tmp_path_factory.mktemp("forwards")))
-    encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=autoscaling).bind(
-        args, None, model_factory=slow
-    )
+    encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=autoscaling).bind(args, model_factory=slow)
     llm = LLM.options(ray_actor_options=SMALL).bind(args)
     app = Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args)
     serve.run(app, name="costscaling", route_prefix="/costscaling")

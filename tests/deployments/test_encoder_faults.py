@@ -24,7 +24,7 @@ from tests.helpers import data_url, image_bytes, make_image
 pytestmark = pytest.mark.e2e
 SMALL = {"num_cpus": 0.1}  # these apps share the session's logical CPUs with the others
 RETRY = re.compile(
-    r"(?P<id>chatcmpl-[0-9a-f]{32}): no embeddings for images (?P<images>\[[0-9, ]*\]); retrying them once"
+    r"(?P<id>chatcmpl-[0-9a-f]{32}): encoder call [0-9]+ .*; encoding images (?P<images>\[[0-9, ]*\]) once more"
 )
 
 
@@ -32,7 +32,7 @@ def _app(app_args, record_dir: str, delay_s: float, **encoder_options):
     # Every request really encodes; no start-up forward, which the slow encoder would record as a served one.
     args = {**app_args, "encoder": {"cache_gib": 0, "startup_check": False}}
     encoder = Encoder.options(ray_actor_options=SMALL, **encoder_options).bind(
-        args, None, model_factory=functools.partial(SlowEncoder, delay_s=delay_s, record_dir=record_dir)
+        args, model_factory=functools.partial(SlowEncoder, delay_s=delay_s, record_dir=record_dir)
     )
     return Ingress.options(ray_actor_options=SMALL).bind(encoder, LLM.options(ray_actor_options=SMALL).bind(args), args)
 
@@ -128,15 +128,15 @@ def test_embeddings_outlive_the_replicas_that_made_them(faults):
     handle = serve.get_deployment_handle("Encoder", app_name="faults")
 
     async def encode():
-        ref = await handle.encode.remote(image_bytes(make_image(84, 56, seed=1)))._to_object_ref()
-        return ref, await ref
+        ref = await handle.encode.remote([image_bytes(make_image(84, 56, seed=1))])._to_object_ref()
+        return ref, (await ref)[0]
 
     ref, embeds = asyncio.run(encode())
     killed = _replicas("faults")
     assert len(killed) == 2
     for name in killed:
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-    assert ray.get(ref, timeout=30).equal(embeds)
+    assert ray.get(ref, timeout=30)[0].equal(embeds)
     _wait(lambda: _recovered("faults", killed), 90)
 
 

@@ -26,7 +26,7 @@ def routed(ray_serve, app_args, tmp_path_factory):
     args = {**app_args, "encoder": {"cache_gib": 0, "startup_check": False}}  # every image really encodes
     slow = functools.partial(SlowEncoder, delay_s=1.5, record_dir=record_dir)
     encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=2, autoscaling_config=None).bind(
-        args, None, model_factory=slow
+        args, model_factory=slow
     )
     llm = LLM.options(ray_actor_options=SMALL).bind(args)
     serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name="routed", route_prefix="/routed")

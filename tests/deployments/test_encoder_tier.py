@@ -1,4 +1,5 @@
-"""The encoder tier in the running app: the shared embedding cache, and colocated mode against the reference."""
+"""The encoder tier in the running app: the ingress's embedding cache (a hit is no encoder call, and keys that tell
+images and tenants apart), and colocated mode against the reference."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def _ask(client: httpx.Client, conversation, url: str = "/v1/chat/completions") 
 
 
 def _cache_stats() -> dict[str, int]:
-    return serve.get_deployment_handle("EmbeddingCache", app_name="vlm").stats.remote().result()
+    """The ingress's embedding cache (the app has one ingress replica)."""
+    stats = serve.get_deployment_handle("Ingress", app_name="vlm").stats.remote().result()
+    return {k.removeprefix("cache_"): v for k, v in stats.items() if k.startswith("cache_")}
 
 
 def test_cache_keys_on_size_not_only_bytes(client, checkpoint, reference):

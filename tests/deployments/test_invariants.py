@@ -17,10 +17,9 @@ from ray import serve
 
 from demo.build_tiny import build_checkpoint
 from deployments.ingress import Ingress
-from encoders.cache_server import EmbeddingCache
 from encoders.server import Encoder
 from llm.server import LLM
-from schemas import GenerateRequest, SamplingParams
+from schemas import GenerateRequest, MediaItem, SamplingParams
 from tests.deployments.instruments import (
     FaultyLM,
     LocatingLLM,
@@ -68,8 +67,7 @@ def through_the_store(request, ray_serve, app_args, big_images, tmp_path_factory
         "llm": {"max_model_len": 2048},
         "encoder": {"cache_gib": request.param, "startup_check": False},
     }
-    cache = EmbeddingCache.bind(args) if request.param else None
-    encoder = Encoder.bind(args, cache, model_factory=functools.partial(TracingEncoder, record_dir=record_dir))
+    encoder = Encoder.bind(args, model_factory=functools.partial(TracingEncoder, record_dir=record_dir))
     llm = LLM.options(func_or_class=LocatingLLM).bind(args, record_dir=record_dir)
     serve.run(Ingress.bind(encoder, llm, args), name="store", route_prefix="/store")
     yield f"{ray_serve}/store", record_dir, request.param > 0
@@ -78,29 +76,29 @@ def through_the_store(request, ray_serve, app_args, big_images, tmp_path_factory
 
 def test_embeddings_go_through_the_object_store_never_the_ingress(through_the_store, big_images):
     """Embeddings over Ray's inline limit: the LLM is sent refs of objects that live in a node's object store, and
-    the ingress never deserializes one; with the cache on, the repeated images come from it, the same way."""
+    the ingress never deserializes one; with the cache on, the repeated images are the first request's refs,
+    which the ingress kept (no encoder call, no copy)."""
     url, record_dir, cached = through_the_store
     _, images, embed_bytes = big_images
     assert embed_bytes > inline_limit()
     parts = [{"type": "image_url", "image_url": {"url": data_url(im, fmt="JPEG")}} for im in images]
     body = {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}], "max_tokens": 3}
     encoder = serve.get_deployment_handle("Encoder", app_name="store")
-    cache = serve.get_deployment_handle("EmbeddingCache", app_name="store") if cached else None
+    ingress = serve.get_deployment_handle("Ingress", app_name="store")
     for stream in (False, True):  # the same two images twice: with the cache on, the second time they are hits
         r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": stream}, timeout=120)
         assert r.status_code == 200, r.text
-        if cache is not None and not stream:  # the encoder stores them in the background: wait until they are
-            _wait(lambda: cache.stats.remote().result()["entries"] == 2)
-    where = locations(record_dir)
-    assert len(where) == 4 and all(w["size"] > inline_limit() and w["nodes"] >= 1 for w in where), where
+    where = locations(record_dir)  # one encoder call holds both images: one ref a request
+    assert len(where) == 2 and all(w["size"] > 2 * inline_limit() and w["nodes"] >= 1 for w in where), where
     encoded = encoder.stats.remote().result()["images"]
     seen = deserializations(record_dir)
     assert not [s for s in seen if "Ingress" in s], seen  # the ingress only ever held ObjectRefs
-    if cached:  # two encoded (the cache keeps a copy of each), two hits: plain tensors, which record nothing
-        assert encoded == 2 and cache.stats.remote().result()["hits"] == 2
-        assert sorted(seen) == ["store:EmbeddingCache"] * 2 + ["store:LLM"] * 2
-    else:  # each embedding deserialized once, by the LLM
-        assert encoded == 4 and seen == ["store:LLM"] * 4
+    assert seen == ["store:LLM"] * 4  # each embedding deserialized by the LLM, and only there
+    stats = ingress.stats.remote().result()
+    if cached:  # two encoded, two hits: the second request was sent the first one's ref
+        assert encoded == 2 and (stats["cache_hits"], stats["cache_misses"], stats["cache_objects"]) == (2, 2, 1)
+    else:
+        assert encoded == 4 and "cache_hits" not in stats
 
 
 def _wait(condition, cap_s: float = 60.0) -> None:
@@ -146,9 +144,14 @@ def test_error_after_first_token_is_an_event_the_client_raises(instrumented):
 def test_llm_refuses_embeddings_that_are_not_refs(base_url):
     """The LLM checks what it receives, so a future ingress that awaited the embeddings would fail loudly."""
     llm = serve.get_deployment_handle("LLM", app_name="vlm")
-    request = GenerateRequest("r", [1, 2, 3], [(1, 2, 2)], [torch.zeros(1, 64)], SamplingParams(max_tokens=1))
+    request = GenerateRequest(
+        request_id="r",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=1),
+        items=[MediaItem("k", (1, 2, 2), 1, pieces=((0, 0),))],
+    )
     with pytest.raises(Exception, match="must arrive as ObjectRefs, got Tensor"):
-        list(llm.options(stream=True).generate.remote(request))
+        list(llm.options(stream=True).generate.remote(request, [torch.zeros(1, 64)]))
 
 
 def test_disconnect_cancels_generation(client, base_url):

@@ -38,7 +38,7 @@ def scaling(ray_serve, app_args):
         "look_back_period_s": 2,
     }
     llm = LLM.options(autoscaling_config=autoscaling, ray_actor_options={"num_cpus": 0.5}).bind(args)
-    encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=1, autoscaling_config=None).bind(args, None)
+    encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=1, autoscaling_config=None).bind(args)
     serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name=APP, route_prefix=f"/{APP}")
     yield f"{ray_serve}/{APP}"
     serve.delete(APP)

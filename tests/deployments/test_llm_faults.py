@@ -33,13 +33,13 @@ class HoldingLLM(LLM.func_or_class):
         super().__init__(args, model_factory)
         self.record_dir, self.actor = Path(record_dir), ray.get_runtime_context().get_actor_name()
 
-    async def generate(self, request):
+    async def generate(self, request, media=None):
         if (self.record_dir / "hold").exists():
             with open(self.record_dir / f"{os.getpid()}.held", "a") as f:
                 f.write(f"{self.actor} {request.request_id}\n")
             while (self.record_dir / "hold").exists():
                 await asyncio.sleep(0.02)
-        async for item in super().generate(request):
+        async for item in super().generate(request, media):
             yield item
 
 

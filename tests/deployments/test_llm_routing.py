@@ -34,7 +34,7 @@ ROUTER = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_
 def routed(ray_serve, app_args):
     args = {**app_args, "encoder": {"startup_check": False}}
     llm = LLM.options(num_replicas=2, ray_actor_options={"num_cpus": 0.5}, request_router_config=ROUTER).bind(args)
-    encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=1, autoscaling_config=None).bind(args, None)
+    encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=2, autoscaling_config=None).bind(args)
     serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name=APP, route_prefix=f"/{APP}")
     yield f"{ray_serve}/{APP}"
     serve.delete(APP)
@@ -158,3 +158,66 @@ def test_unrelated_requests_spread_over_both_replicas(routed, metrics_port):
     # Hashed keys split like fair coins: below 8 of 40 on one replica has odds of about 4e-5; one replica for
     # everything fails at once.
     assert sum(counts.values()) == n and len(counts) == 2 and min(counts.values()) >= 8, counts
+
+
+def test_no_image_crosses_a_process_of_which_there_is_one(routed, metrics_port):
+    """An image goes ingress -> an Encoder replica -> the object store -> an LLM replica, and nothing else: the app
+    has no other deployment (the shared EmbeddingCache replica there was took a call for every image), a request's
+    images are one Encoder call, the calls spread over both Encoder replicas and the generations over both LLM
+    replicas; sent again, the images are the ingress's cache hits and make no call at all."""
+    assert set(serve.status().applications[APP].deployments) == {"Ingress", "Encoder", "LLM"}
+    n, deployments = 16, ("Encoder", "LLM")
+
+    def calls() -> dict[str, dict[str, float]]:
+        # NOTE: the LLM's token-channel calls carry no route (see _per_replica); the Encoder takes only images
+        return {
+            "Encoder": per_replica(metrics_port, APP, REQUESTS, deployment="Encoder"),
+            "LLM": per_replica(metrics_port, APP, REQUESTS, deployment="LLM", route=f"/{APP}"),
+        }
+
+    def grown(before: dict, want: dict[str, int]) -> dict[str, dict[str, float]]:
+        """Growth per replica since `before`, once the sums reach `want` and then stop moving (metrics are reported
+        every second, then scraped: a call not yet exported would pass for none)."""
+        deadline, out, last = time.monotonic() + 60, {}, None
+        while time.monotonic() < deadline:
+            now = calls()
+            out = {
+                d: {r: v - before[d].get(r, 0.0) for r, v in now[d].items() if v > before[d].get(r, 0.0)} for d in now
+            }
+            if all(sum(out[d].values()) >= k for d, k in want.items()):
+                if out == last:
+                    break
+                last = out
+                time.sleep(3.0)
+                continue
+            time.sleep(0.5)
+        return out
+
+    def body(i: int) -> dict:
+        images = [
+            {"type": "image_url", "image_url": {"url": data_url(make_image(84, 56, seed=500 + 2 * i + k))}}
+            for k in (0, 1)
+        ]
+        return {
+            "messages": [{"role": "user", "content": [*images, {"type": "text", "text": f"Pair {i}?"}]}],
+            "max_tokens": 1,
+        }
+
+    async def send():
+        async with httpx.AsyncClient(base_url=routed, timeout=120) as client:
+            for start in range(0, n, 8):
+                rs = await asyncio.gather(
+                    *(client.post("/v1/chat/completions", json=body(i)) for i in range(start, start + 8))
+                )
+                assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+
+    before = calls()
+    asyncio.run(send())
+    first = grown(before, {"Encoder": n, "LLM": n})
+    print(f"calls by replica: { {d: {r[-6:]: int(c) for r, c in first[d].items()} for d in deployments} }")
+    assert {d: round(sum(first[d].values())) for d in deployments} == {"Encoder": n, "LLM": n}, first
+    assert all(len(first[d]) == 2 for d in deployments), first  # both replicas of each: none saw them all
+    settled = calls()
+    asyncio.run(send())  # the same images: hits
+    again = grown(settled, {"LLM": n})
+    assert round(sum(again["LLM"].values())) == n and sum(again["Encoder"].values()) == 0, again

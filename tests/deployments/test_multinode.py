@@ -73,13 +73,8 @@ def test_encoder_node_loss_gives_503s_then_recovers_on_a_new_node(summary):
     nodes, context = s["nodes"], json.dumps(s, indent=1)
     print({k: v for k, v in s.items() if k.startswith("s_")})  # timings, shown with -rP
 
-    # Placement by custom resources: ingress and cache on the head, encoder and LLM each on a node of their own.
-    assert s["placement"] == {
-        "Ingress": [nodes["head"]],
-        "EmbeddingCache": [nodes["head"]],
-        "Encoder": [nodes["encoder"]],
-        "LLM": [nodes["llm"]],
-    }, context
+    # Placement by custom resources: the ingress on the head, encoder and LLM each on a node of their own.
+    assert s["placement"] == {"Ingress": [nodes["head"]], "Encoder": [nodes["encoder"]], "LLM": [nodes["llm"]]}, context
     # Every answer needed embeddings made on the encoder's node, too large to travel inline: the object store.
     assert s["embedding_bytes"] > s["inline_limit_bytes"], context
     assert s["before"]["statuses"] == [200] * 4, context

@@ -54,7 +54,7 @@ def overlap(request, ray_serve, app_args, tmp_path_factory):
         "llm": {**app_args.get("llm", {}), "overlap_encoding": not off},
     }
     encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=None, num_replicas=1).bind(
-        args, None, model_factory=functools.partial(SlowEncoder, delay_s=ENCODE_S, record_dir=record_dir)
+        args, model_factory=functools.partial(SlowEncoder, delay_s=ENCODE_S, record_dir=record_dir)
     )
     llm = LLM.options(ray_actor_options=SMALL).bind(args, model_factory=RecordingLM.recording(record_dir))
     ingress = Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args)

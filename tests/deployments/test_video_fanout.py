@@ -25,7 +25,7 @@ def fanned(ray_serve, app_args):
     """The session's app settings, with two Encoder replicas, a batch of one tubelet and no embedding cache (each
     chunk is encoded, none found)."""
     args = {**app_args, "encoder": {"max_batch_patches": 48, "cache_gib": 0, "startup_check": False}}
-    encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=2, autoscaling_config=None).bind(args, None)
+    encoder = Encoder.options(ray_actor_options=SMALL, num_replicas=2, autoscaling_config=None).bind(args)
     llm = LLM.options(ray_actor_options=SMALL).bind(args)
     serve.run(Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args), name="fanout", route_prefix="/fanout")
     with httpx.Client(base_url=f"{ray_serve}/fanout", timeout=120) as client:

@@ -1,5 +1,5 @@
-"""The Encoder replica's class without Serve: the shared cache is an optimisation, never a point of failure; and
-the out-of-band form embeddings travel in."""
+"""The Encoder replica's class without Serve: a call's images come back in order, a bad one as its error in its place
+(the others of the call are good); and the out-of-band form embeddings travel in."""
 
 from __future__ import annotations
 
@@ -9,69 +9,27 @@ import pickle
 import pytest
 import torch
 
-from encoders import EmbeddingLRU
 from encoders.server import Encoder
+from schemas import InvalidRequest
 from schemas.transfer import _from_numpy, _to_numpy
 from tests.helpers import image_bytes, make_image
 
 
-class _Call:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        async def run():
-            return self.fn(*args)
-
-        return run()
-
-
-class FakeCache:
-    """What the replica uses of a DeploymentHandle to EmbeddingCache; `down` makes every call fail."""
-
-    def __init__(self, down: bool = False):
-        self.lru, self.down = EmbeddingLRU(1 << 20), down
-        self.get, self.put = _Call(self._get), _Call(self._put)
-
-    def _get(self, key):
-        if self.down:
-            raise ConnectionError("cache replica is gone")
-        return self.lru.get(key)
-
-    def _put(self, key, value):
-        if self.down:
-            raise ConnectionError("cache replica is gone")
-        self.lru.put(key, value)
-
-
-def _encode_twice(checkpoint, cache) -> list[torch.Tensor]:
-    encoder = Encoder.func_or_class({"model": str(checkpoint)}, cache)
-    data = image_bytes(make_image(70, 50, seed=3))
+def test_a_call_returns_each_images_embedding_and_a_bad_one_as_its_error(checkpoint):
+    encoder = Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False}})
+    small, big = image_bytes(make_image(70, 50, seed=3)), image_bytes(make_image(140, 84, seed=4))
 
     async def run():
-        first = await encoder.encode(data, "k")
-        await asyncio.gather(*encoder._puts)  # the background put
-        return [first, await encoder.encode(data, "k"), await encoder.encode(data)]
+        alone = [await encoder.encode([data]) for data in (small, big)]
+        together = await encoder.encode([small, big[: len(big) // 2], big], cost=2.0)
+        return alone, together
 
-    return asyncio.run(run())
-
-
-def test_hit_returns_the_cached_embedding(checkpoint):
-    cache = FakeCache()
-    first, again, uncached = _encode_twice(checkpoint, cache)
-    assert (cache.lru.hits, cache.lru.misses) == (1, 1)
-    assert again is cache.lru.get("k") and again.equal(first) and uncached.equal(first)
-
-
-def test_cache_down_means_encode(checkpoint):
-    first, again, uncached = _encode_twice(checkpoint, FakeCache(down=True))
-    assert first.equal(again) and first.equal(uncached)
-
-
-def test_cache_off_is_never_called(checkpoint):
-    cache = FakeCache(down=True)
-    encoder = Encoder.func_or_class({"model": str(checkpoint), "encoder": {"cache_gib": 0}}, cache)
-    assert encoder.cache is None
+    alone, (first, bad, last) = asyncio.run(run())
+    torch.testing.assert_close(first, alone[0][0], rtol=1e-5, atol=1e-3)  # batched together: float noise only
+    torch.testing.assert_close(last, alone[1][0], rtol=1e-5, atol=1e-3)
+    assert first.shape[0] < last.shape[0]
+    assert isinstance(bad, InvalidRequest) and "could not be decoded" in bad.message
+    assert encoder.pending_cost == 0  # the call's cost counted while it ran, not after
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
+
 import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from llm import Engine, EngineConfig
 from llm.engine.logits import RowState
-from schemas import GenerateRequest, SamplingParams
+from schemas import GenerateRequest, MediaItem, SamplingParams
 from tests.helpers import make_image
+
+
+@dataclass
+class Case:
+    """What `Engine.submit` takes for one sequence: the request, and one embedding per item (a (num_tokens, D)
+    tensor, or an asyncio.Future of it: an image still being encoded)."""
+
+    request: GenerateRequest
+    embeds: list = field(default_factory=list)
+
+    def replace(self, **changes) -> Case:
+        """A copy with `changes` to the request's fields, or to `embeds`."""
+        embeds = changes.pop("embeds", self.embeds)
+        return Case(dataclasses.replace(self.request, **changes), list(embeds))
+
+
+def text_case(request_id: str, prompt: list[int], params: SamplingParams) -> Case:
+    return Case(GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params))
 
 
 def make_engine(model, reference, load_tokenizer=None, **kw) -> Engine:
@@ -33,7 +54,7 @@ def states_for(params: list[SamplingParams], vocab_size: int, prompt: list[int] 
 
 def request_for(
     checkpoint, reference, vision, sizes, *, seed: int, prefix: list[int], max_tokens: int = 12, **sampling
-) -> tuple[GenerateRequest, dict]:
+) -> tuple[Case, dict]:
     """A prompt `prefix` + one placeholder run per image (framed like the chat template frames them)."""
     cfg = reference.config
     images = [make_image(w, h, seed=seed * 10 + i) for i, (w, h) in enumerate(sizes)]
@@ -47,9 +68,9 @@ def request_for(
             ids += [cfg.vision_end_token_id, 14]
     embeds = vision.encode(images) if images else []
     params = SamplingParams(**{"max_tokens": max_tokens, "temperature": 0.0, **sampling})
-    keys = [f"image-{seed}-{i}" for i in range(len(images))]
+    items = [MediaItem(f"image-{seed}-{i}", g, g[0] * g[1] * g[2] // 4) for i, g in enumerate(grids)]
     ref["input_ids"] = torch.tensor([ids])
-    return GenerateRequest(f"r{seed}", ids, grids, embeds, params, keys), ref
+    return Case(GenerateRequest(request_id=f"r{seed}", prompt_token_ids=ids, sampling=params, items=items), embeds), ref
 
 
 def reference_generate(reference, ref: dict, max_new_tokens: int, **kw):
@@ -70,9 +91,11 @@ def reference_generate(reference, ref: dict, max_new_tokens: int, **kw):
     return out[0, input_ids.shape[1] :].tolist()
 
 
-async def collect(engine: Engine, inp: GenerateRequest) -> tuple[list[int], str | None]:
+async def collect(engine: Engine, inp: Case | GenerateRequest) -> tuple[list[int], str | None]:
+    """A sequence's tokens and finish reason (a bare request: text only)."""
+    case = inp if isinstance(inp, Case) else Case(inp)
     ids, finish = [], None
-    async for chunk in engine.generate(inp):
+    async for chunk in engine.generate(case.request, case.embeds):
         ids += chunk.token_ids
         finish = chunk.finish_reason
     return ids, finish

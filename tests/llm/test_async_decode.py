@@ -19,7 +19,9 @@ from tests.llm.reference import collect, make_engine
 
 def _req(i: int, n: int, **sampling) -> GenerateRequest:
     params = SamplingParams(**{"max_tokens": 16, "temperature": 0.0, **sampling})
-    return GenerateRequest(f"r{i}", [3 + (7 * i + j) % 90 for j in range(n)], [], [], params)
+    return GenerateRequest(
+        request_id=f"r{i}", prompt_token_ids=[3 + (7 * i + j) % 90 for j in range(n)], sampling=params
+    )
 
 
 def _run(engine, requests: list[GenerateRequest], stagger_s: float = 0.0) -> list[tuple[list[int], str | None]]:

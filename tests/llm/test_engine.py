@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from llm import Qwen2LM
-from schemas import GenerateRequest as SequenceInput  # the engine's input
-from schemas import InvalidRequest, Overloaded, SamplingParams
-from tests.llm.reference import collect, make_engine, reference_generate, request_for
+from schemas import GenerateRequest, InvalidRequest, MediaItem, Overloaded, SamplingParams
+from tests.llm.reference import Case, collect, make_engine, reference_generate, request_for
 
 CASES = {"text": [], "one_image": [(64, 48)], "two_images": [(30, 200), (120, 60)], "small_image": [(28, 28)]}
 
@@ -26,9 +26,9 @@ async def _until(condition, cap_s: float = 60.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def _seq(ids, **sampling) -> SequenceInput:
+def _seq(ids, **sampling) -> GenerateRequest:
     params = SamplingParams(**{"max_tokens": 12, "temperature": 0.0, **sampling})
-    return SequenceInput("r", list(ids), [], [], params)
+    return GenerateRequest(request_id="r", prompt_token_ids=list(ids), sampling=params)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -54,7 +54,7 @@ def test_mixed_batch_matches_transformers_one_by_one(checkpoint, reference, mode
 
     results = asyncio.run(together())
     for (inp, ref), (ours, _) in zip(requests, results, strict=True):
-        assert ours == reference_generate(reference, ref, max_new_tokens=inp.sampling.max_tokens)
+        assert ours == reference_generate(reference, ref, max_new_tokens=inp.request.sampling.max_tokens)
     assert engine.stats()["steps"] < sum(len(ours) for ours, _ in results)  # sequences really shared steps
 
 
@@ -210,13 +210,20 @@ def test_cuda_float32_matches_cpu_and_bfloat16_runs(checkpoint, reference, model
 
 
 def test_embedding_rows_must_match_the_image_grid(model, reference):
+    """With M-RoPE the grid gives an image's tokens: the announced count must be the grid's, and the embedding's
+    rows that count."""
     engine = make_engine(model, reference)
     pad = reference.config.image_token_id
-    bad = SequenceInput(
-        "r", [5, pad, pad, pad, pad, 6], [(1, 4, 4)], [torch.zeros(3, 64)], SamplingParams(max_tokens=2)
+    request = GenerateRequest(
+        request_id="r", prompt_token_ids=[5, pad, pad, pad, pad, 6], sampling=SamplingParams(max_tokens=2)
     )
-    with pytest.raises(ValueError, match="image 0: 3 embedding rows for a grid of 4 tokens"):
-        asyncio.run(collect(engine, bad))
+    rows = Case(replace(request, items=[MediaItem("", (1, 4, 4), 4)]), [torch.zeros(3, 64)])
+    with pytest.raises(ValueError, match="image 0: 3 embedding rows for 4 placeholder tokens"):
+        asyncio.run(collect(engine, rows))
+    grid = Case(replace(request, items=[MediaItem("", (1, 4, 4), 3)]), [torch.zeros(3, 64)])
+    with pytest.raises(ValueError, match="image 0: 3 tokens announced for a grid of 4 tokens"):
+        asyncio.run(collect(engine, grid))
+    assert asyncio.run(collect(engine, _seq([5, 6, 7], max_tokens=2)))[1] == "length"  # and it goes on
 
 
 def test_kv_cache_must_hold_one_full_sequence():

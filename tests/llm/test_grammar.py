@@ -94,7 +94,7 @@ def engine(model, reference, tokenizer):
 
 def _request(i: int, grammar: str | None, **sampling) -> GenerateRequest:
     params = SamplingParams(**{"max_tokens": 200, "temperature": 0.0, "grammar": grammar, **sampling})
-    return GenerateRequest(f"r{i}", [5, 6, 7, 8 + i], [], [], params)
+    return GenerateRequest(request_id=f"r{i}", prompt_token_ids=[5, 6, 7, 8 + i], sampling=params)
 
 
 def test_schema_output_validates_mixed_with_free_requests(engine, tokenizer):

@@ -52,7 +52,8 @@ def _params(max_tokens: int) -> st.SearchStrategy[SamplingParams]:
 
 
 def _greedy(i: int) -> GenerateRequest:
-    return GenerateRequest(f"g{i}", [5, 6, 7], [], [], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    return GenerateRequest(request_id=f"g{i}", prompt_token_ids=[5, 6, 7], sampling=params)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
@@ -62,7 +63,9 @@ def test_a_greedy_request_gets_its_answer_whatever_its_neighbours_ask(engine, ot
     failed = engine.counts["failed"]
 
     async def together():
-        requests = [GenerateRequest(f"o{i}", [9, 10 + i], [], [], p) for i, p in enumerate(others)]
+        requests = [
+            GenerateRequest(request_id=f"o{i}", prompt_token_ids=[9, 10 + i], sampling=p) for i, p in enumerate(others)
+        ]
         return await asyncio.gather(
             collect(engine, _greedy(1)), *(collect(engine, r) for r in requests), return_exceptions=True
         )

@@ -1,6 +1,6 @@
 """Prefill overlapped with encoding, through the engine: a request's images may arrive after it (as futures, in any
 order); its prefill runs up to the first image not there, and the tokens are still transformers'. Qwen2-VL lays out a
-late image from its M-RoPE grid, the LLaVAs (1-D RoPE) from the token count the ingress sends (num_image_tokens). A
+late image from its M-RoPE grid, the LLaVAs (1-D RoPE) from the token count the ingress sends (MediaItem.num_tokens). A
 late image that fails, or arrives with other rows than announced, fails the request with its error and frees its
 blocks."""
 
@@ -20,9 +20,9 @@ from demo.tiny_llava import build_llava_checkpoint
 from demo.tiny_llava_next import build_llava_next_checkpoint
 from encoders import LlavaNextVisionEncoder, LlavaVisionEncoder
 from llm import Qwen2LM
-from schemas import EncoderUnavailable, GenerateRequest, SamplingParams
+from schemas import EncoderUnavailable, GenerateRequest, MediaItem, SamplingParams
 from tests.helpers import make_image
-from tests.llm.reference import collect, make_engine, reference_generate, request_for
+from tests.llm.reference import Case, collect, make_engine, reference_generate, request_for
 
 SIZES = [(64, 48), (30, 200), (120, 60)]  # three images: 12, 28 and 16 placeholder tokens
 # LLaVA: 16 tokens each; LLaVA-NeXT: its tiles' (unpadded) features. The second and third are back to back in the
@@ -51,7 +51,7 @@ def llava(request, tmp_path_factory) -> Llava:
     return Llava(checkpoint, reference, Qwen2LM.from_pretrained(checkpoint), encoder_class(checkpoint))
 
 
-def llava_request(llava: Llava, seed: int) -> tuple[GenerateRequest, list[int]]:
+def llava_request(llava: Llava, seed: int) -> tuple[Case, list[int]]:
     """What the ingress sends for LLAVA_PROMPT (its grids and token counts from the family's own processing, as
     deployments/ingress/prepare.py takes them), and transformers' greedy tokens for the same prompt and images."""
     images = [make_image(w, h, seed=seed * 10 + i) for i, (w, h) in enumerate(LLAVA_SIZES)]
@@ -63,16 +63,13 @@ def llava_request(llava: Llava, seed: int) -> tuple[GenerateRequest, list[int]]:
     embeds = llava.vision.encode(images)
     assert [int(e.shape[0]) for e in embeds] == counts  # the encoder's rows: what the ingress counted
     assert ids.count(llava.reference.config.image_token_id) == sum(counts)  # and what transformers' processor did
-    request = GenerateRequest(
-        f"llava-{seed}",
-        ids,
-        [processing.grid_thw(w, h) for w, h in LLAVA_SIZES],
-        embeds,
-        SamplingParams(max_tokens=12, temperature=0.0),
-        [f"image-{seed}-{i}" for i in range(len(images))],
-        num_image_tokens=counts,
-    )
-    return request, out[0, len(ids) :].tolist()
+    items = [
+        MediaItem(f"image-{seed}-{i}", processing.grid_thw(w, h), n)
+        for i, ((w, h), n) in enumerate(zip(LLAVA_SIZES, counts, strict=True))
+    ]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    request = GenerateRequest(request_id=f"llava-{seed}", prompt_token_ids=ids, sampling=params, items=items)
+    return Case(request, embeds), out[0, len(ids) :].tolist()
 
 
 async def _until(condition, cap_s: float = 60.0) -> None:
@@ -95,10 +92,10 @@ def _record_steps(engine) -> list[list[tuple[str, int, int]]]:
     return steps
 
 
-def _spans(inp: GenerateRequest, image_token_id: int) -> list[tuple[int, int]]:
+def _spans(inp: Case, image_token_id: int) -> list[tuple[int, int]]:
     """Each image's placeholder run [start, end) in the prompt."""
-    ids, spans, at = inp.prompt_token_ids, [], 0
-    for e in inp.image_embeds:
+    ids, spans, at = inp.request.prompt_token_ids, [], 0
+    for e in inp.embeds:
         start = ids.index(image_token_id, at)
         spans.append((start, start + e.shape[0]))
         at = start + e.shape[0]
@@ -109,17 +106,17 @@ LATE = [[1], [0, 2], [2, 1, 0]]
 LATE_IDS = ["second", "first-and-last-out-of-order", "reversed"]
 
 
-def _run_with_late_images(engine, inp: GenerateRequest, spans: list[tuple[int, int]], late: list[int]) -> list[int]:
+def _run_with_late_images(engine, inp: Case, spans: list[tuple[int, int]], late: list[int]) -> list[int]:
     """The images in `late` arrive one by one, in that order, each once the prefill stands still before the first
     one missing; -> the greedy tokens. The first chunk runs before any late image arrives."""
-    steps, embeds = _record_steps(engine), list(inp.image_embeds)
+    steps, embeds = _record_steps(engine), list(inp.embeds)
 
     def computed() -> int:
         return sum(n for step in steps for _, _, n in step)
 
     async def scenario():
         futures = {i: asyncio.get_running_loop().create_future() for i in late}
-        request = dataclasses.replace(inp, image_embeds=[futures.get(i, e) for i, e in enumerate(embeds)])
+        request = inp.replace(embeds=[futures.get(i, e) for i, e in enumerate(embeds)])
         task = asyncio.create_task(collect(engine, request))
         missing = set(late)
         for i in [*late, None]:
@@ -136,7 +133,7 @@ def _run_with_late_images(engine, inp: GenerateRequest, spans: list[tuple[int, i
         return await task
 
     ours, _ = asyncio.run(scenario())
-    assert steps[0] == [(inp.request_id, 0, spans[min(late)][0])]  # the first chunk ran before any late image
+    assert steps[0] == [(inp.request.request_id, 0, spans[min(late)][0])]  # the first chunk ran before any late image
     return ours
 
 
@@ -152,7 +149,7 @@ def test_prefill_runs_up_to_the_first_image_not_arrived(checkpoint, reference, m
 
 @pytest.mark.parametrize("late", LATE, ids=LATE_IDS)
 def test_llava_prefill_runs_up_to_the_first_image_not_arrived(llava, late):
-    """A 1-D RoPE family: the ingress's token counts (num_image_tokens) lay out the images before they arrive."""
+    """A 1-D RoPE family: the ingress's token counts (MediaItem.num_tokens) lay out the images before they arrive."""
     inp, expected = llava_request(llava, seed=3)
     engine = make_engine(llava.model, llava.reference)
     assert _run_with_late_images(engine, inp, _spans(inp, llava.reference.config.image_token_id), late) == expected
@@ -170,15 +167,16 @@ def test_a_late_image_with_other_rows_than_announced_fails_only_its_request(llav
     async def scenario():
         loop = asyncio.get_running_loop()
         late_bad, late_other = loop.create_future(), loop.create_future()
-        embeds = [bad.image_embeds[0], late_bad, bad.image_embeds[2]]
-        failing = asyncio.create_task(collect(engine, dataclasses.replace(bad, image_embeds=embeds)))
-        embeds = [late_other, *other.image_embeds[1:]]  # its own cache scope: no prefix block shared with `bad`
-        going = asyncio.create_task(collect(engine, dataclasses.replace(other, image_embeds=embeds, cache_scope="b")))
-        await _until(lambda: {r for step in steps for r, _, _ in step} == {bad.request_id, other.request_id})
-        late_bad.set_result(bad.image_embeds[1][:-1])  # one row short of what the ingress announced
+        embeds = [bad.embeds[0], late_bad, bad.embeds[2]]
+        failing = asyncio.create_task(collect(engine, bad.replace(embeds=embeds)))
+        embeds = [late_other, *other.embeds[1:]]  # its own cache scope: no prefix block shared with `bad`
+        going = asyncio.create_task(collect(engine, other.replace(embeds=embeds, cache_scope="b")))
+        ids = {bad.request.request_id, other.request.request_id}
+        await _until(lambda: {r for step in steps for r, _, _ in step} == ids)
+        late_bad.set_result(bad.embeds[1][:-1])  # one row short of what the ingress announced
         with pytest.raises(ValueError, match=f"image 1: {e - s - 1} embedding rows for {e - s} placeholder tokens"):
             await failing
-        late_other.set_result(other.image_embeds[0])
+        late_other.set_result(other.embeds[0])
         return await going
 
     assert asyncio.run(scenario())[0] == expected
@@ -188,24 +186,13 @@ def test_a_late_image_with_other_rows_than_announced_fails_only_its_request(llav
 
 
 def test_llava_image_counts_are_checked_at_submit(llava):
-    """Without the ingress's counts a 1-D RoPE LM cannot lay out a late image; an embedding already there must have
-    the announced rows. Both are refused before the sequence takes any block."""
+    """An embedding already there must have the announced rows: refused before the sequence takes any block."""
     inp, _ = llava_request(llava, seed=6)
     engine = make_engine(llava.model, llava.reference)
-
-    async def submit(request: GenerateRequest, late: int | None = None):
-        if late is not None:
-            embeds = list(request.image_embeds)
-            embeds[late] = asyncio.get_running_loop().create_future()
-            request = dataclasses.replace(request, image_embeds=embeds)
-        return await collect(engine, request)
-
-    with pytest.raises(ValueError, match="image 1 is not encoded yet and has no num_image_tokens"):
-        asyncio.run(submit(dataclasses.replace(inp, num_image_tokens=[]), late=1))
-    n = inp.num_image_tokens[2]
-    short = dataclasses.replace(inp, image_embeds=[*inp.image_embeds[:2], inp.image_embeds[2][:-1]])
+    n = inp.request.items[2].num_tokens
+    short = inp.replace(embeds=[*inp.embeds[:2], inp.embeds[2][:-1]])
     with pytest.raises(ValueError, match=f"image 2: {n - 1} embedding rows for {n} placeholder tokens"):
-        asyncio.run(submit(short))
+        asyncio.run(collect(engine, short))
     assert engine.pool.num_free == engine.pool.num_blocks and engine.stats()["running"] == 0
     engine.close()
 
@@ -217,7 +204,7 @@ def test_a_failing_late_image_fails_the_request_and_frees_its_blocks(checkpoint,
 
     async def scenario():
         late = asyncio.get_running_loop().create_future()
-        request = dataclasses.replace(inp, image_embeds=[inp.image_embeds[0], late])
+        request = inp.replace(embeds=[inp.embeds[0], late])
         task = asyncio.create_task(collect(engine, request))
         await _until(lambda: steps)  # text and the first image prefilled: it holds blocks
         assert engine.pool.num_free < engine.pool.num_blocks
@@ -226,7 +213,7 @@ def test_a_failing_late_image_fails_the_request_and_frees_its_blocks(checkpoint,
             await task
         return e.value
 
-    assert asyncio.run(scenario()).image_indices == [1]  # what the ingress retries
+    assert asyncio.run(scenario()).calls == [1]  # what the ingress retries
     assert engine.stats()["failed"] == 1 and engine.stats()["running"] == 0
     assert engine.pool.num_free == engine.pool.num_blocks
     engine.close()
@@ -234,15 +221,17 @@ def test_a_failing_late_image_fails_the_request_and_frees_its_blocks(checkpoint,
 
 def test_a_request_waiting_for_an_image_does_not_hold_back_the_others(checkpoint, reference, model, vision):
     inp, _ = request_for(checkpoint, reference, vision, SIZES[:1], seed=5, prefix=[11, 12, 13])
-    text = GenerateRequest("text", [5, 6, 7], [], [], SamplingParams(max_tokens=4, temperature=0.0))
+    text = GenerateRequest(
+        request_id="text", prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=4, temperature=0.0)
+    )
     engine = make_engine(model, reference, max_num_seqs=2)
 
     async def scenario():
         late = asyncio.get_running_loop().create_future()
-        waiting = asyncio.create_task(collect(engine, dataclasses.replace(inp, image_embeds=[late])))
+        waiting = asyncio.create_task(collect(engine, inp.replace(embeds=[late])))
         tokens, finish = await collect(engine, text)  # admitted and finished while the other waits
         assert len(tokens) == 4 and finish == "length" and not waiting.done()
-        late.set_result(inp.image_embeds[0])
+        late.set_result(inp.embeds[0])
         return await waiting
 
     assert asyncio.run(scenario())[1] in ("stop", "length")

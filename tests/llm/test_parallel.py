@@ -182,7 +182,7 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(checkpoint, referenc
     parallel, _ = two_ranks
     parallel.new_cache(64, 16)
     inp, ref = request_for(checkpoint, reference, vision, [(64, 48)], seed=3, prefix=[11, 12, 13])
-    ids = torch.tensor(inp.prompt_token_ids)
+    ids = torch.tensor(inp.request.prompt_token_ids)
     # One prefill through both: the logits agree to float32 rounding, which is relative to the logits' scale (the
     # ranks sum their partial products in another order; 1.1e-4 seen on logits of up to 23.5, on a VM without AVX-512).
     with torch.inference_mode():
@@ -205,7 +205,7 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(checkpoint, referenc
         return await asyncio.gather(*(collect(engine, inp) for inp, _ in requests))
 
     for (inp, ref), (ours, _) in zip(requests, asyncio.run(together()), strict=True):
-        assert ours == reference_generate(reference, ref, max_new_tokens=inp.sampling.max_tokens)
+        assert ours == reference_generate(reference, ref, max_new_tokens=inp.request.sampling.max_tokens)
     engine.close()
 
 
@@ -220,7 +220,9 @@ def test_three_ranks_give_the_greedy_tokens_of_one_and_of_transformers(odd_check
         request_for(odd_checkpoint, reference, vision, sizes, seed=i, prefix=list(range(3, 4 + 2 * i)))
         for i, sizes in enumerate([[], [(64, 48)], [(30, 200), (120, 60)]])
     ]
-    expected = [reference_generate(reference, ref, max_new_tokens=inp.sampling.max_tokens) for inp, ref in requests]
+    expected = [
+        reference_generate(reference, ref, max_new_tokens=inp.request.sampling.max_tokens) for inp, ref in requests
+    ]
 
     def generate(model) -> list[list[int]]:
         engine = make_engine(model, reference, max_num_batched_tokens=64, num_blocks=64)
@@ -242,7 +244,7 @@ def test_a_dead_rank_fails_requests_and_stops_the_engine(checkpoint, reference, 
     parallel, child = two_ranks
     engine = make_engine(parallel, reference, num_blocks=64)
     inp, _ = request_for(checkpoint, reference, vision, [], seed=1, prefix=[5, 6, 7])
-    assert len(asyncio.run(collect(engine, inp))[0]) == inp.sampling.max_tokens
+    assert len(asyncio.run(collect(engine, inp))[0]) == inp.request.sampling.max_tokens
     os.kill(child.pid, signal.SIGKILL)
     child.join(10)
     deadline = time.monotonic() + 90  # the idle engine's keepalive finds the dead rank without a request

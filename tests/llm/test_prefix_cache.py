@@ -7,8 +7,7 @@ import asyncio
 import pytest
 
 from llm.engine import BlockPool
-from schemas import GenerateRequest
-from tests.llm.reference import collect, make_engine, reference_generate, request_for
+from tests.llm.reference import Case, collect, make_engine, reference_generate, request_for
 
 
 def test_second_turn_reuses_the_first_turns_blocks(checkpoint, reference, model, vision):
@@ -16,12 +15,12 @@ def test_second_turn_reuses_the_first_turns_blocks(checkpoint, reference, model,
     first, ref1 = request_for(checkpoint, reference, vision, [(64, 48), (30, 100)], seed=1, prefix=list(range(3, 20)))
     out1, _ = asyncio.run(collect(engine, first))
     # The next turn re-sends the whole history (same text, same images) and adds to it.
-    ids2 = first.prompt_token_ids + out1 + [21, 22, 23]
-    second = GenerateRequest("r2", ids2, first.image_grid_thw, first.image_embeds, first.sampling, first.image_keys)
+    ids2 = first.request.prompt_token_ids + out1 + [21, 22, 23]
+    second = first.replace(request_id="r2", prompt_token_ids=ids2)
     before = engine.stats()
     out2, _ = asyncio.run(collect(engine, second))
     hits = engine.stats()["prefix_hits"] - before["prefix_hits"]
-    assert hits == (len(first.prompt_token_ids) + len(out1) - 1) // 4  # every full block of the history
+    assert hits == (len(first.request.prompt_token_ids) + len(out1) - 1) // 4  # every full block of the history
     ref2 = dict(ref1, input_ids=ref1["input_ids"].new_tensor([ids2]))
     assert out2 == reference_generate(reference, ref2, max_new_tokens=12)
 
@@ -31,10 +30,10 @@ def test_the_first_chunk_tells_the_prompt_tokens_found_cached(checkpoint, refere
     inp, _ = request_for(checkpoint, reference, vision, [(64, 48)], seed=5, prefix=list(range(3, 20)))
 
     async def cached() -> list[int | None]:
-        return [chunk.num_cached_tokens async for chunk in engine.generate(inp)]
+        return [chunk.num_cached_tokens async for chunk in engine.generate(inp.request, inp.embeds)]
 
-    first, again = asyncio.run(cached()), asyncio.run(cached())
-    assert first[0] == 0 and again[0] == (len(inp.prompt_token_ids) - 1) // 4 * 4  # all but the last token's block
+    first, again, prompt = asyncio.run(cached()), asyncio.run(cached()), inp.request.prompt_token_ids
+    assert first[0] == 0 and again[0] == (len(prompt) - 1) // 4 * 4  # all but the last token's block
     assert all(n is None for n in first[1:] + again[1:])
 
 
@@ -42,7 +41,8 @@ def test_same_tokens_different_image_is_not_a_hit(checkpoint, reference, model, 
     engine = make_engine(model, reference, block_size=4, num_blocks=256)
     a, ref_a = request_for(checkpoint, reference, vision, [(64, 48)], seed=2, prefix=[3, 4, 5, 6])
     b, ref_b = request_for(checkpoint, reference, vision, [(64, 48)], seed=3, prefix=[3, 4, 5, 6])
-    assert a.prompt_token_ids == b.prompt_token_ids and a.image_keys != b.image_keys  # only the pixels differ
+    assert a.request.prompt_token_ids == b.request.prompt_token_ids  # only the pixels differ
+    assert [i.key for i in a.request.items] != [i.key for i in b.request.items]
     out_a, _ = asyncio.run(collect(engine, a))
     before = engine.stats()["prefix_hits"]
     out_b, _ = asyncio.run(collect(engine, b))
@@ -110,26 +110,17 @@ def test_a_cache_scope_keeps_its_blocks_to_itself(checkpoint, reference, model, 
     engine = make_engine(model, reference, block_size=4, num_blocks=256)
     base, ref = request_for(checkpoint, reference, vision, [(64, 48)], seed=6, prefix=list(range(3, 20)))
 
-    def scoped(request_id: str, scope: str) -> GenerateRequest:
-        b = base
-        return GenerateRequest(
-            request_id,
-            b.prompt_token_ids,
-            b.image_grid_thw,
-            b.image_embeds,
-            b.sampling,
-            b.image_keys,
-            cache_scope=scope,
-        )
+    def scoped(request_id: str, scope: str) -> Case:
+        return base.replace(request_id=request_id, cache_scope=scope)
 
-    def cached(request: GenerateRequest) -> tuple[int, list[int]]:
+    def cached(case: Case) -> tuple[int, list[int]]:
         async def run():
-            chunks = [chunk async for chunk in engine.generate(request)]
+            chunks = [chunk async for chunk in engine.generate(case.request, case.embeds)]
             return chunks[0].num_cached_tokens, [t for c in chunks for t in c.token_ids]
 
         return asyncio.run(run())
 
-    full = (len(base.prompt_token_ids) - 1) // 4 * 4
+    full = (len(base.request.prompt_token_ids) - 1) // 4 * 4
     assert cached(scoped("a1", "tenant-a"))[0] == 0
     assert cached(scoped("b1", "tenant-b"))[0] == 0  # another scope: a miss, text blocks included
     assert cached(scoped("s1", ""))[0] == 0  # nor the shared cache

@@ -26,7 +26,7 @@ def test_per_step_logprobs_match_transformers_in_a_mixed_batch(checkpoint, refer
     async def together():
         async def one(inp):
             lps = []
-            async for chunk in engine.generate(inp):
+            async for chunk in engine.generate(inp.request, inp.embeds):
                 lps += chunk.logprobs
             return lps
 
@@ -67,7 +67,7 @@ def test_prompt_logprobs_match_transformers_through_chunks_and_a_warm_prefix_cac
     engine = make_engine(model, reference, max_num_batched_tokens=9, block_size=4, num_blocks=256)
 
     async def run(inp):
-        chunks = [chunk async for chunk in engine.generate(inp)]
+        chunks = [chunk async for chunk in engine.generate(inp.request, inp.embeds)]
         assert all(c.prompt_logprobs is None for c in chunks[1:])
         return chunks[0].prompt_logprobs, [t for c in chunks for t in c.token_ids], chunks[0].num_cached_tokens
 
@@ -78,7 +78,7 @@ def test_prompt_logprobs_match_transformers_through_chunks_and_a_warm_prefix_cac
     warm, again, cached = asyncio.run(run(image))
     assert again == tokens and cached == 0  # its blocks are cached (below), yet this prompt recomputed them
     ref_lp = _reference_prompt_logprobs(reference, ref)
-    ids = image.prompt_token_ids
+    ids = image.request.prompt_token_ids
     assert len(cold) == len(warm) == len(ids) - 1
     for i, (lp, lp_warm) in enumerate(zip(cold, warm, strict=True)):
         assert lp.logprob == pytest.approx(float(ref_lp[i, ids[i + 1]]), rel=1e-4, abs=2e-4), i
@@ -86,7 +86,7 @@ def test_prompt_logprobs_match_transformers_through_chunks_and_a_warm_prefix_cac
         assert [t for t, _ in lp.top] == top.indices.tolist()
         assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), rel=1e-4, abs=2e-4)
         assert lp_warm.logprob == pytest.approx(lp.logprob, abs=1e-5)
-    plain = dataclasses.replace(image, sampling=dataclasses.replace(image.sampling, prompt_logprobs=None))
+    plain = image.replace(sampling=dataclasses.replace(image.request.sampling, prompt_logprobs=None))
     none, same, cached = asyncio.run(run(plain))
     assert (none, same) == (None, tokens) and cached > 0  # not asked: none, and the cache serves it
 
@@ -107,11 +107,9 @@ def _penalized_greedy(reference, ids: list[int], steps: int, presence: float, fr
 def test_penalties_match_a_plain_reimplementation(reference, model, presence, frequency):
     engine = make_engine(model, reference)
     inp = GenerateRequest(
-        "p",
-        [5, 6, 7],
-        [],
-        [],
-        SamplingParams(
+        request_id="p",
+        prompt_token_ids=[5, 6, 7],
+        sampling=SamplingParams(
             max_tokens=16, temperature=0.0, presence_penalty=presence, frequency_penalty=frequency, ignore_eos=True
         ),
     )
@@ -173,7 +171,9 @@ def test_min_tokens_holds_eos_back_as_transformers_min_new_tokens(reference, mod
 
     def ours(min_tokens: int) -> tuple[list[int], str | None]:
         params = SamplingParams(max_tokens=12, temperature=0.0, min_tokens=min_tokens, logit_bias={eos: 100.0})
-        return asyncio.run(collect(engine, GenerateRequest(f"m{min_tokens}", prompt, [], [], params)))
+        return asyncio.run(
+            collect(engine, GenerateRequest(request_id=f"m{min_tokens}", prompt_token_ids=prompt, sampling=params))
+        )
 
     assert ours(0) == ([eos], "stop")
     tokens, finish = ours(5)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 
 import pytest
@@ -214,20 +213,21 @@ def test_steps_keep_cpu_threads_while_an_encoder_works_for_the_engine(
     engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2, cpu_threads_max_rows=3)
     seen, step = [], engine._step
     engine._step = lambda chunks: seen.append((torch.get_num_threads(), chunks[0].start, chunks[0].n)) or step(chunks)
-    image_at = inp.prompt_token_ids.index(reference.config.image_token_id)  # 8: the prefix and the vision start
+    prompt = inp.request.prompt_token_ids
+    image_at = prompt.index(reference.config.image_token_id)  # 8: the prefix and the vision start
 
     async def scenario():
         late = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(collect(engine, dataclasses.replace(inp, image_embeds=[late])))
+        task = asyncio.create_task(collect(engine, inp.replace(embeds=[late])))
         while sum(n for _, _, n in seen) < image_at:  # all the text before the image, while it is encoded
             await asyncio.sleep(0.01)
-        late.set_result(inp.image_embeds[0])
+        late.set_result(inp.embeds[0])
         return await task
 
     asyncio.run(scenario())
     assert seen[:3] == [(1, 0, 3), (1, 3, 3), (1, 6, 2)]  # one thread, at most 3 rows a step
-    assert seen[3] == (2, image_at, len(inp.prompt_token_ids) - image_at)  # the rest, the image there: two threads
-    assert seen[4:] == [(1, len(inp.prompt_token_ids), 1)]  # the decode step: one
+    assert seen[3] == (2, image_at, len(prompt) - image_at)  # the rest, the image there: two threads
+    assert seen[4:] == [(1, len(prompt), 1)]  # the decode step: one
     engine.close()
 
 
@@ -253,6 +253,7 @@ def test_the_llm_replica_counts_its_colocated_encodes():
 
     from encoders.cache import EmbeddingLRU
     from llm.server import LLM
+    from schemas import MediaItem
 
     seen = []
 
@@ -265,8 +266,9 @@ def test_the_llm_replica_counts_its_colocated_encodes():
 
     replica = SimpleNamespace(engine=SimpleNamespace(encoding=0), vision=Vision(), vision_cache=EmbeddingLRU(1 << 20))
     encode_here = LLM.func_or_class._encode_here
-    assert len(asyncio.run(encode_here(replica, [b"a", b"b"], []))) == 2
+    items = lambda n: [MediaItem("", (1, 2, 2), 1) for _ in range(n)]  # noqa: E731  (no key: never cached)
+    assert len(asyncio.run(encode_here(replica, items(2), [b"a", b"b"]))) == 2
     assert seen == [1, 1] and replica.engine.encoding == 0
     with pytest.raises(RuntimeError, match="broken"):
-        asyncio.run(encode_here(replica, [b"bad"], []))
+        asyncio.run(encode_here(replica, items(1), [b"bad"]))
     assert replica.engine.encoding == 0

@@ -33,6 +33,14 @@ def _conversation(turns: int) -> list[dict]:
     return messages
 
 
+def _keys(p) -> list[str]:
+    return [item.media.key for item in p.items]
+
+
+def _grids(p) -> list[tuple[int, int, int]]:
+    return [item.media.grid_thw for item in p.items]
+
+
 def _prepare(prep: Preparer, messages: list[dict], **fields):
     req = ChatCompletionRequest(messages=messages, **fields)
     prep.check(req)
@@ -58,7 +66,7 @@ def test_drop_oldest_turns_keeps_system_and_whole_newest_turns(prep):
     kept = messages[:1] + messages[1 + p.dropped_messages :]
     # The same prompt as a request that never had the dropped turns: nothing cut inside a turn or an image run.
     alone = _prepare(prep, kept, max_tokens=8)
-    assert p.prompt == alone.prompt and p.image_keys == alone.image_keys and p.grids == alone.grids
+    assert p.prompt == alone.prompt and _keys(p) == _keys(alone) and _grids(p) == _grids(alone)
     assert len(p.prompt) + 8 <= CONTEXT
     text = prep.tokenizer.decode(p.prompt)
     assert "You look at pictures." in text and "and this one?" in text
@@ -72,11 +80,12 @@ def test_dropped_images_go_with_their_turns(prep):
     messages = _conversation(6)
     p = _prepare(prep, messages, context_overflow="drop_oldest_turns", max_tokens=8)
     kept_images = (len(messages) - 1 - p.dropped_messages) // 2 + 1
-    assert len(p.images) == len(p.image_keys) == len(p.grids) == kept_images
+    assert len(p.images) == len(p.items) == kept_images
     image_token_id = prep.image_token_id
-    expected = sum(t * h * w // 4 for t, h, w in p.grids)
+    expected = sum(t * h * w // 4 for t, h, w in _grids(p))
     assert sum(1 for t in p.prompt if t == image_token_id) == expected
-    assert p.num_tokens == [t * h * w // 4 for t, h, w in p.grids]  # the kept images' counts, sent to the LLM
+    # the kept images' counts, sent to the LLM
+    assert [item.media.num_tokens for item in p.items] == [t * h * w // 4 for t, h, w in _grids(p)]
 
 
 def test_a_last_turn_over_the_context_is_still_an_error(prep):
@@ -146,9 +155,12 @@ def test_each_kept_image_has_its_cost_from_its_header(prep):
     an image dropped with its turn takes its cost with it."""
     small, big = _image(1, width=56), _image(2, width=224)
     p = _prepare(prep, [{"role": "user", "content": [small, big, {"type": "text", "text": "which?"}]}], max_tokens=4)
-    assert p.job_costs == [prep.image_cost.gflop(g) for g in p.grids] and 0 < p.job_costs[0] < p.job_costs[1]
+    costs = [item.cost for item in p.items]
+    assert costs == [prep.image_cost.gflop(g) for g in _grids(p)] and 0 < costs[0] < costs[1]
     dropped = _prepare(prep, _conversation(6), context_overflow="drop_oldest_turns", max_tokens=8)
-    assert len(dropped.job_costs) == len(dropped.images) == len(dropped.grids)
+    assert [job.cost for item in dropped.items for job in item.jobs] == [
+        prep.image_cost.gflop(g) for g in _grids(dropped)
+    ]
 
 
 def test_the_cache_scope_is_in_every_image_key(prep):
@@ -156,7 +168,8 @@ def test_the_cache_scope_is_in_every_image_key(prep):
     shared, a, a2, b = (
         prep.prepare(ChatCompletionRequest(messages=messages, max_tokens=4), {}, scope) for scope in ("", "a", "a", "b")
     )
-    assert len({shared.image_keys[0], a.image_keys[0], b.image_keys[0]}) == 3 and a.image_keys == a2.image_keys
+    assert len({_keys(shared)[0], _keys(a)[0], _keys(b)[0]}) == 3 and _keys(a) == _keys(a2)
+    assert [job.key for job in a.items[0].jobs] == _keys(a)  # one job, the image: the same key
     assert (shared.cache_scope, a.cache_scope) == ("", "a") and a.prompt == b.prompt
 
 

@@ -29,6 +29,18 @@ def _video_part(data: bytes = VIDEO) -> dict:
     return {"type": "video_url", "video_url": {"url": video_url(data)}}
 
 
+def _keys(p) -> list[str]:
+    return [item.media.key for item in p.items]
+
+
+def _grids(p) -> list[tuple[int, int, int]]:
+    return [item.media.grid_thw for item in p.items]
+
+
+def _timing(p) -> list[float | None]:
+    return [item.media.second_per_grid_t for item in p.items]
+
+
 def _prepare(prep: Preparer, content: list, fetched: dict | None = None, **fields):
     req = ChatCompletionRequest(
         messages=[{"role": "user", "content": content}], mm_processor_kwargs=fields.pop("kw", SMALL), **fields
@@ -40,13 +52,13 @@ def _prepare(prep: Preparer, content: list, fetched: dict | None = None, **field
 def test_one_video_is_one_placeholder_run_counted_before_decoding(prep):
     p = _prepare(prep, [_video_part(), {"type": "text", "text": "What happens?"}], max_tokens=8)
     video_pad = prep.video_token_id
-    assert p.prompt.count(video_pad) == 8 and p.grids == [(2, 4, 4)] and p.num_videos == 1
+    assert p.prompt.count(video_pad) == 8 and _grids(p) == [(2, 4, 4)] and [i.is_video for i in p.items] == [True]
     start = p.prompt.index(video_pad)
     assert p.prompt[start - 1] == prep.tokens.per_image_ids[0] and p.prompt[start + 8] == prep.tokens.per_image_ids[1]
-    (video,) = p.images
+    (video,) = [item.data for item in p.items]
     assert isinstance(video, Video) and video.plan.indices == (0, 6, 13, 19) and video.plan.sample_fps == 1.6
-    assert p.second_per_grid_ts == [2 / 1.6] and p.image_keys[0].startswith("video:")
-    assert p.image_sizes == [] and p.image_numbers == []  # grounding boxes are for images only
+    assert _timing(p) == [2 / 1.6] and _keys(p)[0].startswith("video:")
+    assert p.images == []  # grounding boxes are for images only
 
 
 def test_a_video_then_an_image_keep_their_order(prep):
@@ -54,7 +66,7 @@ def test_a_video_then_an_image_keep_their_order(prep):
     p = _prepare(prep, [_video_part(), image, {"type": "text", "text": "Both?"}], max_tokens=8)
     kinds = [t for t in p.prompt if t in (prep.video_token_id, prep.image_token_id)]
     assert kinds == [prep.video_token_id] * 8 + [prep.image_token_id] * 4
-    assert p.second_per_grid_ts == [1.25, None] and p.image_numbers == [0] and p.image_sizes == [(56, 56)]
+    assert _timing(p) == [1.25, None] and [(im.number, im.size) for im in p.images] == [(0, (56, 56))]
 
 
 def test_the_other_input_forms_are_the_same_video(prep):
@@ -62,22 +74,22 @@ def test_the_other_input_forms_are_the_same_video(prep):
     as_list = "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
     vllm = _prepare(prep, [{"type": "video_url", "video_url": {"url": as_list}}, {"text": "x"}])
     qwen = _prepare(prep, [{"video": [data_url(f, "JPEG") for f in frames]}, {"text": "x"}])
-    assert vllm.prompt == qwen.prompt and vllm.image_keys == qwen.image_keys and vllm.grids == [(2, 4, 4)]
-    assert qwen.images[0].plan.indices == (0, 1, 2, 3) and qwen.images[0].plan.sample_fps == 2.0
+    assert vllm.prompt == qwen.prompt and _keys(vllm) == _keys(qwen) and _grids(vllm) == [(2, 4, 4)]
+    assert qwen.items[0].data.plan.indices == (0, 1, 2, 3) and qwen.items[0].data.plan.sample_fps == 2.0
     mindie = _prepare(prep, [{"video": video_url(VIDEO)}, {"text": "x"}])
     openai = _prepare(prep, [_video_part(), {"type": "text", "text": "x"}])
-    assert mindie.prompt == openai.prompt and mindie.image_keys == openai.image_keys
+    assert mindie.prompt == openai.prompt and _keys(mindie) == _keys(openai)
     fetched = _prepare(prep, [{"video": "file:///v.mp4"}, {"text": "x"}], {"messages[0].content[0].video_url": VIDEO})
-    assert fetched.image_keys == openai.image_keys
+    assert _keys(fetched) == _keys(openai)
 
 
 def test_sampling_settings_change_the_key_and_the_tokens(prep):
     two = _prepare(prep, [_video_part()], kw=SMALL)
     one = _prepare(prep, [_video_part(make_video(8, fps=8, width=64, height=48))], kw={**SMALL, "fps": 1})
     four = _prepare(prep, [_video_part(make_video(8, fps=8, width=64, height=48))], kw={**SMALL, "nframes": 16})
-    assert one.grids == [(4, 4, 4)] and four.grids == [(8, 4, 4)] and two.grids == [(2, 4, 4)]
-    assert one.second_per_grid_ts == [2.0] and four.second_per_grid_ts == [1.0]  # 16 frames in 8 s
-    assert len({one.image_keys[0], four.image_keys[0]}) == 2
+    assert _grids(one) == [(4, 4, 4)] and _grids(four) == [(8, 4, 4)] and _grids(two) == [(2, 4, 4)]
+    assert _timing(one) == [2.0] and _timing(four) == [1.0]  # 16 frames in 8 s
+    assert len({_keys(one)[0], _keys(four)[0]}) == 2
     with pytest.raises(ValidationError, match="give fps or nframes, not both"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], mm_processor_kwargs={"fps": 1, "nframes": 4})
 
@@ -127,8 +139,8 @@ def test_context_overflow_drops_whole_videos(prep):
     big = Preparer(AppArgs(model=str(prep.args.model), llm={"max_model_len": 160}, video={"max_videos_per_request": 4}))
     big.check(req)
     p = big.prepare(req, {})
-    assert p.dropped_messages > 0 and p.num_videos == len(p.images) == 4 - p.dropped_messages // 2
-    assert p.prompt.count(big.video_token_id) == 8 * p.num_videos  # whole runs only
+    assert p.dropped_messages > 0 and all(i.is_video for i in p.items) and len(p.items) == 4 - p.dropped_messages // 2
+    assert p.prompt.count(big.video_token_id) == 8 * len(p.items)  # whole runs only
 
 
 def test_a_video_over_the_batch_budget_goes_in_chunks_of_tubelets(checkpoint):
@@ -138,12 +150,19 @@ def test_a_video_over_the_batch_budget_goes_in_chunks_of_tubelets(checkpoint):
         return _prepare(prep, [image, _video_part(make_video(4, fps=8, width=64, height=48))], max_tokens=8)
 
     whole, split, colocated = jobs(), jobs(max_batch_patches=16), jobs(max_batch_patches=16, colocated=True)
-    assert whole.grids[1] == (4, 4, 4) and whole.jobs_per_item == [1, 1]  # 4 tubelets of 16 patches
-    assert split.jobs_per_item == [1, 4] and split.grids == whole.grids and split.prompt == whole.prompt
-    assert [v.plan.indices for v in split.jobs[1:]] == [(0, 4), (9, 13), (18, 22), (27, 31)]
-    assert split.job_keys[1:] == [f"{whole.job_keys[1]}@{a}-{a + 1}" for a in range(4)]
-    assert split.image_keys == whole.image_keys  # the prefix cache keys the whole video
-    assert colocated.jobs_per_item == [1, 1]  # the LLM replica encodes it itself, whole
+
+    def per_item(p) -> list[int]:
+        return [len(item.jobs) for item in p.items]
+
+    assert _grids(whole)[1] == (4, 4, 4) and per_item(whole) == [1, 1]  # 4 tubelets of 16 patches
+    assert per_item(split) == [1, 4] and _grids(split) == _grids(whole) and split.prompt == whole.prompt
+    chunks = split.items[1].jobs
+    assert [job.data.plan.indices for job in chunks] == [(0, 4), (9, 13), (18, 22), (27, 31)]
+    assert [job.key for job in chunks] == [f"{whole.items[1].jobs[0].key}@{a}-{a + 1}" for a in range(4)]
+    assert [(job.patches, job.num_tokens) for job in chunks] == [(16, 4)] * 4  # a tubelet each: 16 patches, 4 tokens
+    assert sum(job.cost for job in chunks) == pytest.approx(whole.items[1].jobs[0].cost)
+    assert _keys(split) == _keys(whole)  # the prefix cache keys the whole video
+    assert per_item(colocated) == [1, 1]  # the LLM replica encodes it itself, whole
 
 
 def test_tokenize_gives_a_video_chat_its_prompt_and_a_text_completion_takes_no_video(prep):

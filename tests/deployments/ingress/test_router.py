@@ -89,7 +89,9 @@ def _pending(req) -> PendingRequest:
 
 
 def _generate(key: str | None) -> GenerateRequest:
-    return GenerateRequest("r", [1, 2, 3], [], [], SamplingParams(max_tokens=1), routing_key=key)
+    return GenerateRequest(
+        request_id="r", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=1), routing_key=key
+    )
 
 
 def test_the_router_reads_the_key_and_the_queue_lengths():
