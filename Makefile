@@ -3,9 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 CHECKPOINT := demo/qwen2-vl-tiny
 
-.PHONY: install image browser checkpoint serve serve-env lint test test-fast docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer bench-structured bench-video bench-encoder-scaling bench-overlap soak clean
+.PHONY: install image browser checkpoint serve serve-env lint test test-fast docs bench bench-prefix bench-encoder bench-kernels bench-tp bench-colocated bench-peer bench-structured bench-video bench-encoder-scaling bench-overlap bench-tier soak clean
 
 install: $(STAMP)
 
@@ -86,31 +87,35 @@ docs: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not cluster and not slow" -n 2
 
-# The serving benchmark (bench/README.md): `make bench BENCH_ARGS=--quick` for a one-minute smoke run.
-bench: $(STAMP)
+# What the benchmarks need beyond the tests' install (their plots): every bench target has it.
+$(BENCH_STAMP): $(STAMP) requirements-bench.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-bench.txt
+	touch $@
+
+# The serving benchmark (bench/README.md): `make bench BENCH_ARGS=--quick` for a one-minute smoke run.
+bench: $(BENCH_STAMP)
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 # Second-turn time to first token with and without prefix reuse (BENCH_ARGS="--compare embedding-cache": with and
 # without the encoders' embedding cache).
-bench-prefix: $(STAMP)
+bench-prefix: $(BENCH_STAMP)
 	$(PY) -m bench.prefix $(BENCH_ARGS)
 
 # The encoder tier alone: ViT images/s, preprocessing against transformers, embedding transfer, base64.
-bench-encoder: $(STAMP)
+bench-encoder: $(BENCH_STAMP)
 	$(PY) -m bench.encoder $(BENCH_ARGS)
 
 # The engine's CPU hot spots against what they replaced: decode attention, and OpenMP teams of the worker thread.
-bench-kernels: $(STAMP)
+bench-kernels: $(BENCH_STAMP)
 	$(PY) -m bench.kernels $(BENCH_ARGS)
 
 # One decode step on one rank against two tensor-parallel gloo ranks (bench/tp.py).
-bench-tp: $(STAMP)
+bench-tp: $(BENCH_STAMP)
 	$(PY) -m bench.tp $(BENCH_ARGS)
 
 # Encoders on their own replicas against an encoder colocated in the LLM replica, same resources and requests
 # (BENCH_ARGS="--images 1,2,4,8": a sweep over images per request, plotted to bench_results/colocated-*.png).
-bench-colocated: $(STAMP)
+bench-colocated: $(BENCH_STAMP)
 	$(PY) -m bench.colocated $(BENCH_ARGS)
 
 # Our app against vLLM's CPU build on the same checkpoint and requests (bench/peer.py; BENCH_ARGS=--quick for a
@@ -129,24 +134,29 @@ $(VLLM_STAMP): bench/vllm_shim.py
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $@
 
-bench-peer: $(STAMP) $(VLLM_STAMP)
+bench-peer: $(BENCH_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.peer $(BENCH_ARGS)
 
 # Structured outputs under load (bench/structured.py): c=32, all free against half under a json_schema.
-bench-structured: $(STAMP)
+bench-structured: $(BENCH_STAMP)
 	$(PY) -m bench.structured $(BENCH_ARGS)
 
 # A long video across the encoder tier (bench/video.py): a 60 s video's time to first token with 1 Encoder replica
 # and with 2, then its probe, decoding and ViT seconds in one process.
-bench-video: $(STAMP)
+bench-video: $(BENCH_STAMP)
 	$(PY) -m bench.video $(BENCH_ARGS)
 
 # TTFT of 4-image requests with prefill overlapped with encoding and without (bench/overlap.py).
-bench-overlap: $(STAMP)
+bench-overlap: $(BENCH_STAMP)
 	$(PY) -m bench.overlap $(BENCH_ARGS)
 
+# The encoder tier against encoders in the LLM replica, on two Ray nodes pinned to a core each (bench/tier.py): CPU per
+# image by process, image TTFT and text TPOT under a sweep of image rates, goodput, and the tier's scale-out.
+bench-tier: $(BENCH_STAMP)
+	$(PY) -m bench.tier $(BENCH_ARGS)
+
 # The encoder tier under a load step of mixed image sizes, count policy and router against cost (bench/encoder_scaling.py).
-bench-encoder-scaling: $(STAMP)
+bench-encoder-scaling: $(BENCH_STAMP)
 	$(PY) -m bench.encoder_scaling $(SCALING_ARGS)
 
 # The long soak (bench/soak.py, about 15 min here): 30,000 good, bad, cancelled and streaming requests, then no 5xx,
@@ -154,7 +164,7 @@ bench-encoder-scaling: $(STAMP)
 # blocks held, clean logs; behind the front door `make serve` opens (INGRESS). `make soak SOAK_ARGS="--requests 300
 # --rounds 4"`: a short one.
 SOAK_ARGS ?= --concurrency 16
-soak: $(STAMP)
+soak: $(BENCH_STAMP)
 	$(PY) -m bench.soak --ingress $(INGRESS) $(SOAK_ARGS)
 
 clean:

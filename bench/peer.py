@@ -55,6 +55,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a server to answer at start")
     p.add_argument("--app-args", type=json.loads, default={}, help="JSON merged into ours' args (serve_config.yaml)")
     p.add_argument(
+        "--deployments",
+        type=json.loads,
+        default={},
+        help="JSON: options merged into ours' deployments: entries, or entries of their own, e.g. '{\"Encoder\": "
+        '{"num_replicas": 1}}\' with --app-args \'{"encoder": {"colocated": false}}\' (the encoder tier)',
+    )
+    p.add_argument(
         "--ingress",
         choices=("proxy", "direct", "haproxy"),
         default=None,
@@ -172,7 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if name == "ours":
                 server = peer_servers.ours(
-                    ckpt, out_dir, stamp, args.app_args, args.startup_timeout, args.ingress, args.ours_env
+                    ckpt,
+                    out_dir,
+                    stamp,
+                    args.app_args,
+                    args.startup_timeout,
+                    args.ingress,
+                    args.ours_env,
+                    args.deployments,
                 )
             else:
                 server = peer_servers.vllm(

@@ -24,4 +24,15 @@ class SlowViT(Qwen2VLVisionEncoder):
         return super().forward(batch)
 
 
-__all__ = ["SlowViT"]
+class SleepViT(SlowViT):
+    """A ViT that takes no CPU: each batched forward only sleeps for its cost, then returns zeros of the embeddings'
+    shapes. Its replicas add capacity as GPUs of their own would, and what the encoder tier costs besides the ViT
+    (decoding, preprocessing, the calls, the transfer) is all the CPU left to measure."""
+
+    def forward(self, batch):
+        time.sleep(self.seconds_per_gflop * sum(self.cost.gflop(grid) for _, grid in batch))
+        merge = self.processing.merge_size**2
+        return [torch.zeros(t * h * w // merge, self.hidden_size) for _, (t, h, w) in batch]
+
+
+__all__ = ["SleepViT", "SlowViT"]

@@ -80,7 +80,7 @@ class Engine:
         # written by the worker only
         self.counts = dict(
             finished=0, failed=0, steps=0, ahead_steps=0, cpu_threads=config.cpu_threads or 0, cpu_thread_changes=0,
-            step_cpu_s=0.0,
+            step_cpu_s=0.0, prefill_step_s=0.0,
         )  # fmt: skip
         # A decode step whose next one is launched before its tokens reach the host (vLLM's asynchronous scheduling,
         # for decode-only steps of plain rows): the host's work between two steps overlaps the device's.
@@ -191,6 +191,8 @@ class Engine:
                 with torch.inference_mode():
                     self._step(chunks)
                 self.counts["step_cpu_s"] += time.thread_time() - cpu  # the worker's own CPU in steps
+                if any(c.n > 1 for c in chunks):  # the time decodes waited on a prefill beside them
+                    self.counts["prefill_step_s"] += time.monotonic() - started
                 if trace is not None:
                     trace.record(started, chunks)
                 self.delivery.flush()

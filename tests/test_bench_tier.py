@@ -1,0 +1,87 @@
+"""bench/tier.py's parts that need no cluster: the workload, the CPU accounting by process, and the report's ratios."""
+
+from __future__ import annotations
+
+import base64
+import io
+from argparse import Namespace
+
+from PIL import Image
+
+from bench import proc_cpu, tier
+
+
+def test_process_roles_come_from_rays_process_titles():
+    assert proc_cpu.role_of("ray::ServeReplica:tier:Encoder") == "Encoder"
+    assert proc_cpu.role_of("ray::ServeReplica:tier:LLM ") == "LLM"
+    assert proc_cpu.role_of("ray::ProxyActor") == "proxy"
+    assert proc_cpu.role_of("/v/bin/raylet --x", "raylet") == "raylet"
+    assert proc_cpu.role_of("ray::IDLE") == "worker" and proc_cpu.role_of("python -m bench.tier") == "other"
+
+
+def test_cpu_is_counted_between_snapshots_by_role_and_cpus():
+    before = {1: proc_cpu.Proc(1, 0, 2.0, "LLM", "0"), 2: proc_cpu.Proc(2, 0, 1.0, "Encoder", "1")}
+    after = {
+        1: proc_cpu.Proc(1, 0, 5.0, "LLM", "0"),
+        2: proc_cpu.Proc(2, 0, 1.5, "Encoder", "1"),
+        3: proc_cpu.Proc(3, 0, 0.25, "Encoder", "1"),  # started in between: counted from zero
+    }
+    assert proc_cpu.cpu_by_role(before, after) == {"LLM": 3.0, "Encoder": 0.75}
+    assert proc_cpu.cpu_by_role(before, after, by_cpus=True) == {"LLM@0": 3.0, "Encoder@1": 0.75}
+
+
+def test_the_snapshot_finds_this_machines_processes():
+    mine = proc_cpu.snapshot([1])  # init and its descendants: every process but the caller
+    assert mine and all(p.cpu_s >= 0 for p in mine.values())
+
+
+def _sizes(body: dict) -> list[tuple[int, int]]:
+    urls = [p["image_url"]["url"] for p in body["messages"][0]["content"] if p.get("type") == "image_url"]
+    return [Image.open(io.BytesIO(base64.b64decode(u.split(",", 1)[1]))).size for u in urls]
+
+
+def test_image_requests_carry_one_to_four_small_or_large_fresh_images():
+    bodies, counts = tier.image_bodies(40, seed=0, max_tokens=16)
+    sizes = [_sizes(b) for b in bodies]
+    assert [len(s) for s in sizes] == counts and set(counts) == {1, 2, 3, 4}
+    assert {size for s in sizes for size in s} == {tier.SMALL, tier.LARGE}
+    again, _ = tier.image_bodies(40, seed=0, max_tokens=16)
+    assert again == bodies and tier.image_bodies(40, seed=1, max_tokens=16)[0] != bodies  # seeded, not fixed
+    assert [_sizes(b) for b in tier.cpu_bodies(2, 0, "x")] == [tier.CPU_SIZES] * 2
+
+
+def _window(rate: float, ttft_p99: float, tpot_p99: float, goodput: float) -> dict:
+    agg = {"ttft_ms": {"p50": ttft_p99 / 2, "p99": ttft_p99}, "tpot_ms": {"p50": tpot_p99 / 2, "p99": tpot_p99},
+           "failed": 0}  # fmt: skip
+    return {"rate": rate, "image": agg, "text": agg, "goodput_req_per_s": goodput, "good_share": 0.9,
+            "out_tok_per_s": 100.0, "images_per_s": 1.0, "cores_by_process": {"LLM@0": 0.9},
+            "prefill_share": [0.2]}  # fmt: skip
+
+
+def _layout(cpu_ms: float, unloaded_p99: float, windows: list[dict]) -> dict:
+    cpu = {"images_per_s": 10.0, "total_ms_per_image": cpu_ms, "cpu_ms_per_image": {"LLM": cpu_ms}, "failed": 0}
+    unloaded = {"tpot_ms": {"p50": unloaded_p99 / 2, "p99": unloaded_p99}}
+    return {"cpu": {"miss": cpu, "hit": cpu}, "text_unloaded": unloaded, "rates": windows,
+            "goodput_req_per_s": max(w["goodput_req_per_s"] for w in windows)}  # fmt: skip
+
+
+def test_the_last_line_has_the_four_ratios():
+    opts = Namespace(text_streams=3, text_tokens=48, unloaded_s=20, window_s=40, image_tokens=16, ttft_bound=2.0,
+                     tpot_bound=0.05, rates=[0.3, 0.6], scale_image_s=0.125, scale_concurrency=32)  # fmt: skip
+    results = {
+        "tier": _layout(90.0, 20.0, [_window(0.3, 3000, 30, 3.0), _window(0.6, 4000, 25, 4.0)]),
+        "colocated": _layout(75.0, 20.0, [_window(0.3, 9000, 80, 1.0), _window(0.6, 20000, 100, 0.5)]),
+        "dp2": _layout(80.0, 20.0, [_window(0.3, 5000, 50, 2.0), _window(0.6, 8000, 60, 1.6)]),
+    }
+    scale = {
+        k: {"images_per_s": 10.0 * k * 0.9 ** (k - 1), "cpu_ms_per_image": {"Ingress": 5.0},
+            "engine_steps_ms_per_image": 1.0, "tier_own_ms_per_image": 15.0}
+        for k in (1, 2, 4)
+    }  # fmt: skip
+    text, last = tier.report(results, scale, opts, "header")
+    # cpu 90/75; 4 replicas 4 * 0.729; TPOT p99 at the second rate 25/20; goodput peaks 4.0/2.0
+    assert last == (
+        "tier: cpu/image tier/colocated 1.20x; images/s 4 replicas/1 2.92x; TPOT p99 loaded/unloaded 1.25x; "
+        "goodput tier/DP2 2.00x"
+    )
+    assert "1.25x" in text and "scale-out" in text  # the sweep's rows, and the scale-out's
