@@ -182,8 +182,8 @@ async def closed_loop(url: str, bodies: list[dict], concurrency: int, timeout: f
 
 
 def cpu_phase(url: str, roots: list[int], n: int, seed: int, timeout: float) -> dict:
-    """CPU ms per image by process: first `n` requests of fresh images (misses), then the same images again after
-    another leading text (embedding-cache hits; no prefix-cache reuse, which would skip the images' prefill)."""
+    """CPU seconds by process: first `n` requests of fresh images (misses), then the same images again after another
+    leading text (embedding-cache hits; no prefix-cache reuse, which would skip the images' prefill)."""
     out = {}
     for name, lead in (("miss", "First look"), ("hit", "Second look")):
         before = proc_cpu.snapshot(roots)
@@ -191,14 +191,7 @@ def cpu_phase(url: str, roots: list[int], n: int, seed: int, timeout: float) -> 
         results = asyncio.run(closed_loop(url, cpu_bodies(n, seed, lead), 16, timeout))
         wall = time.perf_counter() - started
         cpu = proc_cpu.cpu_by_role(before, proc_cpu.snapshot(roots))
-        images = n * len(CPU_SIZES)
-        failed = sum(not r.ok for r in results)
-        out[name] = {
-            "images_per_s": images / wall,
-            "cpu_ms_per_image": _per(cpu, images),
-            "total_ms_per_image": sum(cpu.values()) * 1000 / images,
-            "failed": failed,
-        }
+        out[name] = {"cpu": cpu, "images": n * len(CPU_SIZES), "wall": wall, "failed": sum(not r.ok for r in results)}
     return out
 
 
@@ -241,49 +234,99 @@ async def _mixed(url: str, opts, windows: list[tuple[float, list[dict], list[flo
         return {"windows": by_window, "text": [r for t in streams for r in await t]}
 
 
-def traffic_phase(url: str, opts, roots: list[int]) -> dict:
+def traffic_phase(url: str, opts, roots: list[int], seed: int) -> dict:
     """Unloaded text streams, then the same with the image stream at each rate of `opts.rates`; each text request
-    is counted in the window it started in."""
+    is counted in the window it started in. The raw results (`merge` aggregates the passes of a layout)."""
     windows = []
     for k, rate in enumerate(opts.rates):
         n = max(1, round(rate * opts.window_s))
-        bodies, counts = image_bodies(n, opts.seed * 100 + k, opts.image_tokens)
-        gaps = np.random.default_rng([opts.seed, 99, k]).exponential(1.0 / rate, n).tolist()
+        bodies, counts = image_bodies(n, seed * 100 + k, opts.image_tokens)
+        gaps = np.random.default_rng([seed, 99, k]).exponential(1.0 / rate, n).tolist()
         windows.append((rate, bodies, gaps, counts))
     from ray import serve
 
     llm = serve.get_deployment_handle("LLM", "tier")
     run = asyncio.run(_mixed(url, opts, [w[:3] for w in windows], roots, llm))
     first = run["windows"][0]["edges"][0][0]
-    unloaded = [r for r in run["text"] if r.sent + r.e2e <= first and r.sent >= 2.0]  # the first seconds: warm-up
-    out = {"text_unloaded": aggregate(unloaded, first, opts.ttft_bound, opts.tpot_bound), "rates": []}
+    out = {
+        "unloaded": [r for r in run["text"] if r.sent + r.e2e <= first and r.sent >= 2.0],  # 2 s: warm-up
+        "unloaded_s": first - 2.0,
+        "rates": [],
+    }
     for window, (_, _, _, counts) in zip(run["windows"], windows, strict=True):
         (lo, cpu0, prefill0), (hi, cpu1, prefill1) = window["edges"]
-        text = [r for r in run["text"] if lo <= r.sent < hi]
-        images = window["results"]
-        span = hi - lo
-        both = aggregate(text + images, span, opts.ttft_bound, opts.tpot_bound)
-        cpu = proc_cpu.cpu_by_role(cpu0, cpu1, by_cpus=True)
         out["rates"].append(
             {
                 "rate": window["rate"],
+                "span": hi - lo,
+                "images": window["results"],
+                "counts": counts,
+                "text": [r for r in run["text"] if lo <= r.sent < hi],
+                "cpu": proc_cpu.cpu_by_role(cpu0, cpu1, by_cpus=True),
+                # each LLM replica's seconds in steps that carried a prefill (the decodes beside them waited)
+                "prefill": [b - a for a, b in zip(prefill0, prefill1, strict=True)],
+            }
+        )
+    return out
+
+
+def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
+
+
+def merge(passes: list[dict], opts) -> dict:
+    """A layout's passes pooled: their requests together for the percentiles, their CPU seconds and windows summed."""
+    out: dict = {"passes": len(passes), "cpu": {}}
+    for which in ("miss", "hit"):
+        cpu, images, wall, failed = {}, 0, 0.0, 0
+        for p in passes:
+            c = p["cpu"][which]
+            cpu, images, wall, failed = (
+                _add(cpu, c["cpu"]),
+                images + c["images"],
+                wall + c["wall"],
+                failed + c["failed"],
+            )
+        out["cpu"][which] = {
+            "images_per_s": images / wall,
+            "cpu_ms_per_image": _per(cpu, images),
+            "total_ms_per_image": sum(cpu.values()) * 1000 / images,
+            "failed": failed,
+        }
+    unloaded = [r for p in passes for r in p["traffic"]["unloaded"]]
+    span = sum(p["traffic"]["unloaded_s"] for p in passes)
+    out["text_unloaded"] = aggregate(unloaded, span, opts.ttft_bound, opts.tpot_bound)
+    out["rates"] = []
+    for k, rate in enumerate(opts.rates):
+        ws = [p["traffic"]["rates"][k] for p in passes]
+        images = [r for w in ws for r in w["images"]]
+        counts = [c for w in ws for c in w["counts"]]
+        text = [r for w in ws for r in w["text"]]
+        span = sum(w["span"] for w in ws)
+        cpu: dict[str, float] = {}
+        for w in ws:
+            cpu = _add(cpu, w["cpu"])
+        both = aggregate(text + images, span, opts.ttft_bound, opts.tpot_bound)
+        out["rates"].append(
+            {
+                "rate": rate,
                 "window_s": span,
                 "image": aggregate(images, span, opts.ttft_bound, opts.tpot_bound),
                 "text": aggregate(text, span, opts.ttft_bound, opts.tpot_bound),
                 "goodput_req_per_s": both["goodput_req_per_s"],
                 "good_share": both["goodput_req_per_s"] * span / max(1, both["requests"]),
                 "out_tok_per_s": both["out_tok_per_s"],
-                "images_per_s": sum(k for r, k in zip(images, counts, strict=True) if r.ok) / span,
+                "images_per_s": sum(n for r, n in zip(images, counts, strict=True) if r.ok) / span,
                 "cores_by_process": {k: v / span for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])},
-                # each LLM replica's share of the window in steps that carried a prefill (decodes waited on it)
-                "prefill_share": [(b - a) / span for a, b in zip(prefill0, prefill1, strict=True)],
+                "prefill_share": [sum(x) / span for x in zip(*(w["prefill"] for w in ws), strict=True)],
             }
         )
     out["goodput_req_per_s"] = max(r["goodput_req_per_s"] for r in out["rates"])
     return out
 
 
-def run_layout(cluster: PinnedNodes, layout: Layout, checkpoint: Path, opts, ports: list[int]) -> dict:
+def run_layout(cluster: PinnedNodes, layout: Layout, checkpoint: Path, opts, ports: list[int], seed: int) -> dict:
+    """One pass of a layout: deployed, warmed up, its CPU per image, its traffic (raw), deleted."""
     from ray import serve
 
     args = {
@@ -299,8 +342,8 @@ def run_layout(cluster: PinnedNodes, layout: Layout, checkpoint: Path, opts, por
     asyncio.run(closed_loop(url, cpu_bodies(2, 999, "Warm up"), 2, opts.timeout))
     asyncio.run(closed_loop(url, [text_body(0, 0, 8)], 1, opts.timeout))
     roots = cluster.processes()
-    out = {"deploy_s": deploy_s, "cpu": cpu_phase(url, roots, opts.cpu_requests, opts.seed, opts.timeout)}
-    out |= traffic_phase(url, opts, roots)
+    out = {"deploy_s": deploy_s, "cpu": cpu_phase(url, roots, opts.cpu_requests, seed, opts.timeout)}
+    out["traffic"] = traffic_phase(url, opts, roots, seed)
     serve.delete("tier")
     return out
 
@@ -322,12 +365,14 @@ def scale_out(opts, out_dir: Path) -> dict:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": _free()})
         args = {"model": str(checkpoint), "llm": {"max_model_len": 1024}, "encoder": {"cache_gib": 0}}
         factory = functools.partial(SleepViT, seconds_per_gflop=seconds_per_gflop)
-        for replicas in opts.scale_replicas:
+        raw: dict[int, dict] = {}
+        order = [k for r in range(opts.rounds) for k in (opts.scale_replicas[:: 1 if r % 2 == 0 else -1])]
+        for i, replicas in enumerate(order):  # as the layouts: 1 2 4, 4 2 1, ... pooled
             layout = Layout("tier", False, [0], encoder_node=0)
             app = build(layout, args, encoder_factory=factory, encoder_replicas=replicas)
             serve.run(app, name="scale", route_prefix="/", logging_config=QUIET)
             url = ingress_url(ports)
-            bodies = cpu_bodies(opts.scale_requests + 8, opts.seed * 10 + replicas, "Look")
+            bodies = cpu_bodies(opts.scale_requests + 8, opts.seed * 10 + i, "Look")
             asyncio.run(closed_loop(url, bodies[:8], 8, opts.timeout))  # warm-up: every replica's first images
             roots = cluster.processes()
             llm = serve.get_deployment_handle("LLM", "scale")
@@ -337,17 +382,22 @@ def scale_out(opts, out_dir: Path) -> dict:
             wall = time.perf_counter() - started
             cpu = proc_cpu.cpu_by_role(before, proc_cpu.snapshot(roots))
             steps = llm.stats.remote().result()["step_cpu_s"] - steps0
-            n = sum(r.ok for r in results) * len(CPU_SIZES)
-            out[replicas] = {
-                "images_per_s": n / wall,
-                "failed": sum(not r.ok for r in results),
-                "cpu_ms_per_image": {
-                    role: s * 1000 / max(n, 1) for role, s in sorted(cpu.items(), key=lambda kv: -kv[1])
-                },
-                "engine_steps_ms_per_image": steps * 1000 / max(n, 1),
-                "tier_own_ms_per_image": (sum(cpu.values()) - steps) * 1000 / max(n, 1),
-            }
+            r = raw.setdefault(replicas, {"images": 0, "wall": 0.0, "failed": 0, "cpu": {}, "steps": 0.0})
+            r["images"] += sum(x.ok for x in results) * len(CPU_SIZES)
+            r["wall"] += wall
+            r["failed"] += sum(not x.ok for x in results)
+            r["cpu"], r["steps"] = _add(r["cpu"], cpu), r["steps"] + steps
             serve.delete("scale")
+    for replicas in opts.scale_replicas:
+        r = raw[replicas]
+        n = max(r["images"], 1)
+        out[replicas] = {
+            "images_per_s": r["images"] / r["wall"],
+            "failed": r["failed"],
+            "cpu_ms_per_image": _per(r["cpu"], n),
+            "engine_steps_ms_per_image": r["steps"] * 1000 / n,
+            "tier_own_ms_per_image": (sum(r["cpu"].values()) - r["steps"]) * 1000 / n,
+        }
     return out
 
 
@@ -429,7 +479,10 @@ def _at(results: dict, name: str, rate: float) -> dict | None:
 def report(results: dict, scale: dict, opts, header: str) -> tuple[str, str]:
     lines = [header, ""]
     names = [n for n in LAYOUTS if n in results]
-    lines.append("CPU ms per image, all processes (by process), 3 fresh images a request, max_tokens 1, c=16:")
+    lines.append(
+        f"Each layout {opts.rounds} passes, in the order A B C, C B A, ...; the passes pooled. CPU ms per image, all "
+        "processes (by process), 3 fresh images a request, max_tokens 1, c=16; hits: the same images again:"
+    )
     lines.append(f"{'layout':10} {'pass':5} {'img/s':>6} {'total':>6}  by process")
     for name in names:
         for which in ("miss", "hit"):
@@ -513,11 +566,11 @@ def plot(path: Path, results: dict, scale: dict, title: str) -> None:
     for ax, ylabel in zip(axes[:3], ("image TTFT p99 (ms)", "text streams' TPOT p99 (ms)", "goodput (req/s)")):
         ax.set_xlabel("image requests / s")
         ax.set_ylabel(ylabel)
-        ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend()
     axes[0].set_yscale("log")
-    axes[0].set_ylim(auto=True)
+    axes[1].set_ylim(bottom=0)
+    axes[2].set_ylim(bottom=0)
     if scale:
         ks = sorted(scale)
         axes[3].plot(ks, [scale[k]["images_per_s"] for k in ks], marker="o", label="measured")
@@ -549,14 +602,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-tokens", type=int, default=48, help="output tokens of each text request")
     p.add_argument("--image-tokens", type=int, default=16, help="output tokens of each image request")
     p.add_argument("--rates", default="0.3,0.6,0.9", help="image requests per second, one window each")
-    p.add_argument("--unloaded-s", type=float, default=20.0)
-    p.add_argument("--window-s", type=float, default=40.0, help="seconds of image requests at each rate")
+    p.add_argument("--unloaded-s", type=float, default=15.0)
+    p.add_argument("--window-s", type=float, default=30.0, help="seconds of image requests at each rate")
     p.add_argument("--ttft-bound", type=float, default=2.0, help="goodput: TTFT at most this (s)")
     p.add_argument("--tpot-bound", type=float, default=0.05, help="goodput: TPOT at most this (s): reading speed")
     p.add_argument("--scale-replicas", default="1,2,4", help="Encoder replicas of the scale-out runs ('' skips it)")
     p.add_argument("--scale-requests", type=int, default=160)
     p.add_argument("--scale-concurrency", type=int, default=32)
     p.add_argument("--scale-image-s", type=float, default=0.125, help="the scale-out ViT's sleep for one image")
+    p.add_argument("--rounds", type=int, default=2, help="passes of each layout, in the order A B C, C B A, ...")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--out-dir", default="bench_results")
@@ -577,10 +631,15 @@ def main(argv: list[str] | None = None) -> int:
         with PinnedNodes(["0", "1"], env) as cluster:
             cluster.connect()
             serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": _free()})
-            for layout in chosen:
-                print(f"{layout.name}: deploying", flush=True)
-                results[layout.name] = run_layout(cluster, layout, checkpoint, opts, ports)
-                print(f"{layout.name}: done", flush=True)
+            # Each layout `--rounds` times, in the order A B C, C B A, ...: a machine whose speed drifts (a shared VM's
+            # does, by tens of percent over minutes) weighs every layout alike; the passes are pooled.
+            order = [layout for r in range(opts.rounds) for layout in (chosen if r % 2 == 0 else chosen[::-1])]
+            passes: dict[str, list[dict]] = {}
+            for k, layout in enumerate(order):
+                print(f"{layout.name}: pass {len(passes.get(layout.name, [])) + 1} ({k + 1}/{len(order)})", flush=True)
+                seed = opts.seed + 1000 * k  # fresh images every pass: no embedding cache hit across passes
+                passes.setdefault(layout.name, []).append(run_layout(cluster, layout, checkpoint, opts, ports, seed))
+            results = {name: merge(runs, opts) for name, runs in passes.items()}
     scale = scale_out(opts, out_dir) if opts.scale_replicas else {}
     stamp = datetime.now(UTC)
     cpu = "unknown"

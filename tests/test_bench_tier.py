@@ -9,6 +9,7 @@ from argparse import Namespace
 from PIL import Image
 
 from bench import proc_cpu, tier
+from bench.metrics import RequestResult
 
 
 def test_process_roles_come_from_rays_process_titles():
@@ -67,7 +68,8 @@ def _layout(cpu_ms: float, unloaded_p99: float, windows: list[dict]) -> dict:
 
 def test_the_last_line_has_the_four_ratios():
     opts = Namespace(text_streams=3, text_tokens=48, unloaded_s=20, window_s=40, image_tokens=16, ttft_bound=2.0,
-                     tpot_bound=0.05, rates=[0.3, 0.6], scale_image_s=0.125, scale_concurrency=32)  # fmt: skip
+                     tpot_bound=0.05, rates=[0.3, 0.6], scale_image_s=0.125, scale_concurrency=32,
+                     rounds=2)  # fmt: skip
     results = {
         "tier": _layout(90.0, 20.0, [_window(0.3, 3000, 30, 3.0), _window(0.6, 4000, 25, 4.0)]),
         "colocated": _layout(75.0, 20.0, [_window(0.3, 9000, 80, 1.0), _window(0.6, 20000, 100, 0.5)]),
@@ -85,3 +87,30 @@ def test_the_last_line_has_the_four_ratios():
         "goodput tier/DP2 2.00x"
     )
     assert "1.25x" in text and "scale-out" in text  # the sweep's rows, and the scale-out's
+
+
+def _result(ttft: float, tpot: float, sent: float = 0.0) -> RequestResult:
+    return RequestResult(0, ok=True, sent=sent, ttft=ttft, e2e=ttft + 15 * tpot, output_tokens=16, expected_tokens=16)
+
+
+def test_passes_are_pooled_not_averaged():
+    """Two passes of a layout: their requests together for the percentiles and goodput, CPU seconds summed."""
+    opts = Namespace(ttft_bound=2.0, tpot_bound=0.05, rates=[0.5])
+
+    def one_pass(ttft: float, cpu_s: float) -> dict:
+        cpu = {"cpu": {"LLM": cpu_s}, "images": 30, "wall": 10.0, "failed": 0}
+        window = {"rate": 0.5, "span": 20.0, "images": [_result(ttft, 0.02)] * 10, "counts": [2] * 10,
+                  "text": [_result(0.1, 0.03)] * 10, "cpu": {"LLM@0": 18.0}, "prefill": [4.0]}  # fmt: skip
+        traffic = {"unloaded": [_result(0.1, 0.02)] * 5, "unloaded_s": 10.0, "rates": [window]}
+        return {"cpu": {"miss": cpu, "hit": cpu}, "traffic": traffic}
+
+    merged = tier.merge([one_pass(1.0, 3.0), one_pass(3.0, 6.0)], opts)
+    assert merged["cpu"]["miss"]["total_ms_per_image"] == 150.0  # 9 s over 60 images
+    [window] = merged["rates"]
+    assert window["image"]["ttft_ms"]["p50"] == 2000.0  # half at 1 s, half at 3 s
+    assert window["goodput_req_per_s"] == 30 / 40  # the first pass's 10 images and both passes' 20 texts, in 40 s
+    assert (
+        window["images_per_s"] == 1.0
+        and window["prefill_share"] == [0.2]
+        and window["cores_by_process"] == {"LLM@0": 0.9}
+    )
