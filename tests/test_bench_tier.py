@@ -51,10 +51,10 @@ def test_image_requests_carry_one_to_four_small_or_large_fresh_images():
     assert [_sizes(b) for b in tier.cpu_bodies(2, 0, "x")] == [tier.CPU_SIZES] * 2
 
 
-def _window(rate: float, ttft_p99: float, tpot_p99: float, goodput: float) -> dict:
+def _window(rate: float, ttft_p99: float, tpot_p99: float, good: float) -> dict:
     agg = {"ttft_ms": {"p50": ttft_p99 / 2, "p99": ttft_p99}, "tpot_ms": {"p50": tpot_p99 / 2, "p99": tpot_p99},
            "failed": 0}  # fmt: skip
-    return {"rate": rate, "image": agg, "text": agg, "goodput_req_per_s": goodput, "good_share": 0.9,
+    return {"rate": rate, "image": agg, "text": agg, "goodput_req_per_s": 2.0, "good_share": good,
             "out_tok_per_s": 100.0, "images_per_s": 1.0, "cores_by_process": {"LLM@0": 0.9},
             "prefill_share": [0.2]}  # fmt: skip
 
@@ -63,17 +63,17 @@ def _layout(cpu_ms: float, unloaded_p99: float, windows: list[dict]) -> dict:
     cpu = {"images_per_s": 10.0, "total_ms_per_image": cpu_ms, "cpu_ms_per_image": {"LLM": cpu_ms}, "failed": 0}
     unloaded = {"tpot_ms": {"p50": unloaded_p99 / 2, "p99": unloaded_p99}}
     return {"cpu": {"miss": cpu, "hit": cpu}, "text_unloaded": unloaded, "rates": windows,
-            "goodput_req_per_s": max(w["goodput_req_per_s"] for w in windows)}  # fmt: skip
+            "goodput_rate": tier.goodput_rate(windows, 0.9)}  # fmt: skip
 
 
 def test_the_last_line_has_the_four_ratios():
     opts = Namespace(text_streams=3, text_tokens=48, unloaded_s=20, window_s=40, image_tokens=16, ttft_bound=2.0,
                      tpot_bound=0.05, rates=[0.3, 0.6], scale_image_s=0.125, scale_concurrency=32,
-                     rounds=2)  # fmt: skip
+                     rounds=2, attainment=0.9, judged_rate=0.6)  # fmt: skip
     results = {
-        "tier": _layout(90.0, 20.0, [_window(0.3, 3000, 30, 3.0), _window(0.6, 4000, 25, 4.0)]),
-        "colocated": _layout(75.0, 20.0, [_window(0.3, 9000, 80, 1.0), _window(0.6, 20000, 100, 0.5)]),
-        "dp2": _layout(80.0, 20.0, [_window(0.3, 5000, 50, 2.0), _window(0.6, 8000, 60, 1.6)]),
+        "tier": _layout(90.0, 20.0, [_window(0.3, 3000, 30, 0.95), _window(0.6, 4000, 25, 0.92)]),
+        "colocated": _layout(75.0, 20.0, [_window(0.3, 9000, 80, 0.5), _window(0.6, 20000, 100, 0.2)]),
+        "dp2": _layout(80.0, 20.0, [_window(0.3, 5000, 50, 0.94), _window(0.6, 8000, 60, 0.7)]),
     }
     scale = {
         k: {"images_per_s": 10.0 * k * 0.9 ** (k - 1), "cpu_ms_per_image": {"Ingress": 5.0},
@@ -81,10 +81,11 @@ def test_the_last_line_has_the_four_ratios():
         for k in (1, 2, 4)
     }  # fmt: skip
     text, last = tier.report(results, scale, opts, "header")
-    # cpu 90/75; 4 replicas 4 * 0.729; TPOT p99 at the second rate 25/20; goodput peaks 4.0/2.0
+    # cpu 90/75; 4 replicas 4 * 0.729; TPOT p99 at the judged rate (0.6) 25/20; goodput: 0.6 (both rates good) against
+    # 0.3 + 0.3 * (0.94 - 0.9) / (0.94 - 0.7) = 0.35
     assert last == (
         "tier: cpu/image tier/colocated 1.20x; images/s 4 replicas/1 2.92x; TPOT p99 loaded/unloaded 1.25x; "
-        "goodput tier/DP2 2.00x"
+        "goodput tier/DP2 1.71x"
     )
     assert "1.25x" in text and "scale-out" in text  # the sweep's rows, and the scale-out's
 
@@ -95,7 +96,7 @@ def _result(ttft: float, tpot: float, sent: float = 0.0) -> RequestResult:
 
 def test_passes_are_pooled_not_averaged():
     """Two passes of a layout: their requests together for the percentiles and goodput, CPU seconds summed."""
-    opts = Namespace(ttft_bound=2.0, tpot_bound=0.05, rates=[0.5])
+    opts = Namespace(ttft_bound=2.0, tpot_bound=0.05, rates=[0.5], attainment=0.9)
 
     def one_pass(ttft: float, cpu_s: float) -> dict:
         cpu = {"cpu": {"LLM": cpu_s}, "images": 30, "wall": 10.0, "failed": 0}
@@ -114,3 +115,12 @@ def test_passes_are_pooled_not_averaged():
         and window["prefill_share"] == [0.2]
         and window["cores_by_process"] == {"LLM@0": 0.9}
     )
+
+
+def test_goodput_is_the_rate_where_the_share_of_good_requests_crosses_the_attainment():
+    def windows(*shares: float) -> list[dict]:
+        return [{"rate": 0.2 * (k + 1), "good_share": g} for k, g in enumerate(shares)]
+
+    assert tier.goodput_rate(windows(0.99, 0.95, 0.93), 0.9) == 0.6000000000000001  # never crossed: the last rate
+    assert abs(tier.goodput_rate(windows(0.99, 0.95, 0.85), 0.9) - 0.5) < 1e-9  # halfway from 0.4 to 0.6
+    assert tier.goodput_rate(windows(0.8, 0.95), 0.9) == 0.0  # the lowest rate misses it already
