@@ -40,7 +40,7 @@ def _read(pid: int) -> Proc | None:
 
 
 def role_of(cmdline: str, comm: str = "") -> str:
-    """Ingress, Encoder, LLM, EmbeddingCache...: a Serve replica's deployment; proxy, controller, raylet, gcs,
+    """Ingress, Encoder, LLM...: a Serve replica's deployment; proxy, controller, raylet, gcs,
     the driver (`serve run`), or `other` (Ray's dashboard, log monitor, idle workers)."""
     if m := re.search(r"ServeReplica:[^:\s]+:(\w+)", cmdline):
         return m.group(1)

@@ -56,7 +56,8 @@ class Encoder:
         self.pending_cost = 0.0  # GFLOP of the images queued and running here (the autoscaling metric)
         self.arrivals = ArrivalMeter()  # GFLOP of the images that came to be encoded here, lately
         self.target_cost = self._target_cost(self.args.encoder, self.runner.gflops)
-        logger.info("encoder ready: %s on %s (%s)", self.args.model, spec.device, spec.dtype)
+        threads = torch.get_num_threads()
+        logger.info("encoder ready: %s on %s (%s), %d CPU threads", self.args.model, spec.device, spec.dtype, threads)
 
     @staticmethod
     def _target_cost(opts: EncoderArgs, gflops: float | None) -> float:

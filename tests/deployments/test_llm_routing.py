@@ -162,7 +162,7 @@ def test_unrelated_requests_spread_over_both_replicas(routed, metrics_port):
 
 def test_no_image_crosses_a_process_of_which_there_is_one(routed, metrics_port):
     """An image goes ingress -> an Encoder replica -> the object store -> an LLM replica, and nothing else: the app
-    has no other deployment (the shared EmbeddingCache replica there was took a call for every image), a request's
+    has no other deployment (the shared EmbeddingCache replica that was there took a call for every image), a request's
     images are one Encoder call, the calls spread over both Encoder replicas and the generations over both LLM
     replicas; sent again, the images are the ingress's cache hits and make no call at all."""
     assert set(serve.status().applications[APP].deployments) == {"Ingress", "Encoder", "LLM"}
