@@ -9,8 +9,8 @@ add capacity as GPUs would, on a 2-core machine. Each configuration starts at on
 `--max-replicas`, with serve_config.yaml's delays. Configurations:
 - `count`: Serve's request-count policy (`target_ongoing_requests`, 4 as serve_config.yaml's comment offers) and its
   default router (power of two choices on requests in flight);
-- `cost+serve`: the cost policy (encoders/autoscaling.py) with Serve's router;
-- `cost`: the cost policy and the cost router (deployments/ingress/encoder_router.py), as shipped.
+- `cost+serve`: the cost policy (deployments/encoder/autoscaling.py) with Serve's router;
+- `cost`: the cost policy and the cost router (deployments/encoder/router.py), as shipped.
 Both cost configurations take the target the replica measures at start (bench/slow_vit.py's sleep included).
 Reported per configuration: p50/p99 image TTFT (all, thumbnails, large), Encoder replica-seconds over the run, the
 most replicas, when the policy first asked for more (a replica STARTING) and when the second one started serving
@@ -96,9 +96,9 @@ def deploy(name: str, checkpoint: Path, max_replicas: int, seconds_per_gflop: fl
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
+    from deployments.encoder.autoscaling import POLICY_PATH
+    from deployments.encoder.server import Encoder
     from deployments.ingress import Ingress
-    from encoders.autoscaling import POLICY_PATH
-    from encoders.server import Encoder
     from llm.server import LLM
 
     args = {"model": str(checkpoint), "llm": {"max_model_len": 4096}, "encoder": {"cache_gib": 0}}

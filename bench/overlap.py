@@ -31,8 +31,8 @@ CHECKPOINT = {**CHECKPOINT_PARAMS, "max_pixels": SIDE * SIDE}  # 256 tokens an i
 def deploy(name: str, checkpoint: Path, overlap: bool, seconds_per_gflop: float) -> None:
     from ray import serve
 
+    from deployments.encoder.server import Encoder
     from deployments.ingress import Ingress
-    from encoders.server import Encoder
     from llm.server import LLM
 
     patches = (SIDE // 14) ** 2

@@ -94,9 +94,9 @@ LAYOUTS = {
 
 def build(layout: Layout, args: dict, encoder_factory=None, encoder_replicas: int = 1):
     """deployments/app.py's graph, each deployment placed on its node (`node<i>` resources)."""
+    from deployments.encoder.autoscaling import AUTOSCALING
+    from deployments.encoder.server import Encoder
     from deployments.ingress import Ingress
-    from encoders.autoscaling import AUTOSCALING
-    from encoders.server import Encoder
     from llm.server import LLM
     from schemas import AppArgs
 

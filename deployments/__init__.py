@@ -1,6 +1,6 @@
 """The app builder (`deployments.app:build_app`, run on the driver) and the ingress process (`deployments.ingress`).
 
-The encoder and LLM replicas' deployments live with their code: `encoders.server`, `llm.server`."""
+The encoder and LLM replicas' deployments live with their code: `deployments.encoder.server`, `llm.server`."""
 
 from typing import Any
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from ray.serve import Application
 
+from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from encoders.server import Encoder
 from llm import TextConfig
 from llm.model.parallel import check_divisible
 from llm.server import LLM

@@ -1,5 +1,6 @@
-"""The encoder replicas: images in, projected embeddings out. Their Serve deployment (`encoders.server:Encoder`) is
-not imported here: the families load without Ray Serve."""
+"""The encoder replicas' model code: images in, projected embeddings out; the families, their preprocessing and
+token counts (which the ingress and the LLM replica use too). No Ray: the Serve deployment that runs it is
+`deployments.encoder.server:Encoder`."""
 
 from encoders.batching import ImageBatcher, Preprocessed
 from encoders.cache import EmbeddingLRU, cache_scope, embedding_key

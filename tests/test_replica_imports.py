@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVERS = ("deployments.ingress.server", "llm.server", "encoders.server", "deployments.app")
+SERVERS = ("deployments.ingress.server", "llm.server", "deployments.encoder.server", "deployments.app")
 HEAVY = ("transformers.modeling_utils", "torch._dynamo", "torch.distributed.tensor")
 
 

@@ -106,8 +106,8 @@ class Generator:
         """Where each job's embedding is: (the ObjectRef of an encoder call, its position in what the call
         returns). Found in the cache, or encoded: the misses, in prompt order, in calls of at most one ViT
         forward's patches (encoder.max_batch_patches; a bigger job alone), concurrently, each naming its cost (the
-        Encoder's router, encoder_router.py, spreads them by it). Only ObjectRefs come back (the ingress never
-        holds embeddings). The calls are added to `calls` (cancelled if the request ends early), their refs to
+        Encoder's router, deployments/encoder/router.py, spreads them by it). Only ObjectRefs come back (the ingress
+        never holds embeddings). The calls are added to `calls` (cancelled if the request ends early), their refs to
         `made`."""
         where: dict[Job, tuple[Any, int]] = {}
         misses = []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from encoders.autoscaling import AUTOSCALING
+from deployments.encoder.autoscaling import AUTOSCALING
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = Path(__file__).with_name("rayservice.yaml")

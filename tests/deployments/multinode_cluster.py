@@ -23,9 +23,9 @@ import torch
 from ray import serve
 from ray.cluster_utils import Cluster
 
+from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from encoders import Qwen2VLVisionEncoder, family_of
-from encoders.server import Encoder
 from llm.server import LLM
 from schemas import AppArgs
 from tests.deployments.instruments import HeldLM

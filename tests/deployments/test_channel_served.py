@@ -14,8 +14,8 @@ import pytest
 import ray
 from ray import serve
 
+from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from encoders.server import Encoder
 from llm.server import LLM
 
 pytestmark = pytest.mark.e2e

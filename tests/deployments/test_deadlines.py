@@ -15,8 +15,8 @@ import openai
 import pytest
 from ray import serve
 
+from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from encoders.server import Encoder
 from llm.server import LLM
 from tests.api_schema import assert_valid
 from tests.deployments.instruments import (

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from ray import serve
 
+from deployments.encoder.autoscaling import POLICY_PATH
+from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from encoders.autoscaling import POLICY_PATH
-from encoders.server import Encoder
 from llm.server import LLM
 from schemas import ModelSpec
 from tests.deployments.instruments import SlowEncoder

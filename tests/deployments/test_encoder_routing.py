@@ -10,8 +10,8 @@ import httpx
 import pytest
 from ray import serve
 
+from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from encoders.server import Encoder
 from llm.server import LLM
 from tests.deployments.instruments import SlowEncoder, forwards_started
 from tests.helpers import data_url, make_image

@@ -16,8 +16,8 @@ import torch
 from ray import serve
 
 from demo.build_tiny import build_checkpoint
+from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from encoders.server import Encoder
 from llm.server import LLM
 from schemas import GenerateRequest, MediaItem, SamplingParams
 from tests.deployments.instruments import (

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
+from deployments.encoder.autoscaling import AUTOSCALING
 from deployments.k8s import render
-from encoders.autoscaling import AUTOSCALING
 from schemas import AppArgs
 
 ROOT = Path(__file__).resolve().parents[2]

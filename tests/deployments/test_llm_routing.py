@@ -11,10 +11,10 @@ import pytest
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.ingress.prepare import Preparer
 from deployments.ingress.router import PrefixAffinityRouter
-from encoders.server import Encoder
 from llm.server import LLM
 from schemas import AppArgs
 from schemas.openai import ChatCompletionRequest

@@ -7,8 +7,8 @@ import pytest
 import ray
 from transformers import AutoConfig, GenerationConfig
 
+from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from encoders.server import Encoder
 from llm.server import LLM
 from schemas import ModelSpec
 

@@ -15,9 +15,16 @@ import torch
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from deployments.ingress.encoder_router import CostRouter
+from deployments.encoder.autoscaling import (
+    ARRIVING_COST,
+    AUTOSCALING,
+    MEAN_COST,
+    PENDING_COST,
+    TARGET_COST,
+    ArrivalMeter,
+)
+from deployments.encoder.router import CostRouter
 from encoders import EncoderRunner, VisionEncoder
-from encoders.autoscaling import ARRIVING_COST, AUTOSCALING, MEAN_COST, PENDING_COST, TARGET_COST, ArrivalMeter
 from encoders.video_decode import Video
 from schemas import DRAIN_POLL_S, AppArgs, EncoderArgs, InvalidRequest, ModelSpec, quiet_client_errors
 from schemas.metrics import EncoderMetrics, heap_census
@@ -34,7 +41,7 @@ DEFAULT_TARGET_COST = 10.0  # GFLOP: about 0.4 s of a 2-core CPU replica on the 
     ray_actor_options={"num_cpus": 0.4},
     max_ongoing_requests=16,
     request_router_config=RequestRouterConfig(request_router_class=CostRouter),
-    autoscaling_config=AUTOSCALING,  # on cost (encoders/autoscaling.py)
+    autoscaling_config=AUTOSCALING,  # on cost (deployments/encoder/autoscaling.py)
     graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
 )
 class Encoder:
@@ -110,7 +117,7 @@ class Encoder:
         return heap_census()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's custom autoscaling metrics, read by the cost policy (encoders/autoscaling.py)."""
+        """Serve's custom autoscaling metrics, read by the cost policy (deployments/encoder/autoscaling.py)."""
         return {
             PENDING_COST: max(0.0, self.pending_cost),
             ARRIVING_COST: self.arrivals.rate() * self.args.encoder.target_queue_delay_s,

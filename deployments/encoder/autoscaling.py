@@ -25,7 +25,7 @@ PENDING_COST = "pending_cost"  # GFLOP of encoder work queued and running on a r
 ARRIVING_COST = "arriving_cost"  # GFLOP arriving at a replica per target queueing delay (rate x delay)
 MEAN_COST = "mean_cost"  # GFLOP of an image (or video chunk) a replica took, on average over the window
 TARGET_COST = "target_cost"  # GFLOP of pending work one replica should hold
-POLICY_PATH = "encoders.autoscaling:cost_policy"
+POLICY_PATH = "deployments.encoder.autoscaling:cost_policy"
 # The Encoder deployment's autoscaling options (its decorator's; the KubeRay manifest raises max_replicas), tuned for
 # reaction time rather than Ray's defaults (upscale 30 s, downscale 600 s, metrics every 10 s over 30 s): a replica is
 # asked for about 1 s over target, and one goes 30 s after the load is gone.

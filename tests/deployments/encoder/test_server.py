@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from encoders.server import Encoder
+from deployments.encoder.server import Encoder
 from schemas import InvalidRequest
 from schemas.transfer import _from_numpy, _to_numpy
 from tests.helpers import image_bytes, make_image

@@ -9,7 +9,7 @@ from ray.serve import autoscaling_policy as serve_policy
 from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from encoders.autoscaling import (
+from deployments.encoder.autoscaling import (
     ARRIVING_COST,
     MEAN_COST,
     PENDING_COST,
@@ -19,7 +19,7 @@ from encoders.autoscaling import (
     cost_policy,
     desired_replicas,
 )
-from encoders.server import DEFAULT_TARGET_COST, Encoder
+from deployments.encoder.server import DEFAULT_TARGET_COST, Encoder
 from schemas import EncoderArgs
 
 ENCODER = DeploymentID(name="Encoder", app_name="vlm")

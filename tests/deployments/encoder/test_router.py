@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-from deployments.ingress.encoder_router import CostRouter, PendingCost, call_cost, rank_by_cost
+from deployments.encoder.router import CostRouter, PendingCost, call_cost, rank_by_cost
 
 ENCODER_ID = DeploymentID(name="Encoder", app_name="vlm")
 
