@@ -99,7 +99,7 @@ def deploy(name: str, checkpoint: Path, max_replicas: int, seconds_per_gflop: fl
     from deployments.encoder.autoscaling import POLICY_PATH
     from deployments.encoder.server import Encoder
     from deployments.ingress import Ingress
-    from llm.server import LLM
+    from deployments.llm.server import LLM
 
     args = {"model": str(checkpoint), "llm": {"max_model_len": 4096}, "encoder": {"cache_gib": 0}}
     policy = {"target_ongoing_requests": 4} if name == "count" else {"policy": {"policy_function": POLICY_PATH}}

@@ -33,7 +33,7 @@ def deploy(name: str, checkpoint: Path, overlap: bool, seconds_per_gflop: float)
 
     from deployments.encoder.server import Encoder
     from deployments.ingress import Ingress
-    from llm.server import LLM
+    from deployments.llm.server import LLM
 
     patches = (SIDE // 14) ** 2
     args = {

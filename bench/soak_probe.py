@@ -92,7 +92,7 @@ def serve_logs(app: str) -> dict[Path, int]:
 
 # Ray Serve's own errors, not ours: counted apart. Its request router sets the result of a request that its caller
 # cancelled meanwhile (seen on the Encoder's calls to the EmbeddingCache replica there was, Ray 2.60). Only where no
-# frame of the traceback is ours: the same error from our routers' override (deployments/ingress/router.py) was
+# frame of the traceback is ours: the same error from our routers' override (deployments/llm/router.py) was
 # ours, and fixed.
 UPSTREAM = ("Unexpected error in _fulfill_pending_requests",)
 OURS = re.compile(r'File "[^"]*/(deployments|encoders|llm|schemas)/')

@@ -97,7 +97,7 @@ def build(layout: Layout, args: dict, encoder_factory=None, encoder_replicas: in
     from deployments.encoder.autoscaling import AUTOSCALING
     from deployments.encoder.server import Encoder
     from deployments.ingress import Ingress
-    from llm.server import LLM
+    from deployments.llm.server import LLM
     from schemas import AppArgs
 
     plain = AppArgs.model_validate({**args, "encoder": {**args.get("encoder", {}), "colocated": layout.colocated}})

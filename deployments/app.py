@@ -8,10 +8,10 @@ from ray.serve import Application
 
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
+from deployments.llm.server import LLM
+from deployments.llm.tp import llm_placement
 from llm import TextConfig
 from llm.model.parallel import check_divisible
-from llm.server import LLM
-from llm.tp import llm_placement
 from schemas import AppArgs, ModelSpec
 
 

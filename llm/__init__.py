@@ -1,7 +1,6 @@
-"""The LLM replica: its Serve deployment (`llm.server:LLM`), the tensor-parallel rank actors (`llm.tp`), its half of
-the token channel (`llm.channel`), the engine (`llm.engine`) and the model (`llm.model`).
-
-The deployment is not imported here: the engine and the model load without Ray Serve."""
+"""The LLM replica's engine (`llm.engine`) and model (`llm.model`): token ids and image embeddings in, tokens out.
+No Ray: the Serve deployment that runs it, its tensor-parallel rank actors, the embedding fetch and the token
+channel are in `deployments.llm`."""
 
 from llm.engine import Engine, EngineConfig
 from llm.model import Qwen2LM, TextConfig, num_kv_blocks

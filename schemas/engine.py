@@ -111,7 +111,7 @@ class TokenChunk:
             self.prompt_logprobs = later.prompt_logprobs
 
 
-# The per-step token channel's messages (deployments/ingress/channel.py, llm/channel.py)
+# The per-step token channel's messages (deployments/ingress/channel.py, deployments/llm/channel.py)
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVERS = ("deployments.ingress.server", "llm.server", "deployments.encoder.server", "deployments.app")
+SERVERS = ("deployments.ingress.server", "deployments.llm.server", "deployments.encoder.server", "deployments.app")
 HEAVY = ("transformers.modeling_utils", "torch._dynamo", "torch.distributed.tensor")
 
 
@@ -38,7 +38,7 @@ def imported(checkpoint) -> tuple[list[str], list[str]]:
 @pytest.mark.slow  # a fresh interpreter imports the servers (~10 s)
 def test_the_servers_modules_import_no_transformers_modeling(imported):
     loaded, _ = imported
-    assert "llm.server" in loaded and "encoders.qwen2_vl" in loaded  # the families' preprocessing is imported
+    assert "deployments.llm.server" in loaded and "encoders.qwen2_vl" in loaded  # the families' preprocessing too
     # (transformers.models.auto.modeling_auto is its tokenizers' docstrings' name table, not a model)
     modeling = [m for m in loaded if m.startswith("transformers.models.") and ".modeling_" in m and ".auto." not in m]
     assert modeling == [], f"imported at module import (move into the tower's builder): {modeling}"

@@ -13,7 +13,7 @@ Traceback (most recent call last):
 asyncio.exceptions.InvalidStateError: invalid state
 WARNING 2026-11-27 01:47:05,000 bench_Ingress x r -- a client's error (400)
 """
-OUR_FRAME = '  File "/work/main/deployments/ingress/router.py", line 76, in _fulfill_next_pending_request\n'
+OUR_FRAME = '  File "/work/main/deployments/llm/router.py", line 76, in _fulfill_next_pending_request\n'
 SERVES_FRAME = '  File "/v/site-packages/ray/serve/_private/request_router/request_router.py", line 446, in _fulfill\n'
 
 

@@ -3,10 +3,10 @@
 `server` (the deployment), `http`, `auth`, `urls` and `fetch` (image URLs), `prepare` (checks, prompt, image
 fan-out), `sampling` (the engine's parameters), `prompt`, `generate` (encodes, starts the choices), `detokenize`,
 `grounding`, `responses` (chat) and `text_completions`, `tokens` (/tokenize, /detokenize), `channel` (the ingress
-half of the token channel), `router` (the LLM's request router, which runs in the caller's handle, so here). The
-Encoder's request router runs here too, beside the deployment that declares it: `deployments.encoder.router`."""
+half of the token channel). The LLM's and the Encoder's request routers run in this process too (Serve routes in
+the caller's handle), but their code lives beside the deployment that declares each: `deployments.llm.router`,
+`deployments.encoder.router`."""
 
-from deployments.ingress.router import PrefixAffinityRouter
 from deployments.ingress.server import Ingress
 
-__all__ = ["Ingress", "PrefixAffinityRouter"]
+__all__ = ["Ingress"]

@@ -2,7 +2,7 @@
 
 Without it each generation streams its own chunks: at 32 streams that is a Ray message per request per step, each
 one serialized, reported and awaited on both sides. With it, an ingress replica holds one streaming call per LLM
-replica it uses (`LLM.channel`, pinned to that replica by deployments/ingress/router.py), and the LLM replica sends each
+replica it uses (`LLM.channel`, pinned to that replica by deployments/llm/router.py), and the LLM replica sends each
 step's chunks for all of that ingress's generations as one list of (request id, chunk or error) pairs. vLLM does the
 same between its engine core and its front end (one output batch per step); this one rides on Serve's own calls:
 
@@ -17,8 +17,8 @@ same between its engine core and its front end (one output batch per step); this
   stream that ends on the ingress fails the generations still attached to it.
 - Messages: at most one per `interval_s` per channel; a first token, a last one and an error go at once.
 
-This module is the ingress half (`ChannelHub`, `TokenStream`); the LLM half is `llm/channel.py` (`Outbox`), and
-the messages (`Routed`, `ChannelOpen`, `Batch`) are in `schemas/engine.py`.
+This module is the ingress half (`ChannelHub`, `TokenStream`); the LLM half is `deployments/llm/channel.py`
+(`Outbox`), and the messages (`Routed`, `ChannelOpen`, `Batch`) are in `schemas/engine.py`.
 """
 
 from __future__ import annotations

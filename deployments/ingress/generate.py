@@ -151,9 +151,9 @@ class Generator:
 
     async def _encode_and_generate(self, p, params, text, request_id, first, calls, made) -> Started:
         """The generations start as soon as every image is on an encoder replica (or in the cache): the LLM fetches
-        each embedding as it is made and prefills up to the first not there yet (llm/images.py). An image lost on
-        the way (its replica went away) fails the generations; it is encoded once more, each image at most once
-        more."""
+        each embedding as it is made and prefills up to the first not there yet (deployments/llm/images.py). An
+        image lost on the way (its replica went away) fails the generations; it is encoded once more, each image at
+        most once more."""
         jobs = [(i, j) for i, item in enumerate(p.items) for j in range(len(item.jobs))]
         where, retried = await self._locate(p, jobs, calls, made), set()
         while True:

@@ -54,7 +54,7 @@ class Prepared:
     video_stats: list[tuple[int, int, float]] = field(default_factory=list)  # (frames, tokens, probe s) received
     max_tokens: int = 0
     dropped_messages: int = 0
-    routing_key: str = ""  # the conversation's first turn: which LLM replica holds its prefix (ingress/router.py)
+    routing_key: str = ""  # the conversation's first turn: which LLM replica holds its prefix (deployments/llm/)
     grammar: str | None = None  # structured outputs: the grammar every choice must match (ingress/structured.py)
     text: str = ""  # a text completion's prompt as text, for echo
     cache_scope: str = ""  # the tenant's scope of the embedding and prefix caches (encoders.cache_scope)

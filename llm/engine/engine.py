@@ -3,7 +3,7 @@
 The async side (`submit`) takes a `GenerateRequest` with its image embeddings, checks it and makes its `Sequence`
 (sequence.py), queues it (bounded), and hands its `TokenChunk`s to a sink on the caller's event loop: one callback
 per step for all the sequences of that loop (the LLM deployment sends them on through a per-ingress channel,
-llm/channel.py). `generate` is a stream of one sequence's chunks on top of it, coalescing tokens that arrive within
+deployments/llm/). `generate` is a stream of one sequence's chunks on top of it, coalescing tokens that arrive within
 `stream_interval_s`. The worker loops, one `run` per step: the scheduler picks the step (decodes + prefill chunks +
 admissions), the model runner builds its inputs (embeddings with the images merged in), runs the forward and
 samples, the scheduler applies the stop rules, and the engine emits each sequence's new token. `cancel` (or closing

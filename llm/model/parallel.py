@@ -8,7 +8,7 @@ the step's `inputs_embeds`, so every rank enters the first layer with identical 
 
 Rank 0 runs the engine; the other ranks run `serve_rank`, which follows rank 0's broadcasts. Torch's process group
 does the talking (gloo on CPU, NCCL on GPU); who starts the processes is the caller's business (Ray, in
-llm/tp.py).
+deployments/llm/tp.py).
 """
 
 from __future__ import annotations

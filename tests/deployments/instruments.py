@@ -17,9 +17,9 @@ import ray
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from deployments.llm.server import LLM
 from encoders import Qwen2VLVisionEncoder, family_of
 from llm import Qwen2LM
-from llm.server import LLM
 
 
 def _where() -> str:

@@ -25,8 +25,8 @@ from ray.cluster_utils import Cluster
 
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
+from deployments.llm.server import LLM
 from encoders import Qwen2VLVisionEncoder, family_of
-from llm.server import LLM
 from schemas import AppArgs
 from tests.deployments.instruments import HeldLM
 from tests.deployments.multinode_llm import lose_llm_node, recover

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from deployments.ingress.channel import ChannelHub, TokenStream
-from llm.channel import Outbox
+from deployments.llm.channel import Outbox
 from schemas import ChannelLost, InvalidRequest, Routed, TokenChunk
 
 INTERVAL = 0.05

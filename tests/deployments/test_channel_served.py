@@ -16,7 +16,7 @@ from ray import serve
 
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from llm.server import LLM
+from deployments.llm.server import LLM
 
 pytestmark = pytest.mark.e2e
 APP = "channel"

@@ -17,7 +17,7 @@ from ray import serve
 
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from llm.server import LLM
+from deployments.llm.server import LLM
 from tests.api_schema import assert_valid
 from tests.deployments.instruments import (
     SlowEncoder,

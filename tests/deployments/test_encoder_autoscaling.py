@@ -15,7 +15,7 @@ from ray import serve
 from deployments.encoder.autoscaling import POLICY_PATH
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from llm.server import LLM
+from deployments.llm.server import LLM
 from schemas import ModelSpec
 from tests.deployments.instruments import SlowEncoder
 from tests.helpers import data_url, make_image

@@ -17,7 +17,7 @@ from ray import serve
 
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from llm.server import LLM
+from deployments.llm.server import LLM
 from tests.deployments.instruments import SlowEncoder, forwards, forwards_finished, forwards_started, in_flight_for
 from tests.helpers import data_url, image_bytes, make_image
 

@@ -12,7 +12,7 @@ from ray import serve
 
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from llm.server import LLM
+from deployments.llm.server import LLM
 from tests.deployments.instruments import SlowEncoder, forwards_started
 from tests.helpers import data_url, make_image
 

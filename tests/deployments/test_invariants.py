@@ -18,7 +18,7 @@ from ray import serve
 from demo.build_tiny import build_checkpoint
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from llm.server import LLM
+from deployments.llm.server import LLM
 from schemas import GenerateRequest, MediaItem, SamplingParams
 from tests.deployments.instruments import (
     FaultyLM,

@@ -18,7 +18,7 @@ from ray import serve
 
 from deployments.ingress import Ingress
 from deployments.ingress.channel import ROUTE_TIMEOUT_S
-from llm.server import LLM
+from deployments.llm.server import LLM
 
 pytestmark = pytest.mark.e2e
 APP = "llmfaults"

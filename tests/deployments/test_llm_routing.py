@@ -14,8 +14,8 @@ from ray.serve.config import RequestRouterConfig
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.ingress.prepare import Preparer
-from deployments.ingress.router import PrefixAffinityRouter
-from llm.server import LLM
+from deployments.llm.router import PrefixAffinityRouter
+from deployments.llm.server import LLM
 from schemas import AppArgs
 from schemas.openai import ChatCompletionRequest
 from tests.deployments.instruments import per_replica

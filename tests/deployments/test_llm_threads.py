@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from llm.server import reserved_cpus
+from deployments.llm.server import reserved_cpus
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ from demo.tiny_llava import build_llava_checkpoint
 from demo.tiny_llava_next import build_llava_next_checkpoint
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from llm.server import LLM
+from deployments.llm.server import LLM
 from tests.deployments.instruments import RecordingLM, SlowEncoder, forwards, llm_forwards
 from tests.deployments.parity import CASES, MAX_TOKENS, openai_messages, processor_generate, reference_generate
 

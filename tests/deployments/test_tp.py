@@ -15,7 +15,7 @@ import ray
 from ray import serve
 
 from deployments import build_app
-from llm.tp import check_gpus, llm_placement
+from deployments.llm.tp import check_gpus, llm_placement
 from tests.deployments.parity import CASES, MAX_TOKENS, assert_greedy_equals_reference, deployed, openai_messages
 
 pytestmark = pytest.mark.timeout(600)
@@ -137,7 +137,7 @@ def test_a_size_that_does_not_split_the_model_fails_at_build(app_args):
 
 
 def test_too_few_bundles_for_the_ranks_is_said_plainly(monkeypatch):
-    import llm.tp as tp
+    import deployments.llm.tp as tp
 
     monkeypatch.setattr(tp, "get_current_placement_group", lambda: type("PG", (), {"bundle_specs": [{"CPU": 1}] * 2}))
     with pytest.raises(ValueError, match="tensor_parallel_size=4 needs 4 placement_group_bundles .* has 2"):

@@ -10,7 +10,7 @@ from ray import serve
 
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from llm.server import LLM
+from deployments.llm.server import LLM
 from tests.helpers import make_video, video_url
 
 pytestmark = pytest.mark.e2e

@@ -251,8 +251,8 @@ def test_the_llm_replica_counts_its_colocated_encodes():
     not."""
     from types import SimpleNamespace
 
+    from deployments.llm.server import LLM
     from encoders.cache import EmbeddingLRU
-    from llm.server import LLM
     from schemas import MediaItem
 
     seen = []

@@ -9,7 +9,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
-from llm.server import LLM
+from deployments.llm.server import LLM
 from schemas import ModelSpec
 
 

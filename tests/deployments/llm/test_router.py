@@ -12,7 +12,7 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-from deployments.ingress.router import PrefixAffinityRouter, home_replica, rank_replicas, routing_key
+from deployments.llm.router import PrefixAffinityRouter, home_replica, rank_replicas, routing_key
 from schemas import GenerateRequest, SamplingParams
 
 LLM_ID = DeploymentID(name="LLM", app_name="vlm")

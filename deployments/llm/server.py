@@ -14,13 +14,13 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from transformers import AutoTokenizer
 
-from deployments.ingress.router import PrefixAffinityRouter
+from deployments.llm.channel import Outbox
+from deployments.llm.images import ImageArrivals, bad_image
+from deployments.llm.router import PrefixAffinityRouter
+from deployments.llm.tp import COLLECTIVE_TIMEOUT_S, Ranks
 from encoders import EmbeddingLRU, EncoderRunner
 from llm import Engine, EngineConfig, Qwen2LM, TextConfig, num_kv_blocks
-from llm.channel import Outbox
-from llm.images import ImageArrivals, bad_image
 from llm.model.parallel import ParallelLM, TPGroup, init_process_group
-from llm.tp import COLLECTIVE_TIMEOUT_S, Ranks
 from schemas import (
     DRAIN_POLL_S,
     AppArgs,
@@ -150,7 +150,7 @@ class LLM:
         )
 
     def _start_ranks(self, world_size: int, device: str, dtype: torch.dtype) -> ParallelLM:
-        """This replica is rank 0 of `world_size`; the others are actors in its placement group (llm/tp.py)."""
+        """This replica is rank 0 of `world_size`; the others are actors in its placement group (tp.py)."""
         group, shard = TPGroup(0, world_size), []
 
         def join(init_method: str) -> None:
