@@ -1,9 +1,8 @@
-"""Shared leaves: pydantic models at the edges (HTTP, config), the dataclasses the processes exchange, the errors that
-cross them, and the safetensors weight reader. (`schemas.metrics`, `schemas.transfer`: import them by name.)"""
+"""Shared leaves, plain data: pydantic models at the edges (HTTP, config), the dataclasses the processes exchange and
+the errors that cross them. No Ray: what needs it is in deployments/."""
 
 from schemas.config import AppArgs, AuthArgs, EncoderArgs, ImageURLArgs, Limits, LLMArgs, VideoArgs
 from schemas.engine import (
-    DRAIN_POLL_S,
     Batch,
     ChannelOpen,
     FinishReason,
@@ -14,33 +13,19 @@ from schemas.engine import (
     SamplingParams,
     TokenChunk,
     TokenLogprob,
-    this_replica,
 )
-from schemas.errors import (
-    LLM_GONE,
-    REPLICA_GONE,
-    ChannelLost,
-    EncoderUnavailable,
-    InvalidRequest,
-    Overloaded,
-    observe,
-    quiet_client_errors,
-    root_cause,
-)
+from schemas.errors import ChannelLost, EncoderUnavailable, InvalidRequest, Overloaded, observe
 from schemas.model_spec import ModelSpec
 from schemas.resolve import resolve_device, resolve_dtype, resolve_max_model_len
 from schemas.weights import Component, load_components, split_key
 
 __all__ = [
-    "LLM_GONE",
-    "REPLICA_GONE",
     "AppArgs",
     "AuthArgs",
     "Batch",
     "ChannelLost",
     "ChannelOpen",
     "Component",
-    "DRAIN_POLL_S",
     "EncoderArgs",
     "EncoderUnavailable",
     "FinishReason",
@@ -60,11 +45,8 @@ __all__ = [
     "TokenLogprob",
     "load_components",
     "observe",
-    "quiet_client_errors",
     "resolve_device",
     "resolve_dtype",
     "resolve_max_model_len",
-    "root_cause",
     "split_key",
-    "this_replica",
 ]

@@ -134,25 +134,9 @@ Item = TokenChunk | BaseException
 Batch = list[tuple[str, Item]]  # one channel message: (request id, chunk or error), in the order they were made
 
 
-# How often a stopping replica of ours looks whether its requests have ended (Serve's default, 2 s): each deleted app,
-# redeploy and scale-down waits at least one look, and a replica that had work two.
-DRAIN_POLL_S = 0.5
-
-
-def this_replica() -> str | None:
-    """This Serve replica's unique id; None outside a replica (tests that build a deployment's class directly)."""
-    from ray import serve  # NOTE: here: the messages themselves need no Ray
-
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:
-        return None
-
-
 __all__ = [
     "Batch",
     "ChannelOpen",
-    "DRAIN_POLL_S",
     "FinishReason",
     "GenerateRequest",
     "Item",
@@ -161,5 +145,4 @@ __all__ = [
     "SamplingParams",
     "TokenChunk",
     "TokenLogprob",
-    "this_replica",
 ]

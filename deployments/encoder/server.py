@@ -24,11 +24,13 @@ from deployments.encoder.autoscaling import (
     ArrivalMeter,
 )
 from deployments.encoder.router import CostRouter
+from deployments.errors import quiet_client_errors
+from deployments.metrics import EncoderMetrics, heap_census
+from deployments.replica import DRAIN_POLL_S
+from deployments.transfer import send_tensors_out_of_band
 from encoders import EncoderRunner, VisionEncoder
 from encoders.video_decode import Video
-from schemas import DRAIN_POLL_S, AppArgs, EncoderArgs, InvalidRequest, ModelSpec, quiet_client_errors
-from schemas.metrics import EncoderMetrics, heap_census
-from schemas.transfer import send_tensors_out_of_band
+from schemas import AppArgs, EncoderArgs, InvalidRequest, ModelSpec
 
 logger = logging.getLogger("ray.serve")
 DEFAULT_TARGET_COST = 10.0  # GFLOP: about 0.4 s of a 2-core CPU replica on the demo model

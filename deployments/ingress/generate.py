@@ -15,22 +15,13 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from transformers import PreTrainedTokenizerBase
 
+from deployments.errors import LLM_GONE, root_cause
 from deployments.ingress.channel import ROUTE_TIMEOUT_S, ChannelHub, TokenStream
 from deployments.ingress.detokenize import TextDelta, TextRules
 from deployments.ingress.embedding_cache import EmbeddingRefs
 from deployments.ingress.items import EncoderJob, Prepared
-from schemas import (
-    LLM_GONE,
-    AppArgs,
-    EncoderUnavailable,
-    GenerateRequest,
-    MediaItem,
-    Overloaded,
-    SamplingParams,
-    observe,
-    root_cause,
-)
-from schemas.metrics import IngressMetrics
+from deployments.metrics import IngressMetrics
+from schemas import AppArgs, EncoderUnavailable, GenerateRequest, MediaItem, Overloaded, SamplingParams, observe
 
 logger = logging.getLogger("ray.serve")
 
@@ -191,7 +182,7 @@ class Generator:
     ) -> Started:
         """The generations, up to their first chunks. Each attempt waits at most ROUTE_TIMEOUT_S for an LLM replica
         to take each, else 503 (none alive); an LLM replica lost before the first chunks (its call or its token channel
-        says so first, schemas.LLM_GONE): all once more (Serve's router routes around a dead replica). `media`: the
+        says so first, LLM_GONE): all once more (Serve's router routes around a dead replica). `media`: the
         encoder calls' ObjectRefs (`items`' pieces point into them), or colocated, each item's bytes."""
         channel = self.hub.id if self.args.llm.token_channel else None
         requests = [

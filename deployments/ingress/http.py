@@ -12,8 +12,9 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from deployments.errors import LLM_GONE, root_cause
 from deployments.ingress import client_json
-from schemas import LLM_GONE, EncoderUnavailable, InvalidRequest, Overloaded, root_cause
+from schemas import EncoderUnavailable, InvalidRequest, Overloaded
 from schemas.openai import ErrorBody, ErrorDetail
 
 logger = logging.getLogger("ray.serve")

@@ -16,6 +16,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from deployments.errors import quiet_client_errors
 from deployments.ingress.auth import Gate
 from deployments.ingress.channel import ChannelHub
 from deployments.ingress.detokenize import TextRules
@@ -38,10 +39,11 @@ from deployments.ingress.sampling import sampling_params
 from deployments.ingress.text_completions import text_completion, text_sse_stream
 from deployments.ingress.tokens import TokenRoutes
 from deployments.ingress.tools import parses_tools
+from deployments.metrics import IngressMetrics, heap_census
+from deployments.replica import DRAIN_POLL_S, this_replica
 from encoders import cache_scope
-from schemas import DRAIN_POLL_S, AppArgs, InvalidRequest, ModelSpec, quiet_client_errors, this_replica
+from schemas import AppArgs, InvalidRequest, ModelSpec
 from schemas.completions import CompletionRequest
-from schemas.metrics import IngressMetrics, heap_census
 from schemas.openai import ChatCompletionRequest
 from schemas.requests import GenerationRequest
 

@@ -11,8 +11,8 @@ import ray
 import torch
 from ray.exceptions import TaskCancelledError
 
-from schemas import EncoderUnavailable, InvalidRequest, MediaItem, observe, root_cause
-from schemas.errors import REPLICA_GONE
+from deployments.errors import REPLICA_GONE, root_cause
+from schemas import EncoderUnavailable, InvalidRequest, MediaItem, observe
 
 # Errors that mean "the encoder replica (or its node) went away", not "this image is bad".
 _ENCODER_GONE = (*REPLICA_GONE, TaskCancelledError)

@@ -14,15 +14,17 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from transformers import AutoTokenizer
 
+from deployments.errors import quiet_client_errors
 from deployments.llm.channel import Outbox
 from deployments.llm.images import ImageArrivals, bad_image
 from deployments.llm.router import PrefixAffinityRouter
 from deployments.llm.tp import COLLECTIVE_TIMEOUT_S, Ranks
+from deployments.metrics import EncoderMetrics, LLMMetrics, heap_census
+from deployments.replica import DRAIN_POLL_S, this_replica
 from encoders import EmbeddingLRU, EncoderRunner
 from llm import Engine, EngineConfig, Qwen2LM, TextConfig, num_kv_blocks
 from llm.model.parallel import ParallelLM, TPGroup, init_process_group
 from schemas import (
-    DRAIN_POLL_S,
     AppArgs,
     Batch,
     ChannelOpen,
@@ -34,10 +36,7 @@ from schemas import (
     Overloaded,
     Routed,
     TokenChunk,
-    quiet_client_errors,
-    this_replica,
 )
-from schemas.metrics import EncoderMetrics, LLMMetrics, heap_census
 
 logger = logging.getLogger("ray.serve")
 # Errors the ingress answers (4xx, or a retry / 503) and that are no fault of this replica: sent down the stream as

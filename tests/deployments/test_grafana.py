@@ -1,5 +1,5 @@
 """The Grafana dashboard asks only for metrics the app exports: every ray_vlm_* series in its queries is declared
-in schemas/metrics.py (Ray adds the ray_ prefix), and each panel's queries are well-formed."""
+in deployments/metrics.py (Ray adds the ray_ prefix), and each panel's queries are well-formed."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ DASHBOARD = ROOT / "deployments" / "grafana" / "vlm-dashboard.json"
 
 def test_the_dashboard_queries_only_exported_metrics():
     declared = set(
-        re.findall(r'(?:Histogram|Counter|Gauge)\(\s*"(vlm_\w+)"', (ROOT / "schemas" / "metrics.py").read_text())
+        re.findall(r'(?:Histogram|Counter|Gauge)\(\s*"(vlm_\w+)"', (ROOT / "deployments" / "metrics.py").read_text())
     )
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
@@ -23,6 +23,6 @@ def test_the_dashboard_queries_only_exported_metrics():
     assert declared <= used, declared - used
     for expr in exprs:
         assert expr.count("(") == expr.count(")"), expr
-    histograms = set(re.findall(r'Histogram\(\s*"(vlm_\w+)"', (ROOT / "schemas" / "metrics.py").read_text()))
+    histograms = set(re.findall(r'Histogram\(\s*"(vlm_\w+)"', (ROOT / "deployments" / "metrics.py").read_text()))
     for name in re.findall(r"ray_(vlm_\w+)_bucket", " ".join(exprs)):
         assert name in histograms, name  # histogram_quantile only over histograms

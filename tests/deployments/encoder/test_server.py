@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from deployments.encoder.server import Encoder
+from deployments.transfer import _from_numpy, _to_numpy
 from schemas import InvalidRequest
-from schemas.transfer import _from_numpy, _to_numpy
 from tests.helpers import image_bytes, make_image
 
 
@@ -34,7 +34,7 @@ def test_a_call_returns_each_images_embedding_and_a_bad_one_as_its_error(checkpo
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_out_of_band_tensor_round_trip(dtype):
-    """What schemas/transfer.py sends for an embedding comes back equal, dtype and shape included."""
+    """What deployments/transfer.py sends for an embedding comes back equal, dtype and shape included."""
     embeds = torch.randn(37, 24).to(dtype)[:, 4:20]  # not contiguous
     payload = _to_numpy(embeds)
     back = _from_numpy(pickle.loads(pickle.dumps(payload, protocol=5)))

@@ -8,7 +8,8 @@ import pickle
 import pytest
 from ray.exceptions import TaskCancelledError
 
-from schemas import ChannelLost, EncoderUnavailable, InvalidRequest, Overloaded, quiet_client_errors
+from deployments.errors import quiet_client_errors
+from schemas import ChannelLost, EncoderUnavailable, InvalidRequest, Overloaded
 
 
 def _log_failure(logger: logging.Logger, error: Exception) -> None:
