@@ -32,7 +32,7 @@ import numpy as np
 
 from bench.server import QUIET, bench_checkpoint, ray_serve, wait_healthy
 from bench.slow_vit import SlowViT
-from schemas import ModelSpec
+from encoders import ModelSpec
 from tests.helpers import data_url, make_image
 
 # A small LM (the prompts' prefill is not what is measured) with a ViT that takes photos up to 1 MP (max_pixels).

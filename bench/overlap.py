@@ -21,7 +21,7 @@ import httpx
 
 from bench.server import CHECKPOINT_PARAMS, QUIET, bench_checkpoint, ray_serve, wait_healthy
 from bench.slow_vit import SlowViT
-from schemas import ModelSpec
+from encoders import ModelSpec
 from tests.helpers import data_url, make_image
 
 SIDE = 448

@@ -9,8 +9,7 @@ import time
 
 import torch
 
-from encoders import Qwen2VLVisionEncoder
-from schemas import ModelSpec
+from encoders import ModelSpec, Qwen2VLVisionEncoder
 
 
 class SlowViT(Qwen2VLVisionEncoder):

@@ -371,7 +371,7 @@ def scale_out(opts, out_dir: Path) -> dict:
     from ray import serve
 
     from bench.slow_vit import SleepViT
-    from schemas import ModelSpec
+    from encoders import ModelSpec
 
     checkpoint = bench_checkpoint(out_dir, TINY_CHECKPOINT)
     spec = ModelSpec.load(checkpoint, device="cpu")

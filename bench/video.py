@@ -107,11 +107,11 @@ def served(ckpt: Path, out_dir: Path, stamp: str, replicas: int, warmup: list[by
 
 def breakdown(ckpt: Path, video: bytes) -> list[tuple[str, float]]:
     """(step, seconds) in this process, one torch thread: what a request's encoder work is made of, chunk by chunk."""
-    from encoders import Qwen2VLVisionEncoder
+    from encoders import ModelSpec, Qwen2VLVisionEncoder
     from encoders.video_decode import Video
     from encoders.video_processing import SamplingRequest, VideoMeta
     from encoders.videos import probe_video
-    from schemas import AppArgs, ModelSpec
+    from schemas import AppArgs
 
     args = AppArgs.model_validate({"model": str(ckpt), **APP_ARGS})
     processing, v = ModelSpec.from_args(args).video_processing, args.video

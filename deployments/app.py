@@ -10,9 +10,10 @@ from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
 from deployments.llm.tp import llm_placement
+from encoders import ModelSpec
 from llm import TextConfig
 from llm.model.parallel import check_divisible
-from schemas import AppArgs, ModelSpec
+from schemas import AppArgs
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -12,10 +12,10 @@ from PIL import Image
 from torch import nn
 from transformers import AutoConfig
 
+from checkpoint import load_components
 from encoders.cost import VisionCost, linear_flops
 from encoders.family import ImageTokens
 from encoders.llava_processing import LlavaImageProcessing
-from schemas import load_components
 
 
 def llava_image_tokens(config: Any) -> ImageTokens:
@@ -54,7 +54,7 @@ class LlavaVisionEncoder:
     def __init__(
         self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, config: Any = None
     ):
-        """`config`: the checkpoint's transformers config, when the caller has it (schemas.ModelSpec)."""
+        """`config`: the checkpoint's transformers config, when the caller has it (encoders.ModelSpec)."""
         config = config or AutoConfig.from_pretrained(model_dir)
         self.processing = LlavaImageProcessing.from_pretrained(model_dir, config)
         self._load(config, load_components(model_dir, {"vision"})["vision"], device, dtype)

@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 from transformers import AutoConfig
 
+from checkpoint import load_components
 from encoders.llava import LlavaVisionEncoder
 from encoders.llava_processing import LlavaImageProcessing, _image_processor_config, check_tower_size
-from schemas import load_components
 
 
 class TiledGrid(tuple):
@@ -94,7 +94,7 @@ class LlavaNextImageProcessing:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: Any = None) -> LlavaNextImageProcessing:
-        """`config`: the checkpoint's transformers config, when the caller has it (schemas.ModelSpec)."""
+        """`config`: the checkpoint's transformers config, when the caller has it (encoders.ModelSpec)."""
         cfg = _image_processor_config(Path(model_dir))
         config = config or AutoConfig.from_pretrained(model_dir)
         if config.vision_feature_select_strategy != "default":
@@ -195,7 +195,7 @@ class LlavaNextVisionEncoder(LlavaVisionEncoder):
     def __init__(
         self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, config: Any = None
     ):
-        """`config`: the checkpoint's transformers config, when the caller has it (schemas.ModelSpec)."""
+        """`config`: the checkpoint's transformers config, when the caller has it (encoders.ModelSpec)."""
         config = config or AutoConfig.from_pretrained(model_dir)
         self.processing = LlavaNextImageProcessing.from_pretrained(model_dir, config)
         weights = load_components(model_dir, {"vision"})["vision"]

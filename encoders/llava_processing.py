@@ -56,7 +56,7 @@ class LlavaImageProcessing:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: Any = None) -> LlavaImageProcessing:
-        """`config`: the checkpoint's transformers config, when the caller has it (schemas.ModelSpec)."""
+        """`config`: the checkpoint's transformers config, when the caller has it (encoders.ModelSpec)."""
         cfg = _image_processor_config(Path(model_dir))
         config = config or AutoConfig.from_pretrained(model_dir)
         strategy = config.vision_feature_select_strategy

@@ -14,9 +14,10 @@ import torch
 from PIL import Image
 from transformers import AutoConfig
 
+from checkpoint import load_components
 from encoders.cost import VisionCost, linear_flops
 from encoders.family import ImageTokens
-from schemas import InvalidRequest, load_components
+from schemas import InvalidRequest
 
 # OpenAI CLIP statistics, Qwen2-VL's defaults when preprocessor_config.json names none.
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -171,7 +172,7 @@ class Qwen2VLVisionEncoder:
     def __init__(
         self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, config: Any = None
     ):
-        """`config`: the checkpoint's transformers config, when the caller has it (schemas.ModelSpec)."""
+        """`config`: the checkpoint's transformers config, when the caller has it (encoders.ModelSpec)."""
         config = (config or AutoConfig.from_pretrained(model_dir)).vision_config
         self.processing = Qwen2VLImageProcessing.from_pretrained(model_dir)
         self.device, self.dtype = torch.device(device), dtype

@@ -17,10 +17,10 @@ from PIL import Image
 from encoders.batching import ImageBatcher, Preprocessed
 from encoders.family import VisionEncoder
 from encoders.images import image_size, load_rgb
+from encoders.model_spec import ModelSpec
 from encoders.placement import check_worst_case, place_projector
 from encoders.video_decode import Video
 from schemas import EncoderArgs, VideoArgs, resolve_device, resolve_dtype
-from schemas.model_spec import ModelSpec
 
 logger = logging.getLogger("ray.serve")
 MEASURE_SIZE, MEASURE_BATCH = (448, 448), 4  # the start-up throughput measurement: a batch of typical chat images

@@ -1,5 +1,6 @@
 """Shared leaves, plain data: pydantic models at the edges (HTTP, config), the dataclasses the processes exchange and
-the errors that cross them. No Ray: what needs it is in deployments/."""
+the errors that cross them. Importing it loads no torch, transformers or Ray: the checkpoint's facts are
+`encoders.ModelSpec`, its weights `checkpoint`, and what needs Ray is in `deployments`."""
 
 from schemas.config import AppArgs, AuthArgs, EncoderArgs, ImageURLArgs, Limits, LLMArgs, VideoArgs
 from schemas.engine import (
@@ -15,9 +16,7 @@ from schemas.engine import (
     TokenLogprob,
 )
 from schemas.errors import ChannelLost, EncoderUnavailable, InvalidRequest, Overloaded, observe
-from schemas.model_spec import ModelSpec
 from schemas.resolve import resolve_device, resolve_dtype, resolve_max_model_len
-from schemas.weights import Component, load_components, split_key
 
 __all__ = [
     "AppArgs",
@@ -25,7 +24,6 @@ __all__ = [
     "Batch",
     "ChannelLost",
     "ChannelOpen",
-    "Component",
     "EncoderArgs",
     "EncoderUnavailable",
     "FinishReason",
@@ -37,16 +35,13 @@ __all__ = [
     "MediaItem",
     "VideoArgs",
     "Limits",
-    "ModelSpec",
     "Overloaded",
     "Routed",
     "SamplingParams",
     "TokenChunk",
     "TokenLogprob",
-    "load_components",
     "observe",
     "resolve_device",
     "resolve_dtype",
     "resolve_max_model_len",
-    "split_key",
 ]

@@ -7,7 +7,8 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("deployments", "encoders", "llm", "schemas", "demo", "bench")
+PRODUCT = ("deployments", "encoders", "llm", "checkpoint", "schemas")
+PACKAGES = (*PRODUCT, "demo", "bench")
 
 
 def _sources() -> list[Path]:
@@ -26,7 +27,7 @@ def test_the_product_does_not_use_wait_for():
     request itself when its client leaves (direct ingress), so those futures complete exactly then: the ingress went
     on to re-encode and generate for nobody (the soak found it). `async with asyncio.timeout(...)` does not drop it;
     tests/deployments/ingress/test_generate.py shows the difference on the encoder wait."""
-    product = [p for p in _sources() if p.parts[len(ROOT.parts)] in ("deployments", "encoders", "llm", "schemas")]
+    product = [p for p in _sources() if p.parts[len(ROOT.parts)] in PRODUCT]
     assert len(product) > 40, product
     found = [str(p.relative_to(ROOT)) for p in product if "wait_for(" in p.read_text()]
     assert found == [], f"use `async with asyncio.timeout(...)` instead of asyncio.wait_for in {found}"

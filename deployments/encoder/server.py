@@ -28,9 +28,9 @@ from deployments.errors import quiet_client_errors
 from deployments.metrics import EncoderMetrics, heap_census
 from deployments.replica import DRAIN_POLL_S
 from deployments.transfer import send_tensors_out_of_band
-from encoders import EncoderRunner, VisionEncoder
+from encoders import EncoderRunner, ModelSpec, VisionEncoder
 from encoders.video_decode import Video
-from schemas import AppArgs, EncoderArgs, InvalidRequest, ModelSpec
+from schemas import AppArgs, EncoderArgs, InvalidRequest
 
 logger = logging.getLogger("ray.serve")
 DEFAULT_TARGET_COST = 10.0  # GFLOP: about 0.4 s of a 2-core CPU replica on the demo model

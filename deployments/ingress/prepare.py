@@ -20,8 +20,8 @@ from deployments.ingress.prompt import build_prompt, check_reserved, load_tokeni
 from deployments.ingress.structured import response_grammar
 from deployments.ingress.tools import check_tools, renders_tools, template_tools, tool_grammar, tools_as_text
 from deployments.ingress.videos import VideoPreparer, video_params
-from encoders import data_url_format, decode_data_url, embedding_key, probe_image
-from schemas import AppArgs, InvalidRequest, MediaItem, ModelSpec
+from encoders import ModelSpec, data_url_format, decode_data_url, embedding_key, probe_image
+from schemas import AppArgs, InvalidRequest, MediaItem
 from schemas.completions import CompletionRequest
 from schemas.openai import ChatCompletionRequest, Message
 from schemas.requests import GenerationRequest

@@ -41,8 +41,8 @@ from deployments.ingress.tokens import TokenRoutes
 from deployments.ingress.tools import parses_tools
 from deployments.metrics import IngressMetrics, heap_census
 from deployments.replica import DRAIN_POLL_S, this_replica
-from encoders import cache_scope
-from schemas import AppArgs, InvalidRequest, ModelSpec
+from encoders import ModelSpec, cache_scope
+from schemas import AppArgs, InvalidRequest
 from schemas.completions import CompletionRequest
 from schemas.openai import ChatCompletionRequest
 from schemas.requests import GenerationRequest

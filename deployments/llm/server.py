@@ -21,7 +21,7 @@ from deployments.llm.router import PrefixAffinityRouter
 from deployments.llm.tp import COLLECTIVE_TIMEOUT_S, Ranks
 from deployments.metrics import EncoderMetrics, LLMMetrics, heap_census
 from deployments.replica import DRAIN_POLL_S, this_replica
-from encoders import EmbeddingLRU, EncoderRunner
+from encoders import EmbeddingLRU, EncoderRunner, ModelSpec
 from llm import Engine, EngineConfig, Qwen2LM, TextConfig, num_kv_blocks
 from llm.model.parallel import ParallelLM, TPGroup, init_process_group
 from schemas import (
@@ -32,7 +32,6 @@ from schemas import (
     GenerateRequest,
     InvalidRequest,
     MediaItem,
-    ModelSpec,
     Overloaded,
     Routed,
     TokenChunk,

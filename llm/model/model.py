@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 
+from checkpoint import load_components
 from llm.model import hugepages
 from llm.model.attention import BatchMeta
 from llm.model.kv_cache import KVCache
 from llm.model.layers import DecoderLayer, Linear, RMSNorm, Rotary, interleave_rope_rows
 from llm.model.parallel import TPGroup, check_divisible
-from schemas import load_components
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +126,7 @@ class Qwen2LM(nn.Module):
         config: TextConfig | None = None,
     ) -> Qwen2LM:
         """Reads only the language model, its embedding table and lm_head (never the vision weights); with `tp`,
-        only this rank's slices of them. `config`: when the caller has it (schemas.ModelSpec)."""
+        only this rank's slices of them. `config`: when the caller has it (encoders.ModelSpec)."""
         c = config or TextConfig.from_pretrained(model_dir)
         check_divisible(c.num_heads, c.num_kv_heads, c.intermediate_size, tp.world_size)
 

@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from deployments.ingress.prompt import load_tokenizer
-from encoders import EncoderRunner, family_of
+from encoders import EncoderRunner, ModelSpec, family_of
 from llm import Qwen2LM
-from schemas import EncoderArgs, ModelSpec
+from schemas import EncoderArgs
 from tests.helpers import make_image
 
 

@@ -16,7 +16,7 @@ from deployments.encoder.autoscaling import POLICY_PATH
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
-from schemas import ModelSpec
+from encoders import ModelSpec
 from tests.deployments.instruments import SlowEncoder
 from tests.helpers import data_url, make_image
 

@@ -12,11 +12,10 @@ from transformers.models.clip.modeling_clip import CLIPVisionModel
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-from encoders import LlavaImageProcessing, LlavaNextImageProcessing, Qwen2VLImageProcessing
+from encoders import LlavaImageProcessing, LlavaNextImageProcessing, ModelSpec, Qwen2VLImageProcessing
 from encoders.llava import llava_cost
 from encoders.qwen2_5_vl import qwen2_5_vl_cost
 from encoders.qwen2_vl import qwen2_vl_cost
-from schemas import ModelSpec
 
 # The 7B checkpoints' vision towers (their config.json files): the shapes that matter in production.
 QWEN2_VL_7B = Qwen2VLConfig(vision_config={"embed_dim": 1280, "depth": 32, "mlp_ratio": 4, "hidden_size": 3584})

@@ -17,12 +17,13 @@ from encoders import (
     ImageTokens,
     LlavaImageProcessing,
     LlavaVisionEncoder,
+    ModelSpec,
     family_of,
     image_size,
     image_tokens_of,
     load_rgb,
 )
-from schemas import EncoderArgs, ModelSpec
+from schemas import EncoderArgs
 from tests.helpers import image_bytes, make_image
 
 # Tiny, odd, square at the crop size, very wide and very tall, larger than the crop.

@@ -19,12 +19,13 @@ from encoders import (
     ImageTokens,
     LlavaNextImageProcessing,
     LlavaNextVisionEncoder,
+    ModelSpec,
     family_of,
     image_size,
     image_tokens_of,
     load_rgb,
 )
-from schemas import EncoderArgs, ModelSpec
+from schemas import EncoderArgs
 from tests.helpers import image_bytes, make_image
 
 # 28 px tiles, pinpoints of 2x2 to 4x4 tiles: tiny, odd, one tile, a pinpoint's own size, wide and tall (padding

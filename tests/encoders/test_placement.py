@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from encoders import EncoderRunner, Qwen2VLVisionEncoder
+from encoders import EncoderRunner, ModelSpec, Qwen2VLVisionEncoder
 from encoders.runner import MEASURE_BATCH, MEASURE_SIZE
-from schemas import EncoderArgs, ModelSpec
+from schemas import EncoderArgs
 from tests.helpers import make_image
 
 

@@ -13,10 +13,17 @@ from transformers.processing_utils import ProcessorMixin
 from transformers.vision_utils import get_vision_window_index
 
 from demo.tiny_qwen2_5_vl import build_qwen2_5_vl_checkpoint
-from encoders import EncoderRunner, Qwen2_5_VLVisionEncoder, Qwen2VLImageProcessing, family_of, image_tokens_of
+from encoders import (
+    EncoderRunner,
+    ModelSpec,
+    Qwen2_5_VLVisionEncoder,
+    Qwen2VLImageProcessing,
+    family_of,
+    image_tokens_of,
+)
 from llm import TextConfig
 from llm.model import mrope_positions
-from schemas import EncoderArgs, ModelSpec
+from schemas import EncoderArgs
 from tests.helpers import make_image
 
 # Tiny, odd, very wide and very tall, larger than max_pixels (downscaled), and exact multiples of 28.

@@ -12,7 +12,8 @@ import pytest
 from deployments.ingress.http import parse
 from deployments.ingress.prepare import Preparer
 from deployments.ingress.sampling import sampling_params
-from schemas import AppArgs, InvalidRequest, ModelSpec
+from encoders import ModelSpec
+from schemas import AppArgs, InvalidRequest
 from schemas.openai import ChatCompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-import schemas.weights as ckpt
+import checkpoint.weights as ckpt
+from checkpoint import split_key
 from demo.tiny_llava import build_llava_checkpoint
 from demo.tiny_llava_next import build_llava_next_checkpoint
 from encoders import LlavaNextVisionEncoder, LlavaVisionEncoder, Qwen2VLVisionEncoder
 from llm import Qwen2LM
-from schemas import split_key
 
 
 @pytest.mark.parametrize(

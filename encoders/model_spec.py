@@ -8,17 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from encoders.cost import VisionCost
+from encoders.family import Family, ImageProcessing, ImageTokens
+from encoders.registry import family_of
 from schemas.config import AppArgs
 from schemas.resolve import resolve_device, resolve_dtype, resolve_max_model_len
-
-if TYPE_CHECKING:
-    from encoders.cost import VisionCost
-    from encoders.family import Family, ImageProcessing, ImageTokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +57,6 @@ class ModelSpec:
         generation_config: str = "auto",
     ) -> ModelSpec:
         """An unsupported checkpoint, or a `max_model_len` over the checkpoint's positions, raises `ValueError`."""
-        # NOTE: imported here: the registry imports every family's modules, and the encoders import schemas.
-        from encoders.registry import family_of
-
         fam = family_of(model_dir, family)  # first: an unsupported model_type fails here, listing the families
         if family is None:
             config = AutoConfig.from_pretrained(model_dir)

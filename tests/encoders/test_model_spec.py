@@ -1,4 +1,4 @@
-"""Facts load once: each process reads the checkpoint's transformers config a single time (schemas/model_spec.py),
+"""Facts load once: each process reads the checkpoint's transformers config a single time (encoders/model_spec.py),
 and the spec holds what the ingress and the LLM must agree on."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from transformers import AutoConfig, GenerationConfig
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
-from schemas import ModelSpec
+from encoders import ModelSpec
 
 
 @pytest.fixture
