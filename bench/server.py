@@ -115,7 +115,7 @@ def serve_app(
     """Our app at route / of an in-process Ray Serve (`ray_serve`), behind the front door `ingress`."""
     from ray import serve
 
-    from deployments import build_app
+    from deployments.app import build_app
 
     with ray_serve(ingress=ingress) as port:
         args = _merge(

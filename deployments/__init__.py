@@ -1,17 +1,7 @@
-"""The app builder (`deployments.app:build_app`, run on the driver) and the ingress process (`deployments.ingress`).
+"""Every Ray Serve piece, one folder a process: `app` (`build_app`, run on the driver: serve_config.yaml's
+`deployments.app:build_app`), `ingress/`, `encoder/` and `llm/` (each process's deployment, a thin shim over the
+model code in `encoders` and `llm`, and the request router it declares), with what they share: `errors` (Ray's),
+`replica`, `metrics` and `transfer` (embeddings out of band).
 
-The encoder and LLM replicas' deployments: `deployments.encoder.server`, `deployments.llm.server`."""
-
-from typing import Any
-
-__all__ = ["build_app"]
-
-
-def __getattr__(name: str) -> Any:
-    # NOTE: imported on first use: build_app imports every process's deployment, and the LLM's deployment imports
-    # the ingress's request router (deployments.llm.router), so an eager import here would be a cycle.
-    if name == "build_app":
-        from deployments.app import build_app
-
-        return build_app
-    raise AttributeError(f"module 'deployments' has no attribute {name!r}")
+Nothing is imported here: a replica imports its own deployment's module, and `build_app` would bring every process's
+code into each (the LLM's engine into the ingress)."""

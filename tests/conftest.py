@@ -108,7 +108,7 @@ def app_args(checkpoint, image_root) -> dict:
 def base_url(ray_serve, app_args) -> str:
     from ray import serve
 
-    from deployments import build_app
+    from deployments.app import build_app
 
     serve.run(build_app(app_args), name="vlm", route_prefix="/")
     return ray_serve

@@ -17,7 +17,7 @@ import ray
 from ray import serve
 from ray.serve._private.common import RequestProtocol
 
-from deployments import build_app
+from deployments.app import build_app
 
 TAG = "INGRESS_DOOR"
 

@@ -14,7 +14,7 @@ import pytest
 import ray
 from ray import serve
 
-from deployments import build_app
+from deployments.app import build_app
 from deployments.llm.tp import check_gpus, llm_placement
 from tests.deployments.parity import CASES, MAX_TOKENS, assert_greedy_equals_reference, deployed, openai_messages
 

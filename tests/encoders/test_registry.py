@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from deployments import build_app
+from deployments.app import build_app
 from encoders import FAMILIES, family_of
 
 
