@@ -64,9 +64,11 @@ browser:
 	  echo "no chromium: tests/deployments/test_playground.py will skip (fail under .ci/run)"
 
 # ruff's rules and exclusions are pyproject.toml's; `$(VENV)/bin/ruff format .` rewrites what the check rejects.
+# lint-imports holds the layers (pyproject.toml's [tool.importlinter]): an import the wrong way names the contract.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 # The unit tier first, on both cores (pytest-xdist: its tests are mostly one Python thread each), then the tests that
 # start Ray, in one process and in tests/conftest.py's order (they share the session's cluster and apps). Both run,
