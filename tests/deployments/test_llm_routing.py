@@ -25,7 +25,7 @@ pytestmark = pytest.mark.e2e
 APP = "route"
 SMALL = {"num_cpus": 0.1}
 # NOTE: max_imbalance above the 8 conversations in flight: even if they all hash to one replica, none is sent away
-# for load (tests/deployments/ingress/test_router.py covers that fallback).
+# for load (tests/deployments/llm/test_router.py covers that fallback).
 REQUESTS = "ray_serve_deployment_request_counter_total"
 ROUTER = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs={"max_imbalance": 16})
 
