@@ -98,6 +98,9 @@ def ours_config(
         else:  # e.g. the Encoder, which the laptop's file leaves to its decorator (encoder.colocated there)
             app["deployments"].append({"name": name, **options})
         changes.append(f"deployments {name}: {options} ({'merged' if entries else 'added'})")
+    if app["args"].get("encoder", {}).get("colocated"):  # no Encoder in the app: Serve refuses settings for one
+        app["deployments"] = [d for d in app["deployments"] if d["name"] != "Encoder"]
+        changes.append("deployments Encoder: removed (encoder.colocated: the app has no Encoder)")
     changes += [
         f"env {k}={os.environ.get(k, v)} (health checks only; `make serve` leaves Serve's default)"
         for k, v in OURS_ENV.items()

@@ -95,7 +95,7 @@ def serve_logs(app: str) -> dict[Path, int]:
 # frame of the traceback is ours: the same error from our routers' override (deployments/llm/router.py) was
 # ours, and fixed.
 UPSTREAM = ("Unexpected error in _fulfill_pending_requests",)
-OURS = re.compile(r'File "[^"]*/(deployments|encoders|llm|checkpoint|schemas)/')
+OURS = re.compile(r'File "[^"]*/(deployments|encoders|llm|schemas)/')
 THROUGH_OURS = " [through our code]"
 
 

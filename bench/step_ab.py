@@ -1,7 +1,7 @@
 """A decode step of the bench checkpoint with this tree's `llm` against a baseline commit's, in one run.
 
-The baseline's `llm`, `checkpoint` and `schemas` are exported with `git archive` into bench_results/baseline-<rev>
-(`checkpoint`, the weight reader, where the baseline has one: before it, schemas held it); each round
+The baseline's `llm`, `encoders` and `schemas` are exported with `git archive` into bench_results/baseline-<rev>
+(the model reads its weights with `encoders.weights` now, with `schemas.weights` before); each round
 runs one child process per tree (bench/step_child.py), alternating, so a burst of other load hits both alike;
 the figure per case is the median over rounds of each child's median.
 """
@@ -21,17 +21,15 @@ CHILD = Path(__file__).with_name("step_child.py")
 
 
 def baseline_tree(rev: str, out_dir: Path) -> Path:
-    """This repository's `llm`, `checkpoint` and `schemas` at `rev`, exported once (no checkout of the work tree)."""
+    """This repository's `llm`, `encoders` and `schemas` at `rev`, exported once (no checkout of the work tree)."""
     sha = subprocess.run(
         ["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout.strip()
     tree = out_dir / f"baseline-{sha}"
     if not (tree / "llm" / "__init__.py").is_file():
-        top = subprocess.run(
-            ["git", "ls-tree", "--name-only", sha], cwd=ROOT, check=True, capture_output=True, text=True
-        ).stdout.split()
-        packages = [p for p in ("llm", "checkpoint", "schemas") if p in top]
-        archive = subprocess.run(["git", "archive", sha, *packages], cwd=ROOT, check=True, capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "archive", sha, "llm", "encoders", "schemas"], cwd=ROOT, check=True, capture_output=True
+        ).stdout
         with tarfile.open(fileobj=BytesIO(archive)) as tar:
             tar.extractall(tree, filter="data")
     return tree

@@ -349,7 +349,7 @@ def run_layout(cluster: PinnedNodes, layout: Layout, checkpoint: Path, opts, por
 
     args = {
         "model": str(checkpoint),
-        "llm": {"max_model_len": 4096},
+        "llm": {"max_model_len": 4096, **opts.llm_args},
         "limits": {"max_images_per_request": 8},
         "encoder": {"cache_gib": opts.cache_gib},
     }
@@ -630,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-bound", type=float, default=2.0, help="goodput: TTFT at most this (s)")
     p.add_argument("--tpot-bound", type=float, default=0.05, help="goodput: TPOT at most this (s): reading speed")
     p.add_argument("--judged-rate", type=float, default=0.6, help="the rate of the last line's TPOT ratio (issue 51's)")
+    p.add_argument("--llm-args", type=json.loads, default={}, help="JSON merged into every layout's llm args")
     p.add_argument("--attainment", type=float, default=0.9, help="goodput: the share of requests within both bounds")
     p.add_argument("--scale-replicas", default="1,2,4", help="Encoder replicas of the scale-out runs ('' skips it)")
     p.add_argument("--scale-requests", type=int, default=160)
@@ -677,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{platform.python_version()}; nodes pinned to cores 0 and 1 (tier: LLM and ingress on 0, Encoder on 1); "
         f"checkpoint {checkpoint.name}: LM hidden {TIER_CHECKPOINT['hidden_size']} x {TIER_CHECKPOINT['num_layers']}, "
         f"ViT {TIER_CHECKPOINT['vision_embed_dim']} x {TIER_CHECKPOINT['vision_depth']}"
+        + (f"; llm args {json.dumps(opts.llm_args)}" if opts.llm_args else "")
     )
     text, last = report(results, scale, opts, header)
     print(text)

@@ -12,10 +12,10 @@ from PIL import Image
 from torch import nn
 from transformers import AutoConfig
 
-from checkpoint import load_components
 from encoders.cost import VisionCost, linear_flops
 from encoders.family import ImageTokens
 from encoders.llava_processing import LlavaImageProcessing
+from encoders.weights import load_components
 
 
 def llava_image_tokens(config: Any) -> ImageTokens:

@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 from transformers import AutoConfig
 
-from checkpoint import load_components
 from encoders.llava import LlavaVisionEncoder
 from encoders.llava_processing import LlavaImageProcessing, _image_processor_config, check_tower_size
+from encoders.weights import load_components
 
 
 class TiledGrid(tuple):

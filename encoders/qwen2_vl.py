@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 from transformers import AutoConfig
 
-from checkpoint import load_components
 from encoders.cost import VisionCost, linear_flops
 from encoders.family import ImageTokens
+from encoders.weights import load_components
 from schemas import InvalidRequest
 
 # OpenAI CLIP statistics, Qwen2-VL's defaults when preprocessor_config.json names none.

@@ -1,6 +1,6 @@
 """Shared leaves, plain data: pydantic models at the edges (HTTP, config), the dataclasses the processes exchange and
 the errors that cross them. Importing it loads no torch, transformers or Ray: the checkpoint's facts are
-`encoders.ModelSpec`, its weights `checkpoint`, and what needs Ray is in `deployments`."""
+`encoders.ModelSpec`, its weights' reader `encoders.weights`, and what needs Ray is in `deployments`."""
 
 from schemas.config import AppArgs, AuthArgs, EncoderArgs, ImageURLArgs, Limits, LLMArgs, VideoArgs
 from schemas.engine import (

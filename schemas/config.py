@@ -120,6 +120,13 @@ class EncoderArgs(_Strict):
     colocated: bool = Field(
         False, description="Encode images inside the LLM replica, on its device, instead of on encoder replicas."
     )
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="An Encoder replica's CPU threads for torch (the ViT on cpu, preprocessing); default: its "
+        "`num_cpus`, at least 1 (Ray's rule). Beside the LLM on a small node, the node's cores: images then encode "
+        "on them while the LLM waits for them, and the engine's threads follow the node's load (llm.cpu_threads_max).",
+    )
     vision_device: Device | None = Field(None, description="Device of the vision tower; default: the app's device.")
     vision_dtype: DType | None = Field(None, description="dtype of the vision tower; default: the app's dtype.")
     projector_device: Device | None = Field(None, description="Device of the projector; default: the tower's.")

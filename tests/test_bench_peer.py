@@ -63,12 +63,19 @@ def test_ours_config_is_serve_configs_with_checkpoint_and_port_only(tmp_path):
     llm = merged["applications"][0]["args"]["llm"]
     assert llm["stream_interval_ms"] == 50 and llm["max_queued_requests"] == 64  # merged, not replaced
     assert any("--app-args" in c for c in changes)
-    assert base["applications"][0]["args"]["encoder"]["colocated"]  # the laptop's layout: no Encoder entry
-    split, changes = ours_config(Path("x"), 1, {"encoder": {"colocated": False}}, {"Encoder": {"num_replicas": 1}})
-    app = split["applications"][0]
-    assert not app["args"]["encoder"]["colocated"] and app["args"]["encoder"]["cache_gib"] == 0.5
-    (encoder,) = [d for d in app["deployments"] if d["name"] == "Encoder"]
-    assert encoder == {"name": "Encoder", "num_replicas": 1} and any("Encoder" in c and "added" in c for c in changes)
+    assert not base["applications"][0]["args"]["encoder"]["colocated"]  # the laptop's layout: the tier
+    pinned, changes = ours_config(Path("x"), 1, {}, {"Encoder": {"num_replicas": 1}})
+    (encoder,) = [d for d in pinned["applications"][0]["deployments"] if d["name"] == "Encoder"]
+    assert encoder["num_replicas"] == 1 and encoder["ray_actor_options"] == {"num_cpus": 0.4}  # merged
+    assert any("Encoder" in c and "merged" in c for c in changes)
+    alone, changes = ours_config(Path("x"), 1, {"encoder": {"colocated": True}})
+    app = alone["applications"][0]
+    assert app["args"]["encoder"]["colocated"] and app["args"]["encoder"]["cache_gib"] == 0.5
+    assert [d["name"] for d in app["deployments"]] == ["Ingress", "LLM"]  # Serve refuses an entry the app lacks
+    assert any("Encoder" in c and "removed" in c for c in changes)
+    added, changes = ours_config(Path("x"), 1, {}, {"Probe": {"num_replicas": 1}})
+    assert {"name": "Probe", "num_replicas": 1} in added["applications"][0]["deployments"]
+    assert any("Probe" in c and "added" in c for c in changes)
     again, changes = ours_config(Path("x"), 1, {}, {"LLM": {"ray_actor_options": {"num_cpus": 2}}})
     (llm,) = [d for d in again["applications"][0]["deployments"] if d["name"] == "LLM"]
     assert llm["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 0} and llm["autoscaling_config"]["max_replicas"] == 1

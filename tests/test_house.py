@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("deployments", "encoders", "llm", "checkpoint", "schemas")
+PRODUCT = ("deployments", "encoders", "llm", "schemas")
 PACKAGES = (*PRODUCT, "demo", "bench")
 
 

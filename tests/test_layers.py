@@ -46,7 +46,7 @@ def _import_without(blocked: tuple[str, ...], modules: tuple[str, ...]) -> subpr
 
 
 def test_the_engine_and_the_encoders_import_without_ray():
-    engine = ("llm.engine", "llm.model", "encoders.runner", "encoders", "checkpoint", "schemas")
+    engine = ("llm.engine", "llm.model", "encoders.runner", "encoders", "schemas")
     run = _import_without(("ray", "deployments"), engine)
     assert run.returncode == 0, run.stderr[-3000:]
 

@@ -51,6 +51,8 @@ class Encoder:
         self.args = AppArgs.model_validate(args)
         quiet_client_errors()  # a bad image is one WARNING line, not an ERROR traceback
         send_tensors_out_of_band()
+        if self.args.encoder.cpu_threads is not None:  # process-wide: the worker threads that encode take it too
+            torch.set_num_threads(self.args.encoder.cpu_threads)
         spec = ModelSpec.from_args(self.args)
         self.metrics = EncoderMetrics()
         self.runner = EncoderRunner(

@@ -19,10 +19,11 @@ MANIFEST = Path(__file__).with_name("rayservice.yaml")
 BLOCK_START, BLOCK_END = "  serveConfigV2: |\n", "  rayClusterConfig:\n"
 INDENT = "    "
 
-# What a GPU cluster changes, and nothing else: every other key is serve_config.yaml's. The encoders get replicas
-# of their own (`encoder.colocated: false`; the laptop's file encodes in the LLM replica). The custom resources
-# `encoder_slot` and `llm_slot` are what the worker groups of the manifest offer, so that encoders and the LLM
-# land on their own node groups.
+# What a GPU cluster changes, and nothing else: every other key is serve_config.yaml's. The Encoder replicas get GPUs
+# of their own and their CPU threads from their `num_cpus` (the laptop's file gives its one Encoder both cores:
+# `encoder.cpu_threads`), and scale on cost up to a GPU each of the encoder group (the laptop's: one replica). The
+# custom resources `encoder_slot` and `llm_slot` are what the worker groups of the manifest offer, so that encoders
+# and the LLM land on their own node groups.
 HTTP_HOST = "0.0.0.0"
 MODEL = "/models/Qwen2-VL-2B-Instruct"  # the checkpoint on the pods' models volume
 ACTOR_OPTIONS = {
@@ -39,15 +40,12 @@ def cluster_config(local: dict) -> dict:
     app = config["applications"][0]
     app["args"]["model"] = MODEL
     app["args"]["encoder"]["colocated"] = False
-    deployments = app["deployments"]
-    if not any(d["name"] == "Encoder" for d in deployments):  # the Encoder's own options (its decorator's), named
-        llm = next(i for i, d in enumerate(deployments) if d["name"] == "LLM")
-        deployments.insert(llm, {"name": "Encoder", "autoscaling_config": copy.deepcopy(AUTOSCALING)})
-    for deployment in deployments:
+    app["args"]["encoder"]["cpu_threads"] = None
+    for deployment in app["deployments"]:
         if deployment["name"] in ACTOR_OPTIONS:
             deployment["ray_actor_options"] = dict(ACTOR_OPTIONS[deployment["name"]])
-        if deployment["name"] == "Encoder":
-            deployment["autoscaling_config"]["max_replicas"] = ENCODER_MAX_REPLICAS
+        if deployment["name"] == "Encoder":  # the code's policy and delays, named (an entry's replaces them whole)
+            deployment["autoscaling_config"] = {**copy.deepcopy(AUTOSCALING), "max_replicas": ENCODER_MAX_REPLICAS}
     return config
 
 

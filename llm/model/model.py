@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 
-from checkpoint import load_components
+from encoders.weights import load_components
 from llm.model import hugepages
 from llm.model.attention import BatchMeta
 from llm.model.kv_cache import KVCache

@@ -57,7 +57,7 @@ def door(request, app_args, tmp_path_factory):
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **OURS_ENV, **env, **port_env}
     log = tmp_path_factory.mktemp("door") / f"{request.param}.log"
     with open(log, "w") as err:
-        # Colocated, as `make serve` runs (serve_config.yaml): two replicas to start instead of four. A context of
+        # Colocated: two replicas to start instead of three (the doors are the subject, not the tier). A context of
         # 4096 (the tiny model's own) for LEAVE_TOKENS.
         args = {**app_args, "encoder": {"colocated": True}, "llm": {**app_args["llm"], "max_model_len": 4096}}
         cmd = [sys.executable, "-m", "tests.deployments.ingress_door", str(port), json.dumps(args)]

@@ -32,21 +32,24 @@ def test_the_manifest_is_serve_config_with_the_cluster_overrides_only():
     manifest = yaml.safe_load(render.MANIFEST.read_text())
     served = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     app = served["applications"][0]
-    encoder = next(d for d in app["deployments"] if d["name"] == "Encoder")  # the entry the cluster adds
-    app["deployments"].remove(encoder)
+    encoder = next(d for d in app["deployments"] if d["name"] == "Encoder")
     assert encoder == {
         "name": "Encoder",
-        "autoscaling_config": {**AUTOSCALING, "max_replicas": render.ENCODER_MAX_REPLICAS},
         "ray_actor_options": render.ACTOR_OPTIONS["Encoder"],
+        "autoscaling_config": {**AUTOSCALING, "max_replicas": render.ENCODER_MAX_REPLICAS},  # the code's, named
     }
     assert encoder["autoscaling_config"]["upscale_delay_s"] < 30  # tuned for reaction time, not Ray's defaults
-    llm = [d["name"] for d in local["applications"][0]["deployments"]].index("LLM")
-    deployments = ("applications", 0, "deployments")
+    names = [d["name"] for d in local["applications"][0]["deployments"]]
+    enc, llm = (("applications", 0, "deployments", names.index(name)) for name in ("Encoder", "LLM"))
+    local["applications"][0]["deployments"][enc[-1]].pop("autoscaling_config")  # the laptop's one replica
+    encoder.pop("autoscaling_config")  # replaced whole, as asserted above
     assert _differences(local, served) == {
         ("http_options", "host"), ("applications", 0, "args", "model"),
-        ("applications", 0, "args", "encoder", "colocated"),
-        (*deployments, llm, "ray_actor_options", "num_cpus"), (*deployments, llm, "ray_actor_options", "num_gpus"),
-        (*deployments, llm, "ray_actor_options", "resources"),
+        ("applications", 0, "args", "encoder", "cpu_threads"),  # the GPU replicas' num_cpus, not the laptop's 2
+        (*enc, "ray_actor_options", "num_cpus"), (*enc, "ray_actor_options", "num_gpus"),
+        (*enc, "ray_actor_options", "resources"),
+        (*llm, "ray_actor_options", "num_cpus"), (*llm, "ray_actor_options", "num_gpus"),
+        (*llm, "ray_actor_options", "resources"),
     }  # fmt: skip
     args = AppArgs.model_validate({**app["args"], "model": str(ROOT / local["applications"][0]["args"]["model"])})
     assert not args.encoder.colocated  # encoders on the GPU group of their own

@@ -138,7 +138,7 @@ def test_each_rank_reads_only_its_slices(checkpoint, model):
 
 
 def test_a_rank_reads_no_more_than_its_shard_from_disk(checkpoint, monkeypatch):
-    import checkpoint.weights as ckpt
+    import encoders.weights as ckpt
 
     read = []
 

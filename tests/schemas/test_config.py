@@ -22,7 +22,7 @@ def test_shipped_serve_config_is_valid():
     args = AppArgs.model_validate({**app["args"], "model": str(ROOT / app["args"]["model"])})
     assert args.device == "auto" and args.limits.max_images_per_request == 8
     names = {d["name"] for d in app["deployments"]}
-    assert args.encoder.colocated and names == {"Ingress", "LLM"}  # exactly what build_app binds, colocated
+    assert not args.encoder.colocated and names == {"Ingress", "Encoder", "LLM"}  # what build_app binds: the tier
 
 
 def test_unknown_keys_and_bad_model_are_refused(checkpoint, tmp_path):

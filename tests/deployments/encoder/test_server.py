@@ -1,5 +1,5 @@
 """The Encoder replica's class without Serve: a call's images come back in order, a bad one as its error in its place
-(the others of the call are good); and the out-of-band form embeddings travel in."""
+(the others of the call are good); the CPU threads it encodes on; and the out-of-band form embeddings travel in."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from deployments.encoder.server import Encoder
 from deployments.transfer import _from_numpy, _to_numpy
+from encoders import Qwen2VLVisionEncoder
 from schemas import InvalidRequest
 from tests.helpers import image_bytes, make_image
 
@@ -30,6 +31,27 @@ def test_a_call_returns_each_images_embedding_and_a_bad_one_as_its_error(checkpo
     assert first.shape[0] < last.shape[0]
     assert isinstance(bad, InvalidRequest) and "could not be decoded" in bad.message
     assert encoder.pending_cost == 0  # the call's cost counted while it ran, not after
+
+
+class _Threads(Qwen2VLVisionEncoder):
+    seen: list[int] = []  # torch's threads in the thread that ran each forward
+
+    def forward(self, batch):
+        _Threads.seen.append(torch.get_num_threads())
+        return super().forward(batch)
+
+
+def test_encoder_cpu_threads_are_the_threads_its_forward_runs_on(checkpoint):
+    """`encoder.cpu_threads`: the replica's ViT runs on that many threads, in the worker thread that encodes (a
+    thread started after the replica was made), not only in the replica's own."""
+    before, _Threads.seen = torch.get_num_threads(), []
+    args = {"model": str(checkpoint), "encoder": {"startup_check": False, "cpu_threads": before + 1}}
+    try:
+        encoder = Encoder.func_or_class(args, model_factory=_Threads)
+        asyncio.run(encoder.encode([image_bytes(make_image(70, 50, seed=3))]))
+    finally:
+        torch.set_num_threads(before)  # process-wide: the other tests of this worker keep theirs
+    assert _Threads.seen == [before + 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-import checkpoint.weights as ckpt
-from checkpoint import split_key
+import encoders.weights as ckpt
 from demo.tiny_llava import build_llava_checkpoint
 from demo.tiny_llava_next import build_llava_next_checkpoint
 from encoders import LlavaNextVisionEncoder, LlavaVisionEncoder, Qwen2VLVisionEncoder
+from encoders.weights import split_key
 from llm import Qwen2LM
 
 

@@ -7,7 +7,8 @@ LLaVA: llava-hf hub checkpoints use `vision_tower.vision_model.*`, `multi_modal_
 transformers 4.52-4.57 wrote `model.vision_tower.vision_model.*`, `model.multi_modal_projector.*`,
 `model.language_model.*`, `lm_head.*`. LLaVA's vision component keeps its sub-prefixes (`vision_tower.*`, as
 transformers 5's CLIPVisionModel names them, and `multi_modal_projector.*`): the encoder holds both.
-Each replica reads only the tensors of its own components, so the other weights never enter its memory.
+Each replica reads only the tensors of its own components, so the other weights never enter its memory. Here, below
+`llm`, whose model reads its own components with it too.
 """
 
 from __future__ import annotations
