@@ -12,7 +12,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.llm.router import OwnCallMixin
+from deployments.ray_private import OwnCallMixin
 
 # Power of two choices: Mitzenmacher, "The Power of Two Choices in Randomized Load Balancing" (2001), as Serve's
 # own PowerOfTwoChoicesRequestRouter samples; what is compared here is the work pending, not the requests.

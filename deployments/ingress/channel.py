@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from deployments.ray_private import assigned
 from schemas import ChannelLost, ChannelOpen, Item, Overloaded, Routed, TokenChunk
 
 logger = logging.getLogger("ray.serve")
@@ -104,10 +105,10 @@ class TokenStream:
     async def _read_own(self, route_timeout_s: float | None) -> None:
         put = self.queue.put_nowait
         try:
-            if route_timeout_s is not None:  # NOTE: Serve's call (a private API) returns once a replica took it
+            if route_timeout_s is not None:
                 try:
                     async with asyncio.timeout(route_timeout_s):  # NOTE: not wait_for: see tests/test_house.py
-                        await self.call._fetch_future_result_async()
+                        await assigned(self.call)
                 except TimeoutError:
                     self.call.cancel()
                     put(Overloaded(f"no LLM replica took the request in {route_timeout_s:g} s", retry_after_s=5))

@@ -21,6 +21,7 @@ from deployments.ingress.detokenize import TextDelta, TextRules
 from deployments.ingress.embedding_cache import EmbeddingRefs
 from deployments.ingress.items import EncoderJob, Prepared
 from deployments.metrics import IngressMetrics
+from deployments.ray_private import object_ref
 from schemas import AppArgs, EncoderUnavailable, GenerateRequest, MediaItem, Overloaded, SamplingParams, observe
 
 logger = logging.getLogger("ray.serve")
@@ -120,7 +121,7 @@ class Generator:
             for group in groups
         ]
         calls += responses
-        refs = asyncio.gather(*(r._to_object_ref() for r in responses))
+        refs = asyncio.gather(*(object_ref(r) for r in responses))
         refs.add_done_callback(observe)  # a request that ends early leaves it failing unobserved
         try:
             # NOTE: not wait_for, which on Python 3.11 returns the result of a future that completes as the task is

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from collections.abc import Mapping, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from deployments.ray_private import OwnCallMixin
 from schemas import ChannelOpen
 
 # The idea (route on the prompt's prefix, fall back to load balancing when the load is uneven) is Ray Serve LLM's
@@ -54,36 +54,6 @@ def routing_key(request: PendingRequest | None) -> str | None:
     if request is None or not request.args:
         return None
     return getattr(request.args[0], "routing_key", None)
-
-
-class OwnCallMixin:
-    """A replica chosen for a call goes to that very call (mixed into both routers, before `RequestRouter`).
-
-    NOTE: Serve matches by `internal_request_id`, which every call made while one ingress request is handled
-    inherits: the n choices of one chat request share it, and so do the encoder calls of its images; only the first
-    is indexed under it, and the base class would leave the others waiting forever (the `n=3` request hung). Each
-    call has its own metadata object, so match that; Serve's own matching stays the fallback. Overrides a private
-    hook of Ray 2.60. A call can be cancelled between the check that it waits and the answer: when a client leaves,
-    Serve cancels its request's calls from the replica's own event loop, and this router runs in a loop of its own
-    (another thread). That call needs no replica; Serve's own version logged the error, "Unexpected error in
-    _fulfill_pending_requests", a few times per 10,000 requests in the soak."""
-
-    def on_chosen(self, pending: PendingRequest, replica: RunningReplica) -> None:
-        """Called once a replica is chosen for `pending` (before it is sent there); a router's own bookkeeping."""
-
-    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
-        for pending in self._pending_requests_to_fulfill:
-            if pending.metadata is request_metadata and not pending.future.done():
-                self._cancel_routing_task_for_pending_request(pending)
-                self._record_queue_wait_time(pending)
-                self._remove_pending_request_from_indices(pending)
-                try:
-                    pending.future.set_result(replica)
-                except asyncio.InvalidStateError:  # NOTE: cancelled meanwhile, from another thread (below)
-                    return
-                self.on_chosen(pending, replica)
-                return
-        super()._fulfill_next_pending_request(replica, request_metadata)
 
 
 class PrefixAffinityRouter(OwnCallMixin, RequestRouter):

@@ -18,6 +18,7 @@ from ray import serve
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
+from deployments.ray_private import object_ref
 from tests.deployments.instruments import SlowEncoder, forwards, forwards_finished, forwards_started, in_flight_for
 from tests.helpers import data_url, image_bytes, make_image
 
@@ -128,7 +129,7 @@ def test_embeddings_outlive_the_replicas_that_made_them(faults):
     handle = serve.get_deployment_handle("Encoder", app_name="faults")
 
     async def encode():
-        ref = await handle.encode.remote([image_bytes(make_image(84, 56, seed=1))])._to_object_ref()
+        ref = await object_ref(handle.encode.remote([image_bytes(make_image(84, 56, seed=1))]))
         return ref, (await ref)[0]
 
     ref, embeds = asyncio.run(encode())

@@ -1,0 +1,58 @@
+"""Ray Serve's private APIs that this project relies on (Ray 2.60), all of them here, each with a test of what it
+relies on in tests/deployments/test_ray_private.py: a Ray upgrade that changes one fails that test, not production.
+Ray has no public API for any of them:
+- `object_ref`: a handle call's result as an ObjectRef that the caller owns and can hold (the ingress's embedding
+  cache) and hand to another call. Serve resolves a DeploymentResponse passed as an argument, but only at the top
+  level of the arguments, and nothing then holds the result;
+- `assigned`: wait until a replica took a streaming call, before its first item (the ingress's routing timeout);
+- `OwnCallMixin`: the request routers' hook that hands a chosen replica to its own call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ray import ObjectRef
+from ray.serve.handle import DeploymentResponse, DeploymentResponseGenerator
+from ray.serve.request_router import PendingRequest, RunningReplica
+
+
+async def object_ref(response: DeploymentResponse) -> ObjectRef:
+    """The ObjectRef of a handle call's result, owned by the caller (it outlives the replica that made it)."""
+    return await response._to_object_ref()
+
+
+async def assigned(call: DeploymentResponseGenerator | Any) -> None:
+    """Returns once Serve's router has given a streaming call to a replica (before the replica yields anything)."""
+    await call._fetch_future_result_async()
+
+
+class OwnCallMixin:
+    """A replica chosen for a call goes to that very call (mixed into both routers, before `RequestRouter`).
+
+    NOTE: Serve matches by `internal_request_id`, which every call made while one ingress request is handled
+    inherits: the n choices of one chat request share it, and so do the encoder calls of its images; only the first
+    is indexed under it, and the base class would leave the others waiting forever (the `n=3` request hung). Each
+    call has its own metadata object, so match that; Serve's own matching stays the fallback. Overrides a private
+    hook of Ray 2.60 and uses its helpers. A call can be cancelled between the check that it waits and the answer:
+    when a client leaves, Serve cancels its request's calls from the replica's own event loop, and this router runs
+    in a loop of its own (another thread). That call needs no replica; Serve's own version logged the error,
+    "Unexpected error in _fulfill_pending_requests", a few times per 10,000 requests in the soak."""
+
+    def on_chosen(self, pending: PendingRequest, replica: RunningReplica) -> None:
+        """Called once a replica is chosen for `pending` (before it is sent there); a router's own bookkeeping."""
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        for pending in self._pending_requests_to_fulfill:
+            if pending.metadata is request_metadata and not pending.future.done():
+                self._cancel_routing_task_for_pending_request(pending)
+                self._record_queue_wait_time(pending)
+                self._remove_pending_request_from_indices(pending)
+                try:
+                    pending.future.set_result(replica)
+                except asyncio.InvalidStateError:  # NOTE: cancelled meanwhile, from another thread (above)
+                    return
+                self.on_chosen(pending, replica)
+                return
+        super()._fulfill_next_pending_request(replica, request_metadata)

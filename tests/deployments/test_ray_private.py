@@ -1,0 +1,49 @@
+"""What deployments/ray_private.py relies on in Ray Serve's private API, one test each: a Ray upgrade that renames or
+reshapes one fails here, naming it. (What each does is tested through the app: the embedding cache and the fan-out
+hold `object_ref`s, the routing timeout waits on `assigned`, the n=3 request and the encoder calls of one request
+each reach the replica chosen for them through `OwnCallMixin`.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from ray.serve.handle import DeploymentResponse, DeploymentResponseGenerator
+from ray.serve.request_router import PendingRequest, RequestRouter
+
+from deployments.encoder.router import CostRouter
+from deployments.llm.router import PrefixAffinityRouter
+from deployments.ray_private import OwnCallMixin
+
+
+def _params(function) -> list[str]:
+    return list(inspect.signature(function).parameters)
+
+
+def test_a_deployment_response_gives_its_object_ref_to_await():
+    assert inspect.iscoroutinefunction(DeploymentResponse._to_object_ref)
+    assert _params(DeploymentResponse._to_object_ref)[:1] == ["self"]
+
+
+def test_a_streaming_call_can_be_awaited_until_a_replica_takes_it():
+    assert inspect.iscoroutinefunction(DeploymentResponseGenerator._fetch_future_result_async)
+
+
+def test_the_routers_hook_and_the_helpers_it_uses_are_there():
+    """OwnCallMixin overrides `_fulfill_next_pending_request(replica, request_metadata)` and walks the router's
+    pending requests (their `metadata` and `future`) with the base class's own helpers."""
+    assert _params(RequestRouter._fulfill_next_pending_request) == ["self", "replica", "request_metadata"]
+    for helper in (
+        "_cancel_routing_task_for_pending_request",
+        "_record_queue_wait_time",
+        "_remove_pending_request_from_indices",
+    ):
+        assert _params(getattr(RequestRouter, helper)) == ["self", "pending_request"], helper
+    assert "self._pending_requests_to_fulfill" in inspect.getsource(RequestRouter.__init__)
+    assert {"metadata", "future"} <= {f.name for f in dataclasses.fields(PendingRequest)}
+
+
+def test_both_routers_take_the_hook_before_serves_own():
+    for router in (PrefixAffinityRouter, CostRouter):
+        assert router.__mro__.index(OwnCallMixin) < router.__mro__.index(RequestRouter), router.__name__
+        assert router._fulfill_next_pending_request is OwnCallMixin._fulfill_next_pending_request
