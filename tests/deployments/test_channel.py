@@ -4,8 +4,11 @@ goes, and that every way a channel or a generation can end leaves nobody waiting
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
 
 import pytest
+from pydantic import ValidationError
 
 from deployments.ingress.channel import ChannelHub, TokenStream
 from deployments.llm.channel import Outbox
@@ -214,7 +217,7 @@ def test_a_stream_closed_before_its_replica_is_known_leaves_nothing_attached():
     _run(go())
 
 
-def test_a_stopping_ingress_ends_its_channels_at_once_and_quietly(caplog):
+def test_a_stopping_ingress_ends_its_channels_at_once_and_quietly(caplog, checkpoint):
     """Serve calls the Ingress's `__del__` once the replica has drained: its channel calls are cancelled then, so an
     LLM replica stopped beside it (a deleted app) does not wait `token_channel_idle_s` for them."""
     from deployments.ingress.server import Ingress
@@ -231,18 +234,28 @@ def test_a_stopping_ingress_ends_its_channels_at_once_and_quietly(caplog):
 
     async def go():
         call = Waiting([], asyncio.Event())
-        hub = ChannelHub(_LLM(call), "ing")
-        hub.open("r1")
+        ingress = Ingress.func_or_class(None, _LLM(call), {"model": str(checkpoint)})
+        ingress.hub.open("r1")
         await asyncio.sleep(0.01)
-        assert "r1" in hub.calls and not call.cancelled
-        ingress = object.__new__(Ingress.func_or_class)
-        ingress.__del__()  # before __init__ set its hub (it failed): nothing to close, no error
-        ingress.hub = hub
+        assert "r1" in ingress.hub.calls and not call.cancelled
         ingress.__del__()
         assert call.cancelled
         await asyncio.sleep(0.01)
-        assert not hub.readers and not hub.calls
+        assert not ingress.hub.readers and not ingress.hub.calls
 
     with caplog.at_level("WARNING", logger="ray.serve"):
         _run(go())
     assert not [r for r in caplog.records if "token channel" in r.getMessage()]
+
+
+def test_an_ingress_that_fails_to_start_has_nothing_to_close(monkeypatch):
+    """A refused config fails the Ingress's __init__ before it has a hub; the half-made replica's __del__ (Python
+    calls it) raises nothing."""
+    from deployments.ingress.server import Ingress
+
+    raised = []
+    monkeypatch.setattr(sys, "unraisablehook", raised.append)  # where an error in __del__ goes
+    with pytest.raises(ValidationError):
+        Ingress.func_or_class(None, _LLM(_Call([])), {"model": "/no/such/checkpoint"})
+    gc.collect()
+    assert raised == []
