@@ -25,19 +25,7 @@ from bench.client import _one
 from bench.metrics import RequestResult, aggregate
 from bench.prefix import ENCODER_HEAVY
 from bench.server import bench_checkpoint, serve_app
-from bench.workload import data_url, noise_png
-
-
-def _body(content, max_tokens: int) -> dict:
-    return {
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "return_token_ids": True,
-    }
+from bench.workload import data_url, noise_png, stream_body
 
 
 def image_requests(n: int, images: int, size: tuple[int, int], seed: int) -> list[dict]:
@@ -45,7 +33,7 @@ def image_requests(n: int, images: int, size: tuple[int, int], seed: int) -> lis
     for i in range(n):
         rng = np.random.default_rng(seed * 1000 + i)  # new pixels every request: no cache hits
         parts = [{"type": "image_url", "image_url": {"url": data_url(noise_png(*size, rng))}} for _ in range(images)]
-        out.append(_body([*parts, {"type": "text", "text": f"Describe picture set {i}."}], 8))
+        out.append(stream_body([*parts, {"type": "text", "text": f"Describe picture set {i}."}], 8))
     return out
 
 
@@ -58,7 +46,7 @@ async def run(url: str, args: argparse.Namespace) -> tuple[list[RequestResult], 
         async def probe(k: int) -> list[RequestResult]:
             results = []
             while not done.is_set():
-                body = _body(f"Probe {k}: count slowly from one upwards.", args.probe_tokens)
+                body = stream_body(f"Probe {k}: count slowly from one upwards.", args.probe_tokens)
                 results.append(await _one(client, k, body, t0, args.timeout))
             return results
 

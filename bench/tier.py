@@ -54,7 +54,7 @@ from bench.metrics import RequestResult, aggregate
 from bench.peer_servers import serve_env
 from bench.server import CHECKPOINT_PARAMS, bench_checkpoint
 from bench.two_nodes import PinnedNodes
-from bench.workload import data_url, noise_png
+from bench.workload import data_url, noise_png, stream_body
 
 # The bench LM (hidden 512, 8 layers: 23.6M parameters a token) and a ViT of 6 blocks of 384 with Qwen's MLP ratio
 # (10.6M parameters a patch, 4 patches a token, and the merger): 1.9x the LM's compute per image token, as
@@ -125,17 +125,6 @@ def build(layout: Layout, args: dict, encoder_factory=None, encoder_replicas: in
 # ---- Requests ------------------------------------------------------------------------------------------------------
 
 
-def _body(content, max_tokens: int) -> dict:
-    return {
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
 def _image(png: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": data_url(png)}}
 
@@ -146,7 +135,9 @@ def cpu_bodies(n: int, seed: int, lead: str) -> list[dict]:
     for i in range(n):
         rng = np.random.default_rng([seed, i])
         images = [_image(noise_png(w, h, rng)) for w, h in CPU_SIZES]
-        out.append(_body([{"type": "text", "text": f"{lead} {i}."}, *images, {"type": "text", "text": "Which?"}], 1))
+        out.append(
+            stream_body([{"type": "text", "text": f"{lead} {i}."}, *images, {"type": "text", "text": "Which?"}], 1)
+        )
     return out
 
 
@@ -159,13 +150,15 @@ def image_bodies(n: int, seed: int, max_tokens: int) -> tuple[list[dict], list[i
         k = int(rng.integers(1, 5))
         sizes = [SMALL if rng.random() < 0.5 else LARGE for _ in range(k)]
         images = [_image(noise_png(w, h, rng)) for w, h in sizes]
-        bodies.append(_body([*images, {"type": "text", "text": f"Describe picture set {i} in words."}], max_tokens))
+        bodies.append(
+            stream_body([*images, {"type": "text", "text": f"Describe picture set {i} in words."}], max_tokens)
+        )
         counts.append(k)
     return bodies, counts
 
 
 def text_body(stream: int, k: int, max_tokens: int) -> dict:
-    return _body(f"Stream {stream}, request {k}: count slowly from one upwards, in words.", max_tokens)
+    return stream_body(f"Stream {stream}, request {k}: count slowly from one upwards, in words.", max_tokens)
 
 
 # ---- Phases --------------------------------------------------------------------------------------------------------

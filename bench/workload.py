@@ -120,18 +120,24 @@ def data_url(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
-def chat_body(req: BenchRequest, model: str) -> dict:
-    """The OpenAI chat request; ignore_eos and return_token_ids are our (vLLM-style) extensions."""
-    content = [{"type": "image_url", "image_url": {"url": data_url(png)}} for png in req.images]
-    content.append({"type": "text", "text": req.text})
+def stream_body(content: str | list[dict], max_tokens: int) -> dict:
+    """A streamed, greedy, one-message chat request of exactly `max_tokens`; ignore_eos and return_token_ids are our
+    (vLLM-style) extensions."""
     return {
-        "model": model, "messages": [{"role": "user", "content": content}],
+        "messages": [{"role": "user", "content": content}],
         "stream": True, "stream_options": {"include_usage": True},
-        "temperature": 0, "max_tokens": req.output_len, "ignore_eos": True,
+        "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
         # token ids make every token visible even when its text is held back (partial UTF-8, special tokens),
         # so TTFT/ITL are measured per token chunk, not per printable chunk
         "return_token_ids": True,
     }  # fmt: skip
+
+
+def chat_body(req: BenchRequest, model: str) -> dict:
+    """The OpenAI chat request of a BenchRequest: its images, then its text."""
+    content = [{"type": "image_url", "image_url": {"url": data_url(png)}} for png in req.images]
+    content.append({"type": "text", "text": req.text})
+    return {"model": model, **stream_body(content, req.output_len)}
 
 
 def hf_messages(req: BenchRequest) -> list[dict]:
