@@ -13,6 +13,7 @@ from typing import Any
 
 from encoders.cost import VisionCost
 from encoders.qwen2_vl import Qwen2VLVisionEncoder, qwen_flops_per_patch
+from encoders.qwen_vit import Qwen2_5_VLViT
 
 
 def qwen2_5_vl_cost(config: Any) -> VisionCost:
@@ -36,14 +37,7 @@ class Qwen2_5_VLVisionEncoder(Qwen2VLVisionEncoder):
     `preprocess`, `forward` and `encode` are Qwen2-VL's: one packed forward for a batch, split per image. The ViT
     reorders each image's merged tokens into windows and restores the order after the merger, so the split holds."""
 
-    @staticmethod
-    def tower_classes() -> tuple[type, type]:
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel,
-            Qwen2_5_VLVisionRotaryEmbedding,
-        )
-
-        return Qwen2_5_VisionTransformerPretrainedModel, Qwen2_5_VLVisionRotaryEmbedding
+    tower = Qwen2_5_VLViT  # ours (encoders/qwen_vit.py), as Qwen2-VL's
 
     # NOTE: Qwen2.5-VL's vision `hidden_size` is the ViT's own width; the merger's output (the LM's) is
     # `out_hidden_size` (Qwen2-VL named them embed_dim and hidden_size).

@@ -12,10 +12,12 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+from torch import nn
 from transformers import AutoConfig
 
 from encoders.cost import VisionCost, linear_flops
 from encoders.family import ImageTokens
+from encoders.qwen_vit import Qwen2VLViT
 from encoders.weights import load_components
 from schemas import InvalidRequest
 
@@ -157,17 +159,10 @@ class Qwen2VLVisionEncoder:
 
     out_width = "hidden_size"  # the vision config field that is the LM's width
 
-    @staticmethod
-    def tower_classes() -> tuple[type, type]:
-        """transformers' modules of this family's ViT (its model and rotary embedding), imported only in the process
-        that builds one: transformers' modeling pulls in torch._dynamo and torch.distributed.tensor (~2-3 s a
-        process), which the ingress and the LLM replica, importing this module for its preprocessing, never need."""
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-            Qwen2VisionTransformerPretrainedModel,
-            Qwen2VLVisionRotaryEmbedding,
-        )
-
-        return Qwen2VisionTransformerPretrainedModel, Qwen2VLVisionRotaryEmbedding
+    # NOTE: the tower is ours (encoders/qwen_vit.py, torch alone), not transformers' module: transformers' modeling
+    # pulls in transformers.modeling_utils, torch._dynamo and torch.distributed.tensor (1.4-2 CPU-s of each Encoder
+    # replica's start). Its parameters have transformers' names, so `visual.*` loads as it is.
+    tower: type[nn.Module] = Qwen2VLViT
 
     def __init__(
         self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, config: Any = None
@@ -177,11 +172,9 @@ class Qwen2VLVisionEncoder:
         self.processing = Qwen2VLImageProcessing.from_pretrained(model_dir)
         self.device, self.dtype = torch.device(device), dtype
         weights = load_components(model_dir, {"vision"})["vision"]
-        vit_class, rotary_class = self.tower_classes()
         with torch.device("meta"):  # no random init of weights we are about to replace
-            vit = vit_class._from_config(config, attn_implementation="sdpa")
-        vit.load_state_dict(weights, strict=True, assign=True)
-        vit.rotary_pos_emb = rotary_class(config)  # non-persistent buffers: build them for real
+            vit = self.tower(config)
+        vit.load_state_dict(weights, strict=True, assign=True)  # the rotary frequencies are no weights: built real
         self.vit = vit.to(device=self.device, dtype=dtype).eval()
         self.hidden_size = int(getattr(config, self.out_width))
 
@@ -193,8 +186,8 @@ class Qwen2VLVisionEncoder:
         """Preprocessed images packed into one ViT forward (attention stays within each image, by cu_seqlens);
         one (num_image_tokens, llm_hidden) tensor per image, as transformers' get_image_features splits them."""
         pixel_values = torch.cat([pv for pv, _ in batch]).to(self.device, self.dtype)  # (sum h*w, C*T*p*p)
-        grid_thw = torch.tensor([g for _, g in batch], dtype=torch.long, device=self.device)  # (n, 3)
-        embeds = self.vit(pixel_values, grid_thw=grid_thw).pooler_output  # (sum tokens, llm_hidden)
+        grid_thw = torch.tensor([g for _, g in batch], dtype=torch.long)  # (n, 3): the tower reads it on the CPU
+        embeds = self.vit(pixel_values, grid_thw)  # (sum tokens, llm_hidden)
         sizes = (grid_thw.prod(-1) // self.processing.merge_size**2).tolist()
         return list(embeds.split(sizes))
 

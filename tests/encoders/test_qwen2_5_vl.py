@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
@@ -21,6 +22,7 @@ from encoders import (
     family_of,
     image_tokens_of,
 )
+from encoders.video_processing import Qwen2VLVideoProcessing
 from llm import TextConfig
 from llm.model import mrope_positions
 from schemas import EncoderArgs
@@ -137,6 +139,30 @@ def test_encoder_matches_get_image_features_on_a_batch(ckpt, ref):
     # Alone, each image gets the same embedding as in the batch.
     for (pv, grid), o in zip(batch, ours, strict=True):
         torch.testing.assert_close(encoder.forward([(pv, grid)])[0], o, atol=1e-4, rtol=1e-5)
+
+
+def test_the_tower_is_ours_not_transformers(ckpt):
+    # encoders/qwen_vit.py: an Encoder replica builds it without transformers' modeling (tests/test_replica_imports.py)
+    assert type(Qwen2_5_VLVisionEncoder(ckpt).vit).__module__ == "encoders.qwen_vit"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_video_and_images_of_different_sizes_in_one_forward_match_transformers(ckpt, ref, dtype):
+    encoder = Qwen2_5_VLVisionEncoder(ckpt, dtype=dtype)
+    images = [encoder.preprocess(make_image(w, h, seed=i)) for i, (w, h) in enumerate(BATCH)]
+    # 4 frames: t = 2 tubelets, each a 3x7 grid of merged tokens, so 2x4 windows a frame, partial at the edges
+    frames = np.stack([np.asarray(make_image(196, 84, seed=10 + i)) for i in range(4)])
+    video = Qwen2VLVideoProcessing().preprocess(frames)
+    assert video[1] == (2, 6, 14)
+    batch = [images[0], video, *images[1:]]
+    ours = encoder.forward(batch)
+    ref = ref if dtype == torch.float32 else Qwen2_5_VLForConditionalGeneration.from_pretrained(ckpt, dtype=dtype)
+    pixel_values, grid_thw = torch.cat([pv for pv, _ in batch]), torch.tensor([g for _, g in batch])
+    with torch.no_grad():  # get_image_features and get_video_features: this forward, split per entry
+        theirs = ref.model.visual(pixel_values.to(dtype), grid_thw=grid_thw).pooler_output
+    assert [o.shape[0] for o in ours] == (grid_thw.prod(-1) // 4).tolist() and theirs.dtype == dtype
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}  # bf16: torch's defaults
+    torch.testing.assert_close(torch.cat(ours), theirs, **tolerance)
 
 
 def test_encoder_loads_only_vision_weights_from_both_layouts(ckpt, legacy_ckpt, ref):

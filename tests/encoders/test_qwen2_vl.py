@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from transformers import Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
 from encoders import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, load_rgb, smart_resize
+from encoders.video_processing import Qwen2VLVideoProcessing
 from tests.helpers import image_bytes, make_image
 
 # Tiny, odd, very wide and very tall, larger than max_pixels (downscaled), and exact multiples of 28.
@@ -76,3 +79,30 @@ def test_encoder_holds_only_vision_weights(checkpoint, legacy_checkpoint, refere
             torch.testing.assert_close(tensor, vision[name], atol=0, rtol=0)
         n_params = sum(p.numel() for p in encoder.vit.parameters())
         assert n_params == sum(p.numel() for p in reference.model.visual.parameters())
+
+
+def test_the_tower_is_ours_not_transformers(checkpoint):
+    # encoders/qwen_vit.py: an Encoder replica builds it without transformers' modeling (tests/test_replica_imports.py)
+    assert type(Qwen2VLVisionEncoder(checkpoint).vit).__module__ == "encoders.qwen_vit"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_video_and_images_of_different_sizes_in_one_forward_match_transformers(checkpoint, reference, dtype):
+    encoder = Qwen2VLVisionEncoder(checkpoint, dtype=dtype)
+    images = [encoder.preprocess(make_image(w, h, seed=i)) for i, (w, h) in enumerate([(57, 31), (300, 120)])]
+    frames = np.stack([np.asarray(make_image(168, 84, seed=10 + i)) for i in range(4)])  # 4 frames: t = 2 tubelets
+    video = Qwen2VLVideoProcessing().preprocess(frames)
+    assert video[1] == (2, 6, 12)
+    batch = [images[0], video, images[1]]
+    ours = encoder.forward(batch)
+    ref = (
+        reference
+        if dtype == torch.float32
+        else Qwen2VLForConditionalGeneration.from_pretrained(checkpoint, dtype=dtype)
+    )
+    pixel_values, grid_thw = torch.cat([pv for pv, _ in batch]), torch.tensor([g for _, g in batch])
+    with torch.no_grad():  # get_image_features and get_video_features: this forward, split per entry
+        theirs = ref.model.visual(pixel_values.to(dtype), grid_thw=grid_thw).pooler_output
+    assert [o.shape[0] for o in ours] == (grid_thw.prod(-1) // 4).tolist() and theirs.dtype == dtype
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}  # bf16: torch's defaults
+    torch.testing.assert_close(torch.cat(ours), theirs, **tolerance)
