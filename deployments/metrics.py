@@ -65,6 +65,22 @@ class EncoderMetrics:
         self.video_decode = Histogram(
             "vlm_video_decode_seconds", "Decoding a video's (or chunk's) sampled frames.", boundaries=LATENCY_S
         )
+        # A replica's start, phase by phase (deployments/replica.py): what a scale-up waits for
+        self.start = Gauge(
+            "vlm_encoder_start_seconds",
+            "Seconds each phase of this replica's start took, from its process's start to its first image.",
+            tag_keys=("phase",),
+        )
+        self.serving_since = Gauge(
+            "vlm_encoder_serving_since_timestamp_seconds",
+            "When this replica served its first image (seconds since the epoch, as process_start_time_seconds).",
+        )
+
+    def on_started(self, timeline: Any) -> None:
+        """`timeline`: a StartTimeline whose first image has been served."""
+        for phase, seconds in timeline.durations().items():
+            self.start.set(seconds, tags={"phase": phase})
+        self.serving_since.set(timeline.events["first_image"])
 
     def on_batch(self, num_images: int, seconds: float) -> None:
         self.latency.observe(seconds)

@@ -1,7 +1,11 @@
-"""What each of our Serve replicas knows of itself: its id, and how often it looks whether its requests have ended
-when it stops."""
+"""What each of our Serve replicas knows of itself: its id, how its start went, and how often it looks whether its
+requests have ended when it stops."""
 
 from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
 
 from ray import serve
 
@@ -18,4 +22,53 @@ def this_replica() -> str | None:
         return None
 
 
-__all__ = ["DRAIN_POLL_S", "this_replica"]
+def process_started_at() -> float:
+    """When this process began, in epoch seconds (to 10 ms, from /proc: its start in clock ticks after boot, and the
+    uptime now); now where /proc is absent."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+# The phases of a replica's start, each named by the event that ends it: `process` (from its process's start to its
+# deployment's module beginning to import: Ray's worker and Serve's replica set-up), `imports` (the module's imports,
+# to its constructor), `model` (the tower built and its weights read), `check` (the start-up check, or reusing its
+# result), `first_image` (ready, to the first image it served: the routers learning of it, and the first call).
+START_PHASES = ("process", "imports", "model", "check", "first_image")
+
+
+class StartTimeline:
+    """When each phase of this replica's start ended (epoch seconds), from its process's start: what a scale-up waits
+    for, measured where it happens. `begin` is the moment the deployment's module began to import (None: not timed,
+    the phase folds into the next)."""
+
+    def __init__(self, begin: float | None = None):
+        self.started = process_started_at()
+        self.events: dict[str, float] = {"process": begin} if begin is not None else {}
+
+    def mark(self, phase: str) -> bool:
+        """`phase` ends now; False (and nothing recorded) when it already had."""
+        assert phase in START_PHASES, phase
+        if phase in self.events:
+            return False
+        self.events[phase] = time.time()
+        return True
+
+    def durations(self) -> dict[str, float]:
+        """Seconds each recorded phase took (a phase not recorded folds into the next recorded one)."""
+        out, last = {}, self.started
+        for phase in START_PHASES:
+            if phase in self.events:
+                out[phase], last = max(0.0, self.events[phase] - last), max(last, self.events[phase])
+        return out
+
+    def describe(self) -> str:
+        d = self.durations()
+        parts = ", ".join(f"{phase.replace('_', ' ')} {seconds:.2f} s" for phase, seconds in d.items())
+        return f"{sum(d.values()):.2f} s after its process started ({parts})"
+
+
+__all__ = ["DRAIN_POLL_S", "START_PHASES", "StartTimeline", "process_started_at", "this_replica"]

@@ -34,8 +34,8 @@ def place_projector(encoder: object, path: str, device: torch.device, dtype: tor
     setattr(parent, name, Placed(getattr(parent, name), device, dtype))
 
 
-def check_worst_case(forward: Callable[[], list[torch.Tensor]], device: torch.device, what: str) -> None:
-    """Run the worst batch once; log its time and peak memory, or refuse to start with the reason."""
+def check_worst_case(forward: Callable[[], list[torch.Tensor]], device: torch.device, what: str) -> tuple[float, str]:
+    """Run the worst batch once; log and return its time and peak memory, or refuse to start with the reason."""
     on_gpu = device.type == "cuda"
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
@@ -54,9 +54,9 @@ def check_worst_case(forward: Callable[[], list[torch.Tensor]], device: torch.de
         if on_gpu
         else f"process peak RSS +{(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024:.0f} MiB"
     )
-    logger.info(
-        "encoder start-up check: largest batch (%s) encoded in %.2f s, %s", what, time.monotonic() - start, peak
-    )
+    seconds = time.monotonic() - start
+    logger.info("encoder start-up check: largest batch (%s) encoded in %.2f s, %s", what, seconds, peak)
+    return seconds, peak
 
 
 __all__ = ["Placed", "check_worst_case", "place_projector"]

@@ -19,6 +19,7 @@ from encoders.family import VisionEncoder
 from encoders.images import image_size, load_rgb
 from encoders.model_spec import ModelSpec
 from encoders.placement import check_worst_case, place_projector
+from encoders.startup_checks import CheckResult, StartupChecks, check_key, checkpoint_identity, device_identity
 from encoders.video_decode import Video
 from schemas import EncoderArgs, VideoArgs, resolve_device, resolve_dtype
 
@@ -44,9 +45,13 @@ class EncoderRunner:
         on_batch: Callable[[int, float], None] | None = None,
         video: VideoArgs | None = None,
         on_video: Callable[[float], None] | None = None,
+        checks: StartupChecks | None = None,
+        on_phase: Callable[[str], None] | None = None,
     ):
         """`model_factory(model_dir, device=, dtype=)` stands in for the family's encoder (tests); `video`: the
-        limits of video decoding (the defaults when None); `on_video(seconds)`: after each video's decoding."""
+        limits of video decoding (the defaults when None); `on_video(seconds)`: after each video's decoding;
+        `checks`: where the start-up check's results are kept and reused (None: check every time); `on_phase(name)`:
+        when the tower is built ("model") and when the start-up check is done ("check")."""
         model_dir, family = spec.model_dir, spec.family
         self.processing, self.video_processing = spec.processing, spec.video_processing
         self.video, self.on_video = video or VideoArgs(), on_video
@@ -61,19 +66,36 @@ class EncoderRunner:
                 raise ValueError(f"{Path(model_dir).name}: this family's projector cannot be placed on its own")
             place_projector(self.encoder, family.projector, torch.device(projector[0]), projector[1])
         self.parts = {"vision": vision, "projector": projector}
+        if on_phase is not None:
+            on_phase("model")
         self.gflops: float | None = None  # measured at start, after the start-up check's warm forward
-        if opts.startup_check:  # the batcher's worst forward: as many largest images as max_batch_patches holds
-            w, h = self.processing.worst_case_size()
-            image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8))
-            largest = self.encoder.preprocess(image)
-            count = max(1, opts.max_batch_patches // largest[0].shape[0])  # one alone when it is over the budget
-            check_worst_case(
-                lambda: self.encoder.forward([largest] * count),
-                torch.device(vision[0]),
-                f"{count} x {w}x{h}: {count * largest[0].shape[0]} patches of encoder.max_batch_patches "
-                f"{opts.max_batch_patches}, {self.processing.max_image_tokens} tokens an image",
+        self.startup_check = "off"  # "ran", or "reused" (this node's result for the same key)
+        if opts.startup_check:
+            key = check_key(
+                checkpoint=checkpoint_identity(model_dir),
+                processing=self.processing.fingerprint(),
+                parts=self.parts,
+                devices=sorted({device_identity(vision[0]), device_identity(projector[0])}),
+                max_batch_patches=opts.max_batch_patches,
+                threads=torch.get_num_threads(),
+                torch=torch.__version__,
+                factory=model_factory,
             )
-            self.gflops = self._measure_gflops(spec, opts.max_batch_patches)
+            if checks is not None and (kept := checks.get(key)) is not None:
+                self._warm()
+                logger.info(
+                    "encoder start-up check: this node's result of %.0f s ago reused: largest batch (%s) encoded in "
+                    "%.2f s, %s; %.1f GFLOP/s",
+                    time.time() - kept.checked_at, kept.what, kept.seconds, kept.peak, kept.gflops,
+                )  # fmt: skip
+                self.gflops, self.startup_check = kept.gflops, "reused"
+            else:
+                result = self._check(spec, opts, torch.device(vision[0]))
+                self.gflops, self.startup_check = result.gflops, "ran"
+                if checks is not None:
+                    checks.put(key, result)
+        if on_phase is not None:
+            on_phase("check")
         self.jpeg_draft = opts.jpeg_draft
         self.batcher = ImageBatcher(
             self.encoder.forward,
@@ -81,6 +103,25 @@ class EncoderRunner:
             max_wait_s=opts.max_batch_wait_ms / 1000,
             on_batch=on_batch,
         )
+
+    def _check(self, spec: ModelSpec, opts: EncoderArgs, device: torch.device) -> CheckResult:
+        """The batcher's worst forward (as many largest images as max_batch_patches holds; refuses to start if it does
+        not fit), then the throughput measured warm."""
+        w, h = self.processing.worst_case_size()
+        image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8))
+        largest = self.encoder.preprocess(image)
+        count = max(1, opts.max_batch_patches // largest[0].shape[0])  # one alone when it is over the budget
+        what = (
+            f"{count} x {w}x{h}: {count * largest[0].shape[0]} patches of encoder.max_batch_patches "
+            f"{opts.max_batch_patches}, {self.processing.max_image_tokens} tokens an image"
+        )
+        seconds, peak = check_worst_case(lambda: self.encoder.forward([largest] * count), device, what)
+        return CheckResult(what, seconds, peak, self._measure_gflops(spec, opts.max_batch_patches), time.time())
+
+    def _warm(self) -> None:
+        """One small image through the tower: what a process's first forward costs (kernels, allocations) is not
+        the first client's."""
+        [t.cpu() for t in self.encoder.forward([self.encoder.preprocess(Image.new("RGB", (64, 64)))])]
 
     def _measure_gflops(self, spec: ModelSpec, max_batch_patches: int) -> float:
         """GFLOP/s (encoders/cost.py's estimate) of one forward of a batch of typical chat images, timed warm."""

@@ -134,7 +134,8 @@ class EncoderArgs(_Strict):
     startup_check: bool = Field(
         True,
         description="Encode the worst batch at start (max_batch_patches of largest images); refuse to start, saying "
-        "why, if it does not fit.",
+        "why, if it does not fit. An Encoder replica keeps the result (and its measured GFLOP/s) on its node, so a "
+        "second one of the same checkpoint, device, dtype and limits reuses it instead of checking again.",
     )
 
 

@@ -15,6 +15,7 @@ import torch
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from deployments.encoder import IMPORTS_BEGAN
 from deployments.encoder.autoscaling import (
     ARRIVING_COST,
     AUTOSCALING,
@@ -26,9 +27,10 @@ from deployments.encoder.autoscaling import (
 from deployments.encoder.router import CostRouter
 from deployments.errors import quiet_client_errors
 from deployments.metrics import EncoderMetrics, heap_census
-from deployments.replica import DRAIN_POLL_S
+from deployments.replica import DRAIN_POLL_S, StartTimeline
 from deployments.transfer import send_tensors_out_of_band
 from encoders import EncoderRunner, ModelSpec, VisionEncoder
+from encoders.startup_checks import StartupChecks
 from encoders.video_decode import Video
 from schemas import AppArgs, EncoderArgs, InvalidRequest
 
@@ -36,18 +38,14 @@ logger = logging.getLogger("ray.serve")
 DEFAULT_TARGET_COST = 10.0  # GFLOP: about 0.4 s of a 2-core CPU replica on the demo model
 
 
-# NOTE: the router (it runs in the callers, the ingress replicas) is set here, as the LLM's: `serve deploy` imports a
-# class path named in the YAML on the client.
-@serve.deployment(
-    name="Encoder",
-    ray_actor_options={"num_cpus": 0.4},
-    max_ongoing_requests=16,
-    request_router_config=RequestRouterConfig(request_router_class=CostRouter),
-    autoscaling_config=AUTOSCALING,  # on cost (deployments/encoder/autoscaling.py)
-    graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
-)
-class Encoder:
+class EncoderReplica:
+    """The Encoder deployment's class (`Encoder` below). NOTE: a module attribute of its own, so that Serve's pickle of
+    the deployment names it (by reference) instead of copying it: a new replica then imports this module first, as
+    its start's timeline assumes, and the class's globals are this module's, not the driver's values."""
+
     def __init__(self, args: dict[str, Any], model_factory: Callable[..., VisionEncoder] | None = None):
+        self.start = StartTimeline(IMPORTS_BEGAN)
+        self.start.mark("imports")
         self.args = AppArgs.model_validate(args)
         quiet_client_errors()  # a bad image is one WARNING line, not an ERROR traceback
         send_tensors_out_of_band()
@@ -62,6 +60,8 @@ class Encoder:
             on_batch=self.metrics.on_batch,
             video=self.args.video,
             on_video=self.metrics.video_decode.observe,
+            checks=StartupChecks(),  # this node's, shared by its replicas
+            on_phase=self.start.mark,
         )
         self.num_cancelled = 0
         self.pending_cost = 0.0  # GFLOP of the images queued and running here (the autoscaling metric)
@@ -103,7 +103,11 @@ class Encoder:
 
     async def _one(self, job: bytes | Video) -> torch.Tensor | InvalidRequest:
         try:
-            return await self.runner.encode(job)
+            out = await self.runner.encode(job)
+            if self.start.mark("first_image"):
+                self.metrics.on_started(self.start)
+                logger.info("encoder replica served its first image %s", self.start.describe())
+            return out
         except InvalidRequest as e:
             logger.warning("a client's image could not be encoded (%d): %s", e.status, e.message)
             return e
@@ -114,8 +118,14 @@ class Encoder:
         if cost > 0:  # NOTE: Ray counters refuse inc(0)
             self.metrics.cost.inc(cost)
 
-    async def stats(self) -> dict[str, float]:
-        return {**self.runner.stats(), "cancelled": self.num_cancelled, "target_cost": self.target_cost}
+    async def stats(self) -> dict[str, Any]:
+        return {
+            **self.runner.stats(),
+            "cancelled": self.num_cancelled,
+            "target_cost": self.target_cost,
+            "start": self.start.durations(),
+            "startup_check": self.runner.startup_check,
+        }
 
     async def heap(self) -> dict[str, Any]:
         return heap_census()
@@ -128,3 +138,15 @@ class Encoder:
             MEAN_COST: self.arrivals.mean(),
             TARGET_COST: self.target_cost,
         }
+
+
+# NOTE: the router (it runs in the callers, the ingress replicas) is set here, as the LLM's: `serve deploy` imports a
+# class path named in the YAML on the client.
+Encoder = serve.deployment(
+    name="Encoder",
+    ray_actor_options={"num_cpus": 0.4},
+    max_ongoing_requests=16,
+    request_router_config=RequestRouterConfig(request_router_class=CostRouter),
+    autoscaling_config=AUTOSCALING,  # on cost (deployments/encoder/autoscaling.py)
+    graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
+)(EncoderReplica)

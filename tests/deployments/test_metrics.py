@@ -104,3 +104,23 @@ def test_videos_show_in_the_metrics(client, metrics_port):
             break
         time.sleep(0.5)
     assert grown == dict(zip(names, [1, 6, 36, 1, 1])), grown
+
+
+def test_an_encoder_replica_exports_its_start_phase_by_phase(client, metrics_port):
+    """Once it served an image, each Encoder replica exports how long each phase of its start took, and when it began
+    serving: what a scale-up waits for (deployments/replica.py's StartTimeline)."""
+    image = {"type": "image_url", "image_url": {"url": data_url(make_image(60, 44, seed=int(time.time()) + 1))}}
+    body = {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}], "max_tokens": 1}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    deadline, phases, since = time.monotonic() + 30, {}, []
+    while time.monotonic() < deadline:
+        samples = _scrape(metrics_port)
+        mine = [(n, lab, v) for n, lab, v in samples if lab.get("application") == "vlm"]
+        phases = {lab["phase"]: v for n, lab, v in mine if n == "ray_vlm_encoder_start_seconds"}
+        since = [v for n, _, v in mine if n == "ray_vlm_encoder_serving_since_timestamp_seconds"]
+        if len(phases) == 5 and since:
+            break
+        time.sleep(0.5)
+    assert set(phases) == {"process", "imports", "model", "check", "first_image"}, phases
+    assert all(v >= 0 for v in phases.values()) and 0 < sum(phases.values()) < 600
+    assert all(time.time() - 3600 < v <= time.time() for v in since)
