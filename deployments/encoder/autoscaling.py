@@ -8,7 +8,10 @@ its measured GFLOP/s times `encoder.target_queue_delay_s`). Images the ingress c
 at `max_ongoing_requests`) are Serve's own handle metric, `total_queued_requests`; they count at the mean cost.
 Serve averages each metric over `look_back_period_s`, which follows a load step seconds late; the policy also reads
 each replica's newest report (`raw_metrics`) and takes the larger of the two decisions: scale-up follows the newest
-report, scale-down waits until the window's mean has come down too (and then Serve's `downscale_delay_s`).
+report, scale-down waits until the window's mean has come down too (and then Serve's `downscale_delay_s`). Both
+decisions hold a band of `HYSTERESIS` of a replica's target around the count they have: up once the work exceeds the
+replicas there are by that much, down once one replica fewer would still have that much to spare, so a steady load
+near a boundary does not make the count flap with each report's noise.
 Serve's controller runs `cost_policy` (it pickles this module by value: keep it free of the project's imports), then
 applies min/max_replicas and upscale/downscale_delay_s as for its own policy. AUTOSCALING names it; without
 `policy:` the Encoder scales on requests in flight, Serve's default."""
@@ -27,18 +30,21 @@ MEAN_COST = "mean_cost"  # GFLOP of an image (or video chunk) a replica took, on
 TARGET_COST = "target_cost"  # GFLOP of pending work one replica should hold
 POLICY_PATH = "deployments.encoder.autoscaling:cost_policy"
 # The Encoder deployment's autoscaling options (its decorator's; the KubeRay manifest raises max_replicas), tuned for
-# reaction time rather than Ray's defaults (upscale 30 s, downscale 600 s, metrics every 10 s over 30 s): a replica is
-# asked for about 1 s over target, and one goes 30 s after the load is gone.
+# reaction time rather than Ray's defaults (upscale 30 s, downscale 600 s, metrics every 10 s over 30 s): replicas
+# report twice a second and a replica is asked for 0.5 s over target (within a second of a load step: a replica's
+# start is the rest of the wait), and one goes 30 s after the load is gone.
 AUTOSCALING = {
     "min_replicas": 1,
     "max_replicas": 2,
     "policy": {"policy_function": POLICY_PATH},
-    "upscale_delay_s": 1,
+    "upscale_delay_s": 0.5,
     "downscale_delay_s": 30,
-    "metrics_interval_s": 1,
+    "metrics_interval_s": 0.5,
     "look_back_period_s": 5,
 }
 WINDOW_S = 5.0  # the arrival meter's window: long enough to see a rate, short enough to follow a step
+MIN_SPAN_S = 1.0  # the shortest time a rate is taken over (a burst of three images is not a rate)
+HYSTERESIS = 0.2  # of one replica's target: the band around the current count (module docstring)
 
 
 class ArrivalMeter:
@@ -58,8 +64,13 @@ class ArrivalMeter:
             self._arrivals.popleft()
 
     def rate(self) -> float:
+        """The cost over the time it arrived in: since the oldest arrival in the window (at least MIN_SPAN_S), so a
+        step of load shows its rate a second after it began, not as a ramp over the whole window."""
         self._trim()
-        return sum(cost for _, cost in self._arrivals) / self.window_s
+        if not self._arrivals:
+            return 0.0
+        span = min(self.window_s, max(MIN_SPAN_S, self.clock() - self._arrivals[0][0]))
+        return sum(cost for _, cost in self._arrivals) / span
 
     def mean(self) -> float:
         self._trim()
@@ -72,15 +83,20 @@ def desired_replicas(
     current: int,
     arriving: dict[Any, float] | None = None,
     queued_cost: float = 0.0,
+    band: float = HYSTERESIS,
 ) -> int:
-    """ceil(max(pending + queued at the handles, arriving) / target cost per replica): enough replicas to drain
-    what is waiting within the target delay, and to keep up with what arrives; `current` while no replica has
-    reported a target. The max, not the sum: work that arrived recently is also in `pending` while it waits."""
+    """Enough replicas to drain what is waiting within the target delay, and to keep up with what arrives:
+    need = max(pending + queued at the handles, arriving) in replicas' targets; more than `current` once need exceeds
+    it by `band` (then ceil(need)), fewer once ceil(need + band) is fewer (none at no need at all; Serve keeps
+    min_replicas). `current` while no replica has reported a target. The max, not the sum: work that arrived
+    recently is also in `pending` while it waits."""
     target = max(targets.values(), default=0.0)
     if target <= 0:
         return current
-    need = max(sum(pending.values()) + queued_cost, sum((arriving or {}).values()))
-    return math.ceil(need / target)
+    need = max(sum(pending.values()) + queued_cost, sum((arriving or {}).values())) / target
+    if need > current + band:
+        return math.ceil(need)
+    return min(current, math.ceil(need + band)) if need > 0 else 0
 
 
 def newest(raw: dict[str, dict[Any, list[Any]]]) -> dict[str, dict[Any, float]]:
@@ -116,6 +132,7 @@ def cost_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
 __all__ = [
     "ARRIVING_COST",
     "AUTOSCALING",
+    "HYSTERESIS",
     "MEAN_COST",
     "PENDING_COST",
     "POLICY_PATH",

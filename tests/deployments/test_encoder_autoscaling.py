@@ -1,24 +1,26 @@
 """The Encoder deployment scales on cost in the running app: a few large images in flight (fewer than Serve's
 request-count policy scales on) bring a second replica, exactly as many as their cost asks for, and it goes once
-they are done."""
+they are done; a steady load right at a boundary between two counts, with the shipped delays, settles on one count
+and keeps it (issue 53: no flapping)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import random
 import time
 
 import httpx
 import pytest
 from ray import serve
 
-from deployments.encoder.autoscaling import POLICY_PATH
+from deployments.encoder.autoscaling import AUTOSCALING, POLICY_PATH
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
 from encoders import ModelSpec
 from tests.deployments.instruments import SlowEncoder
-from tests.helpers import data_url, make_image
+from tests.helpers import data_url, image_bytes, make_image
 
 pytestmark = pytest.mark.e2e
 SMALL = {"num_cpus": 0.1}  # these apps share the session's logical CPUs with the others
@@ -87,3 +89,42 @@ def test_a_few_large_images_scale_the_encoders_up_and_back_down(scaling):
     while _states() != {"RUNNING": 1}:
         assert time.monotonic() < deadline, f"did not scale back down: {_states()}"
         time.sleep(0.5)
+
+
+STEADY_RATE, STEADY_S, SETTLE_S = 20.0, 120.0, 30.0  # images a second, for two minutes; settled after 30 s
+
+
+def test_a_steady_load_at_a_boundary_does_not_flap(ray_serve, app_args, checkpoint, tmp_path_factory):
+    """Two minutes of Poisson arrivals whose cost is 1.6 replicas' targets, with the shipped policy and delays: the
+    count may move in the first 30 s (to 2), never after. (Each report's need wanders by about a tenth: 20 images a
+    second over the 5 s the arrival meter sees; the policy's band holds the count, where ceil() alone would follow
+    the noise across a boundary: tests/deployments/encoder/test_autoscaling.py.)"""
+    spec = ModelSpec.load(checkpoint, device="cpu")
+    image = image_bytes(make_image(64, 64, seed=7))
+    cost = spec.image_cost.gflop(spec.processing.grid_thw(64, 64))
+    delay_s = 0.5  # encoder.target_queue_delay_s: the arriving cost is its rate times this
+    target = STEADY_RATE * cost * delay_s / 1.6  # the arriving cost is 1.6 replicas' worth
+    args = {**app_args, "encoder": {"cache_gib": 0, "startup_check": False, "target_cost_per_replica": target}}
+    slow = functools.partial(SlowEncoder, delay_s=0.02, record_dir=str(tmp_path_factory.mktemp("steady")))
+    options = {"ray_actor_options": SMALL, "autoscaling_config": {**AUTOSCALING, "max_replicas": 4}}
+    handle = serve.run(Encoder.options(**options).bind(args, model_factory=slow), name="steady", route_prefix=None)
+    counts: list[tuple[float, int]] = []  # (seconds into the load, replicas RUNNING or on their way)
+
+    async def load() -> list[bool]:
+        rng, start, calls = random.Random(0), time.monotonic(), []
+        at = 0.0
+        while (at := at + rng.expovariate(STEADY_RATE)) < STEADY_S:
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            calls.append(asyncio.ensure_future(handle.encode.remote([image], cost=cost)))
+            if not counts or time.monotonic() - start - counts[-1][0] >= 1.0:
+                states = serve.status().applications["steady"].deployments["Encoder"].replica_states
+                counts.append((time.monotonic() - start, sum(states.get(s, 0) for s in ("RUNNING", "STARTING"))))
+        return [not isinstance(out[0], Exception) for out in await asyncio.gather(*calls)]
+
+    try:
+        assert all(asyncio.run(load()))
+    finally:
+        serve.delete("steady")
+    changes = [(round(t, 1), n) for (t, n), (_, m) in zip(counts, [(0.0, 0), *counts]) if n != m]
+    settled = {n for t, n in counts if t >= SETTLE_S}
+    assert settled == {2}, changes

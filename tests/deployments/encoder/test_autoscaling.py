@@ -29,7 +29,7 @@ REPLICAS = [ReplicaID(f"r{i}", ENCODER) for i in range(3)]
 def test_replicas_are_the_pending_cost_over_the_target():
     targets = {r: 10.0 for r in REPLICAS[:2]}
     assert desired_replicas({REPLICAS[0]: 25.0, REPLICAS[1]: 10.0}, targets, current=2) == 4  # ceil(35 / 10)
-    assert desired_replicas({REPLICAS[0]: 10.0, REPLICAS[1]: 0.0}, targets, current=2) == 1
+    assert desired_replicas({REPLICAS[0]: 7.0, REPLICAS[1]: 0.0}, targets, current=2) == 1
     assert desired_replicas({REPLICAS[0]: 0.0, REPLICAS[1]: 0.0}, targets, current=2) == 0  # Serve then keeps min
     assert desired_replicas({}, {}, current=2) == 2  # no replica reported yet: stay
 
@@ -127,16 +127,21 @@ def test_images_queued_at_the_ingress_count_at_the_mean_cost():
     assert cost_policy(ctx)[0] == 5
 
 
-def test_the_arrival_meter_is_the_cost_over_its_window():
+def test_the_arrival_meter_is_the_cost_over_the_time_it_arrived_in():
+    """A step of load shows its rate a second after it began, not as a ramp over the window: the cost over the time
+    since the oldest arrival in the window, at least a second, at most the window."""
     now = [0.0]
     meter = ArrivalMeter(window_s=5.0, clock=lambda: now[0])
     assert meter.rate() == meter.mean() == 0.0
+    meter.add(3.0)
+    now[0] = 0.1
+    assert meter.rate() == 3.0  # a burst is not a rate: over a second at least
     for cost in (2.0, 4.0, 6.0):
-        meter.add(cost)
         now[0] += 1.0
-    assert meter.rate() == 12.0 / 5 and meter.mean() == 4.0
-    now[0] = 6.5  # the first arrival (t=0) and the second (t=1) are out of the window
-    assert meter.rate() == 6.0 / 5 and meter.mean() == 6.0
+        meter.add(cost)
+    assert meter.rate() == pytest.approx(15.0 / 3.1) and meter.mean() == 15.0 / 4  # since t=0: 3.1 s, not 5
+    now[0] = 6.5  # the first two (t=0, 1.1) are out of the window: over the 4.4 s since t=2.1
+    assert meter.rate() == pytest.approx(10.0 / 4.4) and meter.mean() == 5.0
     now[0] = 100.0
     assert meter.rate() == meter.mean() == 0.0
 
@@ -147,6 +152,18 @@ def test_the_arrival_meter_is_the_cost_over_its_window():
 def test_the_target_is_as_set_else_the_measured_rate_times_the_delay(set_to, gflops, expected):
     opts = EncoderArgs(target_cost_per_replica=set_to, target_queue_delay_s=0.5)
     assert Encoder.func_or_class._target_cost(opts, gflops) == expected
+
+
+def test_a_steady_load_near_a_boundary_holds_its_count():
+    """Reports that wander around a boundary (1.9 to 2.1 replicas' worth) move neither 2 replicas up nor 3 down; a
+    clear change does (2.3 up to 3; 1.7 down to 2, from 3; 0.7 down to 1)."""
+    target = {REPLICAS[0]: 10.0}
+    for need in (19.0, 20.0, 21.0):
+        assert desired_replicas({REPLICAS[0]: need}, target, current=2) == 2
+        assert desired_replicas({REPLICAS[0]: need}, target, current=3) == 3
+    assert desired_replicas({REPLICAS[0]: 23.0}, target, current=2) == 3
+    assert desired_replicas({REPLICAS[0]: 17.0}, target, current=3) == 2
+    assert desired_replicas({REPLICAS[0]: 7.0}, target, current=2) == 1
 
 
 def test_a_step_scales_on_the_newest_report_and_down_only_once_the_window_has_come_down():
