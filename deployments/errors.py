@@ -5,6 +5,9 @@ error. The errors themselves are plain data: schemas/errors.py."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable
 
 from ray.exceptions import (
     ActorUnavailableError,
@@ -75,4 +78,48 @@ def quiet_client_errors(logger_name: str = "ray.serve") -> None:
             logger.addFilter(_ClientsNotOurs())
 
 
-__all__ = ["LLM_GONE", "REPLICA_GONE", "quiet_client_errors", "root_cause"]
+PROBE_TIMEOUT = "Failed to get queue length from "  # how Serve's router words a probe that timed out (Ray 2.60)
+PROBE_LOG_EVERY_S = 60.0
+
+
+class _ProbeTimeouts(logging.Filter):
+    """Serve's request router (it runs in the callers: the ingress replicas) asks a replica its queue length before
+    sending it a call, when its cached count is stale (new replicas, or 10 s without a call), and logs a WARNING for
+    each replica that did not answer within `RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S` (0.1 s): under load, a
+    replica whose cores are busy answers late, and the log took hundreds of these a minute, which read as a fault.
+    What a late answer means is Serve's, and kept on purpose: that replica is left out of this one choice (the call
+    goes to a candidate that answered; when none did, the router backs off and asks again with twice the deadline, up
+    to 1 s), and a replica that died is found by the error of its probe, not by the deadline. So the first such line
+    is logged, then one per `every_s` at most, saying how many it stands for."""
+
+    def __init__(self, every_s: float = PROBE_LOG_EVERY_S, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.every_s, self.clock = every_s, clock
+        self.held, self.last = 0, None
+        self._lock = threading.Lock()  # NOTE: the routers log from their own event loop's thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (isinstance(record.msg, str) and record.msg.startswith(PROBE_TIMEOUT)):
+            return True
+        with self._lock:
+            now = self.clock()
+            if self.last is not None and now - self.last < self.every_s:
+                self.held += 1
+                return False
+            if self.held:
+                record.msg = (
+                    f"{record.msg} (and {self.held} more replicas' probes timed out in the last {now - self.last:.0f} "
+                    "s: replicas busy, the calls went to others that answered)"
+                )
+            self.held, self.last = 0, now
+            return True
+
+
+def quiet_probe_timeouts(logger_name: str = "ray.serve") -> None:
+    """`_ProbeTimeouts` on Serve's logger, in a process whose handles route calls (twice is once)."""
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, _ProbeTimeouts) for f in logger.filters):
+        logger.addFilter(_ProbeTimeouts())
+
+
+__all__ = ["LLM_GONE", "PROBE_TIMEOUT", "REPLICA_GONE", "quiet_client_errors", "quiet_probe_timeouts", "root_cause"]

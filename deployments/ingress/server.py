@@ -16,7 +16,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from deployments.errors import quiet_client_errors
+from deployments.errors import quiet_client_errors, quiet_probe_timeouts
 from deployments.ingress.auth import Gate
 from deployments.ingress.channel import ChannelHub
 from deployments.ingress.detokenize import TextRules
@@ -60,6 +60,7 @@ class Ingress:
     def __init__(self, encoder: DeploymentHandle | None, llm: DeploymentHandle, args: dict[str, Any]):
         self.args = AppArgs.model_validate(args)
         quiet_client_errors()
+        quiet_probe_timeouts()  # Serve's routers run here: a busy replica's late answer is one line a minute
         self.hub = ChannelHub(llm, this_replica())  # the token channels to the LLM replicas (ingress/channel.py)
         spec = ModelSpec.from_args(self.args)  # the checkpoint's facts, read once here
         self.prep = Preparer(self.args, spec)

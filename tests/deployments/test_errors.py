@@ -1,4 +1,5 @@
-"""A client's error raised in a replica is one WARNING line; our own errors keep their ERROR and traceback."""
+"""A client's error raised in a replica is one WARNING line; our own errors keep their ERROR and traceback; the routers'
+probes of busy replicas are one line a minute."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pickle
 import pytest
 from ray.exceptions import TaskCancelledError
 
-from deployments.errors import quiet_client_errors
+from deployments.errors import PROBE_TIMEOUT, _ProbeTimeouts, quiet_client_errors
 from schemas import ChannelLost, EncoderUnavailable, InvalidRequest, Overloaded
 
 
@@ -64,3 +65,27 @@ def test_errors_cross_processes_whole(error):
     again = pickle.loads(pickle.dumps(error))
     assert type(again) is type(error) and again.args == error.args
     assert vars(again) == vars(error)
+
+
+def test_probe_timeouts_are_one_line_a_minute_counting_the_others(caplog):
+    """Serve's router words each late queue-length answer as one WARNING: the first is logged, then one a minute at
+    most, saying how many it stands for; other lines pass untouched."""
+    now = [0.0]
+    logger = logging.getLogger("test.probes")
+    logger.addFilter(_ProbeTimeouts(every_s=60.0, clock=lambda: now[0]))
+
+    def probe(replica: str) -> None:  # as ray/serve/_private/request_router/request_router.py logs it
+        logger.warning(f"{PROBE_TIMEOUT}Replica(id='{replica}') within 0.1s. If this happens repeatedly ...")
+
+    with caplog.at_level(logging.INFO, logger="test.probes"):
+        probe("a")
+        for t in range(1, 300):  # five a second for a minute, on two replicas
+            now[0] = t / 5
+            probe("ab"[t % 2])
+            logger.info("an unrelated line %d", t)
+        now[0] = 61.0
+        probe("b")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(PROBE_TIMEOUT)]
+    assert len(lines) == 2 and "more replicas' probes" not in lines[0]
+    assert "Replica(id='b')" in lines[1] and "(and 299 more replicas' probes timed out in the last 61 s" in lines[1]
+    assert sum(r.getMessage().startswith("an unrelated line") for r in caplog.records) == 299

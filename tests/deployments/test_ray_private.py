@@ -47,3 +47,12 @@ def test_both_routers_take_the_hook_before_serves_own():
     for router in (PrefixAffinityRouter, CostRouter):
         assert router.__mro__.index(OwnCallMixin) < router.__mro__.index(RequestRouter), router.__name__
         assert router._fulfill_next_pending_request is OwnCallMixin._fulfill_next_pending_request
+
+
+def test_the_routers_probe_timeout_is_worded_as_the_ingress_log_filter_expects():
+    """deployments/errors.py's `_ProbeTimeouts` recognizes Serve's warning by its first words."""
+    from ray.serve._private.request_router.request_router import RequestRouter as Base
+
+    from deployments.errors import PROBE_TIMEOUT
+
+    assert f'f"{PROBE_TIMEOUT}{{replica.replica_id}} "' in inspect.getsource(Base._probe_queue_lens)
