@@ -6,21 +6,33 @@ one-image requests (`max_tokens` 1, so a request's latency is its image's time t
 thumbnails, some 1-4 MP photos. The ViT is slowed in proportion to its work (bench/slow_vit.py: it sleeps for each
 batch's cost, the FLOPs encoders/cost.py estimates, as a tower many times the tiny one's size would take), so replicas
 add capacity as GPUs would, on a 2-core machine. Each configuration starts at one Encoder replica and may scale to
-`--max-replicas`, with serve_config.yaml's delays. Configurations:
+`--max-replicas`, with the Encoder's shipped delays (deployments/encoder/autoscaling.py). Configurations:
 - `count`: Serve's request-count policy (`target_ongoing_requests`, 4 as serve_config.yaml's comment offers) and its
   default router (power of two choices on requests in flight);
 - `cost+serve`: the cost policy (deployments/encoder/autoscaling.py) with Serve's router;
-- `cost`: the cost policy and the cost router (deployments/encoder/router.py), as shipped.
-Both cost configurations take the target the replica measures at start (bench/slow_vit.py's sleep included).
+- `cost`: the cost policy and the cost router (deployments/encoder/router.py), as shipped;
+- `cost-cold`: the same on a cluster whose workers do not preload the Encoder's module: each new replica starts a
+  process and imports (the others run where they do, with a warm spare worker kept on the node:
+  deployments/ray_private.py, docs/cluster.md).
+The cost configurations take the target the replica measures at start (bench/slow_vit.py's sleep included).
 Reported per configuration: p50/p99 image TTFT (all, thumbnails, large), Encoder replica-seconds over the run, the
 most replicas, when the policy first asked for more (a replica STARTING) and when the second one started serving
-after the step: the policy's own delay apart from the replica's start."""
+after the step: the policy's own delay apart from the replica's start; then each replica that started during the
+run, its start phase by phase as it measured them (deployments/replica.py, exported as `vlm_encoder_start_seconds`).
+With `--baseline REF` (by default main before issue 53) the same load runs first on that commit's code, in a git
+worktree of its own, with its own bench (count and cost); the last line compares the shipped cost policy now with
+the count policy then:
+`encoder scaling: start Ss; p99 image TTFT before/now Rx; replica-seconds now/before Qx`."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import functools
+import os
+import re
+import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -32,16 +44,40 @@ import numpy as np
 
 from bench.server import QUIET, bench_checkpoint, ray_serve, wait_healthy
 from bench.slow_vit import SlowViT
+from deployments.encoder.autoscaling import AUTOSCALING
+from deployments.ray_private import PRELOAD_ENV
+from deployments.replica import START_PHASES
 from encoders import ModelSpec
-from tests.helpers import data_url, make_image
+from tests.helpers import data_url, free_port, make_image
 
 # A small LM (the prompts' prefill is not what is measured) with a ViT that takes photos up to 1 MP (max_pixels).
 CHECKPOINT = dict(
     seed=0, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vision_embed_dim=32,
     vision_depth=1, vision_heads=2, init_std=0.02, max_pixels=1024 * 1024,
 )  # fmt: skip
-DELAYS = {"upscale_delay_s": 1, "downscale_delay_s": 30, "metrics_interval_s": 1, "look_back_period_s": 5}
-CONFIGS = ("count", "cost+serve", "cost")
+DELAYS = {k: v for k, v in AUTOSCALING.items() if k.endswith("_s")}  # the shipped delays and intervals
+CONFIGS = ("count", "cost+serve", "cost", "cost-cold")
+WARM = {PRELOAD_ENV: "deployments.encoder.server", "PYTHONPATH": str(Path.cwd())}  # every worker imports the Encoder
+BASELINE = "9c039ac"  # main before issue 53: replicas started in 14-21 s here
+
+
+@dataclass
+class Start:
+    """One replica's start, as it measured it: seconds per phase, and when it served its first image (epoch s)."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+    serving_since: float | None = None
+
+    def after(self, decision: float) -> dict[str, float]:
+        """Seconds of each phase after `decision` (epoch s): what the scale-up waited for. The phases end one after
+        the other at the first image; a warm spare's process and imports lie before the decision, and count 0."""
+        assert self.serving_since is not None
+        end, out = self.serving_since, {}
+        for phase in reversed([p for p in START_PHASES if p in self.phases]):
+            begin = end - self.phases[phase]
+            out[phase] = max(0.0, end - max(begin, decision))
+            end = begin
+        return {p: out[p] for p in START_PHASES if p in out}
 
 
 @dataclass
@@ -59,6 +95,27 @@ class Run:
     asked: list[tuple[float, int]] = field(default_factory=list)  # (seconds after the step, replicas asked for)
     end: float = 0.0
     target_cost: float | None = None  # GFLOP per replica, as the Encoder measured it at start (cost policy)
+    began: float = 0.0  # the step, in epoch seconds
+    starts: dict[str, Start] = field(default_factory=dict)  # by replica id, from the metrics
+
+    def new_starts(self) -> list[tuple[float | None, float, Start]]:
+        """Each replica that first served during the run, in order: (the policy asked for it, it served: both in
+        seconds after the step, its phases). The k-th new replica was asked for when the count asked first reached
+        1 + k."""
+        served = sorted(
+            (s.serving_since - self.began, s) for s in self.starts.values()
+            if s.serving_since is not None and s.serving_since >= self.began
+        )  # fmt: skip
+        out = []
+        for k, (at, start) in enumerate(served, 1):
+            asked = next((t for t, n in self.asked if n >= 1 + k), None)
+            out.append((asked, at, start))
+        return out
+
+    def start_seconds(self) -> float | None:
+        """The median time from the policy's decision to the new replica's first image."""
+        spans = [at - asked for asked, at, _ in self.new_starts() if asked is not None]
+        return statistics.median(spans) if spans else None
 
     def pct(self, q: float, large: bool | None = None) -> float:
         xs = sorted(s for big, s, status in self.latencies if status == 200 and large in (None, big))
@@ -107,7 +164,7 @@ def deploy(name: str, checkpoint: Path, max_replicas: int, seconds_per_gflop: fl
         "autoscaling_config": {"min_replicas": 1, "max_replicas": max_replicas, **DELAYS, **policy},
         "ray_actor_options": {"num_cpus": 0.25},
     }
-    if name != "cost":
+    if not name.startswith("cost") or name == "cost+serve":
         options["request_router_config"] = RequestRouterConfig()  # Serve's default: power of two on counts
     slow = functools.partial(SlowViT, seconds_per_gflop=seconds_per_gflop)
     encoder = Encoder.options(**options).bind(args, model_factory=slow)
@@ -129,7 +186,28 @@ def running(app: str) -> int:
     return replica_counts(app)[0]
 
 
-async def drive(url: str, model: str, load: list[Request], run: Run) -> None:
+def scrape_starts(metrics_port: int, app: str, into: dict[str, Start]) -> None:
+    """The Encoder replicas' start phases and first-image times of `app`, from Ray's Prometheus endpoint."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return
+    for line in text.splitlines():
+        metric, _, rest = line.partition("{")
+        if metric not in ("ray_vlm_encoder_start_seconds", "ray_vlm_encoder_serving_since_timestamp_seconds"):
+            continue
+        tag_text, _, value = rest.rpartition("} ")
+        tags = dict(re.findall(r'(\w+)="([^"]*)"', tag_text))
+        if tags.get("application") != app or "replica" not in tags:
+            continue
+        start = into.setdefault(tags["replica"], Start())
+        if metric == "ray_vlm_encoder_start_seconds":
+            start.phases[tags["phase"]] = float(value)
+        else:
+            start.serving_since = float(value)
+
+
+async def drive(url: str, model: str, load: list[Request], run: Run, metrics_port: int | None = None) -> None:
     async def one(client: httpx.AsyncClient, r: Request, start: float) -> None:
         await asyncio.sleep(max(0.0, start + r.at - time.monotonic()))
         parts = [{"type": "image_url", "image_url": {"url": r.url}}, {"type": "text", "text": "?"}]
@@ -144,7 +222,7 @@ async def drive(url: str, model: str, load: list[Request], run: Run) -> None:
 
     limits = httpx.Limits(max_connections=len(load))
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
-        start = time.monotonic()
+        start, run.began = time.monotonic(), time.time()
         stop = threading.Event()
 
         def look(at: float) -> None:
@@ -155,8 +233,12 @@ async def drive(url: str, model: str, load: list[Request], run: Run) -> None:
         look(0.0)
 
         def poll() -> None:
+            scraped = 0.0
             while not stop.wait(0.25):
                 look(time.monotonic() - start)
+                if metrics_port is not None and time.monotonic() - scraped > 1.0:  # a replica gone keeps its last
+                    scrape_starts(metrics_port, run.name, run.starts)
+                    scraped = time.monotonic()
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
@@ -165,9 +247,14 @@ async def drive(url: str, model: str, load: list[Request], run: Run) -> None:
         finally:
             stop.set()
             poller.join()
+            if metrics_port is not None:
+                time.sleep(2.0)  # the last replica's metrics: reported every second, then exported
+                scrape_starts(metrics_port, run.name, run.starts)
 
 
-def measure(name: str, port: int, checkpoint: Path, load: list[Request], args: argparse.Namespace) -> Run:
+def measure(
+    name: str, port: int, checkpoint: Path, load: list[Request], args: argparse.Namespace, metrics_port: int
+) -> Run:
     from ray import serve
 
     deploy(name, checkpoint, args.max_replicas, args.seconds_per_gflop)
@@ -183,32 +270,109 @@ def measure(name: str, port: int, checkpoint: Path, load: list[Request], args: a
         run = Run(name)
         if name != "count":
             run.target_cost = serve.get_deployment_handle("Encoder", name).stats.remote().result()["target_cost"]
-        asyncio.run(drive(url, model, load, run))
+        asyncio.run(drive(url, model, load, run, metrics_port))
         return run
     finally:
         serve.delete(name)
 
 
-def report(runs: list[Run], load: list[Request], args: argparse.Namespace) -> str:
+@dataclass
+class Row:
+    """One configuration's line of the table: this run's, or the baseline's as its own bench printed it."""
+
+    name: str
+    p50: float
+    p99: float
+    p99_thumb: float
+    p99_large: float
+    replica_s: float
+    most: int
+    asked: float | None
+    second: float | None
+    errors: int
+    target: float | None
+
+    @classmethod
+    def of(cls, r: Run) -> Row:
+        return cls(
+            r.name, r.pct(0.5), r.pct(0.99), r.pct(0.99, False), r.pct(0.99, True), r.replica_seconds(),
+            max(n for _, n in r.replicas), r.scale_up_asked_at(), r.second_replica_at(), r.errors(), r.target_cost,
+        )  # fmt: skip
+
+    @classmethod
+    def parse(cls, line: str, suffix: str) -> Row:
+        """A row of this table as printed (the baseline's bench prints the same columns)."""
+        name, *cells = line.split()
+
+        def num(cell: str) -> float | None:
+            return None if cell == "-" else float(cell)
+
+        f = [num(c) for c in cells]
+        return cls(f"{name}@{suffix}", *f[:5], int(f[5]), f[6], f[7], int(f[8]), f[9])  # type: ignore[arg-type]
+
+    def format(self) -> str:
+        def cell(t: float | None, width: int, digits: int = 1) -> str:
+            return f"{'-' if t is None else format(t, f'.{digits}f'):>{width}}"
+
+        return (
+            f"{self.name:<16}{self.p50:>8.2f}{self.p99:>8.2f}{self.p99_thumb:>11.2f}{self.p99_large:>11.2f}"
+            f"{self.replica_s:>11.1f}{self.most:>5}{cell(self.asked, 12)}{cell(self.second, 10)}{self.errors:>8}"
+            f"{cell(self.target, 14, 2)}"
+        )
+
+
+HEADER = (
+    f"{'config':<16}{'p50 s':>8}{'p99 s':>8}{'p99 thumb':>11}{'p99 large':>11}{'replica-s':>11}"
+    f"{'max':>5}{'asked at s':>12}{'2nd at s':>10}{'errors':>8}{'target GFLOP':>14}"
+)
+
+
+def baseline_rows(ref: str, args: argparse.Namespace) -> tuple[str, list[Row]]:
+    """The same load on `ref`'s code: its own bench in a git worktree (bench_results/baseline-<sha>), run in a child
+    process with its own Ray; (the commit, its rows)."""
+    sha = subprocess.run(
+        ["git", "rev-parse", "--short", ref], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    tree = Path("bench_results") / f"baseline-{sha}"
+    if not (tree / "bench" / "encoder_scaling.py").is_file():
+        subprocess.run(["git", "worktree", "add", "--detach", "--force", str(tree), sha], check=True)
+    out = tree / "bench_results" / "encoder-scaling.txt"
+    options = [f"--rate={args.rate}", f"--duration={args.duration}", f"--large-share={args.large_share}"]
+    options += [f"--max-replicas={args.max_replicas}", f"--large-s={args.large_s}", f"--seed={args.seed}"]
+    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    command = [sys.executable, "-m", "bench.encoder_scaling", "--configs=count,cost", f"--out={out.name}", *options]
+    subprocess.run(command, cwd=tree, env=env, check=True)
+    lines = (tree / out.name).read_text().splitlines()
+    return sha, [Row.parse(line, sha) for line in lines if line.startswith(("count ", "cost "))]
+
+
+def report(
+    runs: list[Run], load: list[Request], args: argparse.Namespace, baseline: tuple[str, list[Row]] = ("", [])
+) -> str:
     n_large = sum(r.large for r in load)
+    sha, before = baseline
     lines = [
         f"encoder scaling: {len(load)} requests ({n_large} large) over {args.duration:g} s at {args.rate:g}/s, "
-        f"seed {args.seed}, 1-{args.max_replicas} Encoder replicas, ViT {args.large_s:g} s per 1 MP photo",
+        f"seed {args.seed}, 1-{args.max_replicas} Encoder replicas, ViT {args.large_s:g} s per 1 MP photo"
+        + (f"; baseline: main at {sha} (its own code and bench, the same load)" if sha else ""),
         "",
-        f"{'config':<12}{'p50 s':>8}{'p99 s':>8}{'p99 thumb':>11}{'p99 large':>11}{'replica-s':>11}"
-        f"{'max':>5}{'asked at s':>12}{'2nd at s':>10}{'errors':>8}{'target GFLOP':>14}",
+        HEADER,
+        *(row.format() for row in before),
+        *(Row.of(r).format() for r in runs),
+        "",
+        "replicas that started during the run (seconds after the step; a start is from the policy's decision to the "
+        "replica's first image, split into the phases the replica measured, the part of each after the decision):",
     ]
-
-    def seconds(t: float | None, width: int) -> str:
-        return f"{'-' if t is None else format(t, '.1f'):>{width}}"
-
     for r in runs:
-        lines.append(
-            f"{r.name:<12}{r.pct(0.5):>8.2f}{r.pct(0.99):>8.2f}{r.pct(0.99, False):>11.2f}{r.pct(0.99, True):>11.2f}"
-            f"{r.replica_seconds():>11.1f}{max(n for _, n in r.replicas):>5}"
-            f"{seconds(r.scale_up_asked_at(), 12)}{seconds(r.second_replica_at(), 10)}{r.errors():>8}"
-            f"{'-' if r.target_cost is None else format(r.target_cost, '.2f'):>14}"
-        )
+        for k, (asked, at, start) in enumerate(r.new_starts(), 2):
+            whole = f"{sum(start.phases.values()):.1f} s from its process's start"
+            if asked is None:
+                lines.append(f"  {r.name:<12} #{k}: asked -, serving {at:.1f}: {whole}")
+                continue
+            after = start.after(r.began + asked)
+            phases = ", ".join(f"{p.replace('_', ' ')} {s:.1f}" for p, s in after.items())
+            span = f"start {at - asked:.1f} s ({phases}; {whole})"
+            lines.append(f"  {r.name:<12} #{k}: asked {asked:.1f}, serving {at:.1f}: {span}")
     by = {r.name: r for r in runs}
     if "count" in by and "cost" in by:
         count, cost = by["count"], by["cost"]
@@ -217,6 +381,13 @@ def report(runs: list[Run], load: list[Request], args: argparse.Namespace) -> st
             f"encoder scaling: p99 image TTFT count/cost = {count.pct(0.99) / cost.pct(0.99):.2f}x, "
             f"replica-seconds cost/count = {cost.replica_seconds() / count.replica_seconds():.2f}x",
         ]
+    then = next((row for row in before if row.name.startswith("count@")), None)
+    if "cost" in by and then is not None:
+        now, start = by["cost"], by["cost"].start_seconds()
+        lines.append(
+            f"encoder scaling: start {'-' if start is None else format(start, '.1f')}s; p99 image TTFT before/now "
+            f"{then.p99 / now.pct(0.99):.2f}x; replica-seconds now/before {now.replica_seconds() / then.replica_s:.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -229,15 +400,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large-s", type=float, default=1.0, help="the slowed ViT's time for a 1 MP photo")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline", default=BASELINE, help="a commit to run the same load on first; 'none': skip")
     parser.add_argument("--out", type=Path, default=Path("bench_results/encoder-scaling.txt"))
     args = parser.parse_args(argv)
     checkpoint = bench_checkpoint(Path("bench_results/checkpoints"), CHECKPOINT)
     spec = ModelSpec.load(checkpoint, device="cpu")
     args.seconds_per_gflop = args.large_s / spec.image_cost.gflop(spec.processing.grid_thw(1024, 1024))
     load = workload(args.rate, args.duration, args.large_share, args.seed)
-    with ray_serve() as port:
-        runs = [measure(name, port, checkpoint, load, args) for name in args.configs.split(",")]
-    text = report(runs, load, args)
+    baseline = baseline_rows(args.baseline, args) if args.baseline != "none" else ("", [])
+    metrics_port, runs, names = free_port(), [], args.configs.split(",")
+    for env, group in ((WARM, [n for n in names if n != "cost-cold"]), ({}, [n for n in names if n == "cost-cold"])):
+        if group:
+            with ray_serve(metrics_port=metrics_port, env=env) as port:
+                runs += [measure(name, port, checkpoint, load, args, metrics_port) for name in group]
+    text = report(runs, load, args, baseline)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")

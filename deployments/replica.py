@@ -34,20 +34,22 @@ def process_started_at() -> float:
 
 
 # The phases of a replica's start, each named by the event that ends it: `process` (from its process's start to its
-# deployment's module beginning to import: Ray's worker and Serve's replica set-up), `imports` (the module's imports,
-# to its constructor), `model` (the tower built and its weights read), `check` (the start-up check, or reusing its
-# result), `first_image` (ready, to the first image it served: the routers learning of it, and the first call).
-START_PHASES = ("process", "imports", "model", "check", "first_image")
+# deployment's module beginning to import: Ray's worker and Serve's replica set-up), `imports` (the module's imports),
+# `waiting` (imported, to the replica's constructor: Serve's set-up, or the time a warm spare process idled in Ray's
+# pool before this replica took it: deployments/ray_private.py), `model` (the tower built and its weights read),
+# `check` (the start-up check, or reusing its result), `first_image` (ready, to the first image it served: the
+# routers learning of it, and the first call).
+START_PHASES = ("process", "imports", "waiting", "model", "check", "first_image")
 
 
 class StartTimeline:
     """When each phase of this replica's start ended (epoch seconds), from its process's start: what a scale-up waits
-    for, measured where it happens. `begin` is the moment the deployment's module began to import (None: not timed,
-    the phase folds into the next)."""
+    for, measured where it happens. `begin` and `imported`: when the deployment's module began and ended importing
+    (None: not timed, the phase folds into the next)."""
 
-    def __init__(self, begin: float | None = None):
+    def __init__(self, begin: float | None = None, imported: float | None = None):
         self.started = process_started_at()
-        self.events: dict[str, float] = {"process": begin} if begin is not None else {}
+        self.events = {phase: t for phase, t in (("process", begin), ("imports", imported)) if t is not None}
 
     def mark(self, phase: str) -> bool:
         """`phase` ends now; False (and nothing recorded) when it already had."""

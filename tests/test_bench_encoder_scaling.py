@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from bench.encoder_scaling import Request, Run, report
 
 
@@ -25,7 +27,7 @@ def test_the_policy_delay_and_the_replica_start_are_told_apart():
     assert never.scale_up_asked_at() is None and never.second_replica_at() is None
 
 
-def test_the_report_ends_with_issue_22s_line():
+def test_the_report_ends_with_the_policies_line_without_a_baseline():
     count = _run("count", [(0.0, 1), (5.0, 3)], [(0.0, 1), (20.0, 3)], [1.0] * 99 + [10.0])
     cost = _run("cost", [(0.0, 1), (3.5, 4)], [(0.0, 1), (17.5, 4)], [1.0] * 99 + [5.0])
     args = argparse.Namespace(duration=60.0, rate=8.0, seed=0, max_replicas=4, large_s=1.0)
@@ -36,3 +38,53 @@ def test_the_report_ends_with_issue_22s_line():
         "encoder scaling: p99 image TTFT count/cost = 2.00x, replica-seconds cost/count = "
         f"{cost.replica_seconds() / count.replica_seconds():.2f}x"
     )
+
+
+def test_each_new_replica_is_timed_from_the_decision_that_asked_for_it():
+    """Replicas serving 6.0 and 7.5 s after the step, asked for when the count asked first reached 2 (1.0 s) and 3
+    (1.5 s): starts of 5.0 and 6.0 s, median 5.5; the replica there before the step is not a start."""
+    from bench.encoder_scaling import Start
+
+    run = _run("cost", [(0.0, 1), (1.0, 2), (1.5, 3)], [(0.0, 1), (6.0, 2), (7.5, 3)], [1.0])
+    run.began = 1000.0
+    run.starts = {
+        "old": Start({"process": 1.0}, serving_since=900.0),
+        "b": Start({"process": 1.2, "imports": 3.0}, serving_since=1007.5),
+        "a": Start({"process": 1.1, "imports": 2.5}, serving_since=1006.0),
+        "never": Start({}, serving_since=None),
+    }
+    assert [(asked, at) for asked, at, _ in run.new_starts()] == [(1.0, 6.0), (1.5, 7.5)]
+    assert run.start_seconds() == 5.5
+
+
+def test_the_baselines_rows_parse_and_the_report_ends_with_issue_53s_line():
+    """The baseline's own bench prints the same columns; its count row is 'before', this run's cost row 'now'."""
+    from bench.encoder_scaling import HEADER, Row, Start
+
+    count = _run("count", [(0.0, 1), (5.0, 3)], [(0.0, 1), (20.0, 3)], [1.0] * 99 + [10.0])
+    cost = _run("cost", [(0.0, 1), (1.0, 2)], [(0.0, 1), (6.0, 2)], [1.0] * 99 + [4.0])
+    cost.began = 0.0
+    cost.starts = {"a": Start({"process": 3.0, "imports": 2.0, "model": 0.5, "first_image": 0.5}, serving_since=6.0)}
+    printed = Row.of(count).format()
+    before = Row.parse(printed, "abc1234")
+    assert before.name == "count@abc1234" and before.p99 == 10.0 and (before.asked, before.second) == (5.0, 20.0)
+    assert before.target is None and Row.parse(Row.of(cost).format(), "x").target == 1.5
+    args = argparse.Namespace(duration=60.0, rate=8.0, seed=0, max_replicas=4, large_s=1.0)
+    text = report([count, cost], [Request(0.0, False, "")], args, ("abc1234", [before]))
+    assert HEADER in text and "baseline: main at abc1234" in text
+    assert (  # the process began at 0.0, before the decision at 1.0: 2 s of it count
+        "  cost         #2: asked 1.0, serving 6.0: start 5.0 s (process 2.0, imports 2.0, model 0.5, first image 0.5; "
+        "6.0 s from its process's start)"
+    ) in text
+    assert text.splitlines()[-1] == (
+        f"encoder scaling: start 5.0s; p99 image TTFT before/now 2.50x; replica-seconds now/before "
+        f"{cost.replica_seconds() / before.replica_s:.2f}x"
+    )
+
+
+def test_a_warm_spares_process_and_imports_lie_before_the_decision():
+    from bench.encoder_scaling import Start
+
+    start = Start({"process": 0.5, "imports": 3.0, "waiting": 20.0, "model": 0.1, "first_image": 0.4}, 100.0)
+    want = {"process": 0.0, "imports": 0.0, "waiting": 0.5, "model": 0.1, "first_image": 0.4}
+    assert start.after(99.0) == pytest.approx(want)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +29,7 @@ from deployments.encoder.autoscaling import (
 from deployments.encoder.router import CostRouter
 from deployments.errors import quiet_client_errors
 from deployments.metrics import EncoderMetrics, heap_census
+from deployments.ray_private import keep_a_spare_worker, warm_spares
 from deployments.replica import DRAIN_POLL_S, StartTimeline
 from deployments.transfer import send_tensors_out_of_band
 from encoders import EncoderRunner, ModelSpec, VisionEncoder
@@ -44,8 +47,8 @@ class EncoderReplica:
     its start's timeline assumes, and the class's globals are this module's, not the driver's values."""
 
     def __init__(self, args: dict[str, Any], model_factory: Callable[..., VisionEncoder] | None = None):
-        self.start = StartTimeline(IMPORTS_BEGAN)
-        self.start.mark("imports")
+        self.start = StartTimeline(IMPORTS_BEGAN, IMPORTED)
+        self.start.mark("waiting")
         self.args = AppArgs.model_validate(args)
         quiet_client_errors()  # a bad image is one WARNING line, not an ERROR traceback
         send_tensors_out_of_band()
@@ -69,6 +72,10 @@ class EncoderReplica:
         self.target_cost = self._target_cost(self.args.encoder, self.runner.gflops)
         threads = torch.get_num_threads()
         logger.info("encoder ready: %s on %s (%s), %d CPU threads", self.args.model, spec.device, spec.dtype, threads)
+        self._spares = threading.Event()  # set: stop keeping a spare
+        if warm_spares(__name__):  # this node's workers import this module first: keep one idle for the next replica
+            keep_a_spare_worker(self._spares)
+            logger.info("encoder: keeping a warm spare worker on this node for the next replica")
 
     @staticmethod
     def _target_cost(opts: EncoderArgs, gflops: float | None) -> float:
@@ -124,11 +131,16 @@ class EncoderReplica:
             "cancelled": self.num_cancelled,
             "target_cost": self.target_cost,
             "start": self.start.durations(),
+            "serving_since": self.start.events.get("first_image"),
             "startup_check": self.runner.startup_check,
         }
 
     async def heap(self) -> dict[str, Any]:
         return heap_census()
+
+    def __del__(self) -> None:
+        if (spares := getattr(self, "_spares", None)) is not None:
+            spares.set()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics, read by the cost policy (deployments/encoder/autoscaling.py)."""
@@ -138,6 +150,9 @@ class EncoderReplica:
             MEAN_COST: self.arrivals.mean(),
             TARGET_COST: self.target_cost,
         }
+
+
+IMPORTED = time.time()  # this module's imports are done (a warm spare process did them before its replica began)
 
 
 # NOTE: the router (it runs in the callers, the ingress replicas) is set here, as the LLM's: `serve deploy` imports a

@@ -15,9 +15,9 @@ def test_this_process_began_before_now_and_after_it_was_run():
 
 
 def test_each_phase_is_the_time_since_the_one_before_and_a_missing_one_folds_into_the_next():
-    timeline = StartTimeline(begin=None)
+    timeline = StartTimeline(begin=101.5, imported=104.0)
     timeline.started = 100.0
-    timeline.events = {"process": 101.5, "imports": 104.0, "check": 104.5}  # no "model": it folds into "check"
+    timeline.events["check"] = 104.5  # no "waiting" nor "model": they fold into "check"
     assert timeline.durations() == {"process": 1.5, "imports": 2.5, "check": 0.5}
     assert "4.50 s after its process started (process 1.50 s, imports 2.50 s, check 0.50 s)" in timeline.describe()
 
@@ -28,4 +28,4 @@ def test_a_phase_ends_once():
     assert set(timeline.durations()) == {"process", "first_image"}
     with pytest.raises(AssertionError):
         timeline.mark("lunch")
-    assert START_PHASES == ("process", "imports", "model", "check", "first_image")
+    assert START_PHASES == ("process", "imports", "waiting", "model", "check", "first_image")
