@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from PIL import Image
 from torch import nn
 from transformers import AutoConfig
 
+from encoders.clip_vit import ClipVisionTower, LlavaProjector
 from encoders.cost import VisionCost, linear_flops
 from encoders.family import ImageTokens
 from encoders.llava_processing import LlavaImageProcessing
@@ -61,36 +61,36 @@ class LlavaVisionEncoder:
 
     def _load(self, config: Any, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> None:
         """Build the tower and the projector from the vision component's weights (LLaVA-NeXT's encoder too)."""
-        # Imported here, in the process that builds a tower: transformers' modeling modules pull in torch._dynamo
-        # and torch.distributed.tensor (~2-3 s a process), which the ingress and the LLM replica never need.
-        from transformers.models.clip.modeling_clip import CLIPVisionModel
-        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
-
+        # NOTE: the tower and the projector are ours (encoders/clip_vit.py, torch alone), not transformers' modules,
+        # whose import pulls in transformers.modeling_utils, torch._dynamo and torch.distributed.tensor (~1.4 CPU-s;
+        # but LLaVA's transformers config, read first, already pulls in the last two: tests/test_replica_imports.py).
+        # Their parameters have transformers' names, so the checkpoint's tensors load as they are.
         self.device, self.dtype = torch.device(device), dtype
-        vc = copy.deepcopy(config.vision_config)
+        vc = config.vision_config
         self.feature_layers = _feature_layers(config.vision_feature_layer, vc.num_hidden_layers)
         self.is_concat = not isinstance(config.vision_feature_layer, int)
         self.keep_cls = config.vision_feature_select_strategy == "full"
         # NOTE: the layers after the deepest selected one never reach the LM (LLaVA-1.5 uses the second to last):
         # they are not built, and their weights are dropped once read.
-        vc.num_hidden_layers = max(self.feature_layers)
+        num_layers = max(self.feature_layers)
         tower_weights = {
             k.removeprefix("vision_tower."): v
             for k, v in weights.items()
-            if k.startswith("vision_tower.") and not _is_dropped(k, vc.num_hidden_layers)
+            if k.startswith("vision_tower.") and not _is_dropped(k, num_layers)
         }
+        # Older CLIP checkpoints saved the embeddings' `position_ids` (arange, now a non-persistent buffer in
+        # transformers, which ignores it): the tower has no such buffer.
+        tower_weights.pop("embeddings.position_ids", None)
         projector_weights = {
             k.removeprefix("multi_modal_projector."): v
             for k, v in weights.items()
             if k.startswith("multi_modal_projector.")
         }
         with torch.device("meta"):  # no random init of weights we are about to replace
-            tower = CLIPVisionModel._from_config(vc, attn_implementation="sdpa")
-            projector = LlavaMultiModalProjector(config)
+            tower = ClipVisionTower(vc, num_layers)
+            projector = LlavaProjector(config)
         tower.load_state_dict(tower_weights, strict=True, assign=True)
         projector.load_state_dict(projector_weights, strict=True, assign=True)
-        emb = tower.embeddings  # a non-persistent buffer: build it for real
-        emb.position_ids = torch.arange(emb.num_positions).expand((1, -1))  # (1, num_positions)
         assert not any(t.is_meta for t in itertools.chain(tower.parameters(), tower.buffers())), "weights left on meta"
         self.tower = tower.to(device=self.device, dtype=dtype).eval()
         self.projector: nn.Module = projector.to(device=self.device, dtype=dtype).eval()
@@ -112,14 +112,10 @@ class LlavaVisionEncoder:
 
     def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) images at the tower's size -> (B, n, D) projected features of the selected layers."""
-        # Adapted from CLIPVisionModel.forward and LlavaModel.get_image_features in transformers: the hidden
-        # states are the embeddings after pre_layrnorm, then each layer's output.
-        h = self.tower.pre_layrnorm(self.tower.embeddings(pixel_values))  # (B, 1 + gh*gw, Dv)
-        states = [h]
-        for layer in self.tower.encoder.layers:
-            h = layer(h, None)  # (B, 1 + gh*gw, Dv)
-            states.append(h)
-        selected = [states[i] if self.keep_cls else states[i][:, 1:] for i in self.feature_layers]  # (B, n, Dv) each
+        # Adapted from LlavaModel.get_image_features in transformers: the hidden states are the embeddings after
+        # pre_layrnorm, then each layer's output.
+        states = self.tower(pixel_values, self.feature_layers)  # (B, 1 + gh*gw, Dv) each
+        selected = [h if self.keep_cls else h[:, 1:] for h in states]  # (B, n, Dv) each
         features = torch.cat(selected, dim=-1) if self.is_concat else selected[0]  # (B, n, Dv * num_layers)
         return self.projector(features)  # (B, n, D)
 

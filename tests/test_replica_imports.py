@@ -1,7 +1,8 @@
 """A replica's start is mostly imports (a new Encoder replica's scale-up waits on them): the modules the ingress and
 the LLM replicas import leave transformers' modeling modules alone, which pull in
-torch._dynamo and torch.distributed.tensor (~3 s a process on this VM). Only an Encoder replica imports its family's
-tower, when it builds one."""
+torch._dynamo and torch.distributed.tensor (~3 s a process on this VM). The vision towers are ours too (Qwen2-VL's and
+Qwen2.5-VL's: encoders/qwen_vit.py; LLaVA's and LLaVA-NeXT's CLIP and projector: encoders/clip_vit.py): an Encoder
+replica builds one without them."""
 
 from __future__ import annotations
 
@@ -17,15 +18,22 @@ SERVERS = ("deployments.ingress.server", "deployments.llm.server", "deployments.
 HEAVY = ("transformers.modeling_utils", "torch._dynamo", "torch.distributed.tensor")
 
 
-def _imported_after(modules: tuple[str, ...], then: str) -> tuple[list[str], list[str]]:
-    """The modules a fresh interpreter has after importing `modules`, and after running `then` as well."""
+def _imported_after(modules: tuple[str, ...], *then: str) -> tuple[list[str], ...]:
+    """The modules a fresh interpreter has after importing `modules`, then after running each of `then` as well."""
     dump = "print(json.dumps(sorted(sys.modules)))\n"
-    code = "import sys, json\n" + "".join(f"import {m}\n" for m in modules) + dump + then + "\n" + dump
+    code = (
+        "import sys, json\n" + "".join(f"import {m}\n" for m in modules) + dump + "".join(t + "\n" + dump for t in then)
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=300
     )
-    *_, imported, ran = out.stdout.splitlines()
-    return json.loads(imported), json.loads(ran)
+    return tuple(json.loads(line) for line in out.stdout.splitlines()[-1 - len(then) :])
+
+
+def _modeling(loaded: list[str]) -> list[str]:
+    """transformers' model modules among `loaded` (transformers.models.auto.modeling_auto is its tokenizers'
+    docstrings' name table, not a model)."""
+    return [m for m in loaded if m.startswith("transformers.models.") and ".modeling_" in m and ".auto." not in m]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +47,7 @@ def imported(checkpoint) -> tuple[list[str], list[str]]:
 def test_the_servers_modules_import_no_transformers_modeling(imported):
     loaded, _ = imported
     assert "deployments.llm.server" in loaded and "encoders.qwen2_vl" in loaded  # the families' preprocessing too
-    # (transformers.models.auto.modeling_auto is its tokenizers' docstrings' name table, not a model)
-    modeling = [m for m in loaded if m.startswith("transformers.models.") and ".modeling_" in m and ".auto." not in m]
+    modeling = _modeling(loaded)
     assert modeling == [], f"imported at module import (move into the tower's builder): {modeling}"
     assert [m for m in HEAVY if m in loaded] == []
 
@@ -51,3 +58,70 @@ def test_loading_the_language_model_imports_no_dynamo(imported):
     torch._refs, which imports torch._dynamo (2.7 CPU-s of each LLM replica's start)."""
     _, loaded = imported
     assert [m for m in HEAVY if m in loaded] == []
+
+
+def _builds(encoders: dict[str, Path]) -> str:
+    """Code that builds each encoder class of `encoders` from its checkpoint and encodes an image, as an Encoder
+    replica's start does (its start-up check)."""
+    return f"from PIL import Image\nfrom encoders import {', '.join(sorted(encoders))}\n" + "".join(
+        f"assert len({cls}({str(ckpt)!r}).encode([Image.new('RGB', (64, 64))])) == 1\n"
+        for cls, ckpt in encoders.items()
+    )
+
+
+@pytest.mark.slow
+def test_building_the_qwen_encoders_imports_no_transformers_modeling(checkpoint, tmp_path):
+    """An Encoder replica's start for Qwen2-VL and Qwen2.5-VL. Their towers are ours (encoders/qwen_vit.py): none of
+    transformers' modeling, nor what it pulls in (1.4-2 CPU-s of each replica's start)."""
+    from demo.tiny_qwen2_5_vl import build_qwen2_5_vl_checkpoint
+
+    qwen2_5 = build_qwen2_5_vl_checkpoint(tmp_path / "qwen2.5-vl-tiny", seed=1)
+    build = _builds({"Qwen2VLVisionEncoder": checkpoint, "Qwen2_5_VLVisionEncoder": qwen2_5})
+    _, loaded = _imported_after(("encoders",), build)
+    assert "encoders.qwen_vit" in loaded
+    modeling = _modeling(loaded)
+    assert modeling == [], f"the Qwen towers are ours: no transformers modeling to build one, got {modeling}"
+    assert [m for m in HEAVY if m in loaded] == []
+
+
+# A tower of LLaVA's shape from plain attributes (no transformers config: see below), built as the encoder builds
+# it (on meta, then given memory) and run.
+_CLIP_TOWER = """
+import types, torch
+from encoders.clip_vit import ClipVisionTower, LlavaProjector
+vc = types.SimpleNamespace(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    num_channels=3, image_size=56, patch_size=14, hidden_act="quick_gelu", layer_norm_eps=1e-5)
+config = types.SimpleNamespace(vision_config=vc, text_config=types.SimpleNamespace(hidden_size=64),
+    vision_feature_layer=[-3, -1], projector_hidden_act="gelu", multimodal_projector_bias=True)
+with torch.device("meta"):
+    tower, projector = ClipVisionTower(vc), LlavaProjector(config)
+tower, projector = tower.to_empty(device="cpu"), projector.to_empty(device="cpu")
+with torch.inference_mode():
+    assert projector(torch.cat(tower(torch.zeros(2, 3, 56, 56), [0, 2]), -1)).shape == (2, 17, 64)
+"""
+
+
+@pytest.mark.slow
+def test_building_the_llava_encoders_imports_no_transformers_modeling(tmp_path):
+    """An Encoder replica's start for LLaVA-1.5 and LLaVA-NeXT. Their CLIP tower and projector are ours
+    (encoders/clip_vit.py): none of transformers' modeling (transformers.modeling_utils and the CLIP and LLaVA
+    modules), and the tower alone pulls in none of torch._dynamo and torch.distributed.tensor either.
+
+    NOTE: LLaVA's transformers config does pull those two in (transformers 5.23: its text config, LlamaConfig,
+    imports transformers.utils.type_validators, which imports transformers.activations, whose hub-kernels imports
+    reach DTensor and torch.compiler.disable; ~1.2 CPU-s), and every replica reads it (encoders.ModelSpec.load)."""
+    from demo.tiny_llava import build_llava_checkpoint
+    from demo.tiny_llava_next import build_llava_next_checkpoint
+
+    build = _builds(
+        {
+            "LlavaVisionEncoder": build_llava_checkpoint(tmp_path / "llava-tiny"),
+            "LlavaNextVisionEncoder": build_llava_next_checkpoint(tmp_path / "llava-next-tiny"),
+        }
+    )
+    _, tower, loaded = _imported_after(("encoders",), _CLIP_TOWER, build)
+    assert [m for m in HEAVY if m in tower] == [] and _modeling(tower) == []
+    assert "encoders.clip_vit" in loaded
+    modeling = _modeling(loaded)
+    assert modeling == [], f"the LLaVA tower and projector are ours: no transformers modeling, got {modeling}"
+    assert "transformers.modeling_utils" not in loaded

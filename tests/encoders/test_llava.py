@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoImageProcessor, AutoProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
@@ -154,6 +156,54 @@ def test_encoder_matches_get_image_features(layer, strategy, tmp_path):
     # Batched equals one at a time.
     for image, o in zip(images, ours, strict=True):
         torch.testing.assert_close(encoder.encode([image])[0], o, atol=1e-5, rtol=1e-5)
+
+
+def test_the_tower_and_projector_are_ours_not_transformers(ckpt):
+    # encoders/clip_vit.py: an Encoder replica builds them without transformers' modeling (test_replica_imports.py)
+    encoder = LlavaVisionEncoder(ckpt)
+    assert type(encoder.tower).__module__ == type(encoder.projector).__module__ == "encoders.clip_vit"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layer", [-2, [-3, -1]], ids=["second_to_last", "concat_embeddings_and_last"])
+def test_the_same_pixels_give_transformers_features_bit_for_bit(layer, dtype, tmp_path):
+    """Our tower and projector run transformers' ops in transformers' order (its sdpa attention): on the same pixels
+    (no preprocessing in between), the features are get_image_features' exactly, in float32 and in bfloat16."""
+    ckpt = build_llava_checkpoint(tmp_path / "ckpt", select_strategy="full", feature_layer=layer)
+    reference = LlavaForConditionalGeneration.from_pretrained(ckpt, dtype=dtype).eval()
+    pixel_values = torch.randn(3, 3, 56, 56, generator=torch.Generator().manual_seed(5)).to(dtype)
+    with torch.inference_mode():
+        expected = torch.stack(reference.model.get_image_features(pixel_values).pooler_output)
+        ours = LlavaVisionEncoder(ckpt, dtype=dtype).features(pixel_values)
+    assert ours.dtype == expected.dtype == dtype and ours.shape == expected.shape == (3, 17, 64)
+    torch.testing.assert_close(ours, expected, atol=0, rtol=0)
+
+
+def test_a_checkpoint_that_saved_the_position_ids_loads(ckpt, tmp_path):
+    """Older CLIP checkpoints saved the embeddings' `position_ids` (an arange; transformers ignores it): our tower,
+    which has no such buffer, loads them all the same."""
+    other = shutil.copytree(ckpt, tmp_path / "with_position_ids")
+    weights = load_file(other / "model.safetensors")
+    weights["vision_tower.vision_model.embeddings.position_ids"] = torch.arange(17).unsqueeze(0)
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    image = make_image(90, 60, seed=4)
+    assert torch.equal(LlavaVisionEncoder(other).encode([image])[0], LlavaVisionEncoder(ckpt).encode([image])[0])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("hidden_act", "gelu_10", "unsupported CLIP hidden_act 'gelu_10'"),
+        ("projector_hidden_act", "relu6", "unsupported LLaVA projector_hidden_act 'relu6'"),
+    ],
+)
+def test_an_activation_we_do_not_have_is_refused(ckpt, tmp_path, field, value, message):
+    other = shutil.copytree(ckpt, tmp_path / "other")
+    config = json.loads((other / "config.json").read_text())
+    (config["vision_config"] if field == "hidden_act" else config)[field] = value
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        LlavaVisionEncoder(other)
 
 
 def test_encoder_holds_only_the_tower_layers_it_uses_and_the_projector(ckpt, reference):

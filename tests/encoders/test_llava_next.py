@@ -153,6 +153,12 @@ def test_encoder_matches_get_image_features(ckpt, reference):
         torch.testing.assert_close(encoder.encode([image])[0], o, atol=1e-5, rtol=1e-5)
 
 
+def test_the_tower_and_projector_are_ours_not_transformers(ckpt):
+    # encoders/clip_vit.py, as LLaVA-1.5's: no transformers modeling to build them (tests/test_replica_imports.py)
+    encoder = LlavaNextVisionEncoder(ckpt)
+    assert type(encoder.tower).__module__ == type(encoder.projector).__module__ == "encoders.clip_vit"
+
+
 @pytest.mark.parametrize("layout", ["legacy", "prefixed"])
 def test_every_layout_gives_the_same_weights_and_embeddings(layout, ckpt, reference, tmp_path):
     other = shutil.copytree(ckpt, tmp_path / layout)
