@@ -10,10 +10,7 @@ add capacity as GPUs would, on a 2-core machine. Each configuration starts at on
 - `count`: Serve's request-count policy (`target_ongoing_requests`, 4 as serve_config.yaml's comment offers) and its
   default router (power of two choices on requests in flight);
 - `cost+serve`: the cost policy (deployments/encoder/autoscaling.py) with Serve's router;
-- `cost`: the cost policy and the cost router (deployments/encoder/router.py), as shipped;
-- `cost-cold`: the same on a cluster whose workers do not preload the Encoder's module: each new replica starts a
-  process and imports (the others run where they do, with a warm spare worker kept on the node:
-  deployments/ray_private.py, docs/cluster.md).
+- `cost`: the cost policy and the cost router (deployments/encoder/router.py), as shipped.
 The cost configurations take the target the replica measures at start (bench/slow_vit.py's sleep included).
 Reported per configuration: p50/p99 image TTFT (all, thumbnails, large), Encoder replica-seconds over the run, the
 most replicas, when the policy first asked for more (a replica STARTING) and when the second one started serving
@@ -45,7 +42,6 @@ import numpy as np
 from bench.server import QUIET, bench_checkpoint, ray_serve, wait_healthy
 from bench.slow_vit import SlowViT
 from deployments.encoder.autoscaling import AUTOSCALING
-from deployments.ray_private import PRELOAD_ENV
 from deployments.replica import START_PHASES
 from encoders import ModelSpec
 from tests.helpers import data_url, free_port, make_image
@@ -56,8 +52,7 @@ CHECKPOINT = dict(
     vision_depth=1, vision_heads=2, init_std=0.02, max_pixels=1024 * 1024,
 )  # fmt: skip
 DELAYS = {k: v for k, v in AUTOSCALING.items() if k.endswith("_s")}  # the shipped delays and intervals
-CONFIGS = ("count", "cost+serve", "cost", "cost-cold")
-WARM = {PRELOAD_ENV: "deployments.encoder.server", "PYTHONPATH": str(Path.cwd())}  # every worker imports the Encoder
+CONFIGS = ("count", "cost+serve", "cost")
 BASELINE = "9c039ac"  # main before issue 53: replicas started in 14-21 s here
 
 
@@ -70,7 +65,7 @@ class Start:
 
     def after(self, decision: float) -> dict[str, float]:
         """Seconds of each phase after `decision` (epoch s): what the scale-up waited for. The phases end one after
-        the other at the first image; a warm spare's process and imports lie before the decision, and count 0."""
+        the other at the first image; a process started before the decision (had one been ready) counts 0 of it."""
         assert self.serving_since is not None
         end, out = self.serving_since, {}
         for phase in reversed([p for p in START_PHASES if p in self.phases]):
@@ -164,7 +159,7 @@ def deploy(name: str, checkpoint: Path, max_replicas: int, seconds_per_gflop: fl
         "autoscaling_config": {"min_replicas": 1, "max_replicas": max_replicas, **DELAYS, **policy},
         "ray_actor_options": {"num_cpus": 0.25},
     }
-    if not name.startswith("cost") or name == "cost+serve":
+    if name != "cost":
         options["request_router_config"] = RequestRouterConfig()  # Serve's default: power of two on counts
     slow = functools.partial(SlowViT, seconds_per_gflop=seconds_per_gflop)
     encoder = Encoder.options(**options).bind(args, model_factory=slow)
@@ -408,11 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     args.seconds_per_gflop = args.large_s / spec.image_cost.gflop(spec.processing.grid_thw(1024, 1024))
     load = workload(args.rate, args.duration, args.large_share, args.seed)
     baseline = baseline_rows(args.baseline, args) if args.baseline != "none" else ("", [])
-    metrics_port, runs, names = free_port(), [], args.configs.split(",")
-    for env, group in ((WARM, [n for n in names if n != "cost-cold"]), ({}, [n for n in names if n == "cost-cold"])):
-        if group:
-            with ray_serve(metrics_port=metrics_port, env=env) as port:
-                runs += [measure(name, port, checkpoint, load, args, metrics_port) for name in group]
+    metrics_port = free_port()
+    with ray_serve(metrics_port=metrics_port) as port:
+        runs = [measure(name, port, checkpoint, load, args, metrics_port) for name in args.configs.split(",")]
     text = report(runs, load, args, baseline)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -72,13 +72,10 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 @contextmanager
-def ray_serve(
-    num_cpus: int = 4, ingress: str = "proxy", metrics_port: int | None = None, env: dict[str, str] | None = None
-) -> Iterator[int]:
+def ray_serve(num_cpus: int = 4, ingress: str = "proxy", metrics_port: int | None = None) -> Iterator[int]:
     """Ray + Serve in this process, HTTP on a free port; always shut down, even when the run fails. `ingress`: Serve's
     front door as `make serve INGRESS=...` opens it (proxy, direct or haproxy); the port yielded is the one clients
-    use (under direct, the Ingress replica's own). `metrics_port`: Prometheus metrics there, reported every second.
-    `env`: in the environment of every process Ray starts (this process's, for as long as the cluster runs)."""
+    use (under direct, the Ingress replica's own). `metrics_port`: Prometheus metrics there, reported every second."""
     import ray
     from ray import serve
 
@@ -88,8 +85,6 @@ def ray_serve(
     # proxy on a loaded 2-core machine; the controller reads these from the driver's environment at ray.init.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})  # NOTE: before ray.init: the raylet and its workers inherit it
     port = free_port()
     client_port, door_env, _ = ingress_ports(ingress, port)
     if ingress != "proxy":
@@ -111,11 +106,6 @@ def ray_serve(
             serve.shutdown()
         finally:
             ray.shutdown()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 QUIET = {"log_level": "WARNING", "enable_access_log": False}  # per-request INFO lines would drown the report

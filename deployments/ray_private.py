@@ -5,32 +5,17 @@ Ray has no public API for any of them:
   cache) and hand to another call. Serve resolves a DeploymentResponse passed as an argument, but only at the top
   level of the arguments, and nothing then holds the result;
 - `assigned`: wait until a replica took a streaming call, before its first item (the ingress's routing timeout);
-- `OwnCallMixin`: the request routers' hook that hands a chosen replica to its own call;
-- `warm_spares`/`keep_a_spare_worker`: a new Encoder replica on a process that has already imported its code. Ray
-  starts a worker process for each new actor unless one is idle in its pool for the same job (and runtime
-  environment); a node whose raylet has `RAY_preload_python_modules` naming the Encoder's module imports it in every
-  worker before the worker takes any work. A no-op task run on the node leaves such a worker idle in the pool, and the
-  next replica Serve starts there takes it: its process and imports (most of a start) are behind it. Both the preload
-  config and the reuse of a task's idle worker for an actor are Ray's internals (2.60), not its API.
+- `OwnCallMixin`: the request routers' hook that hands a chosen replica to its own call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
-import threading
 from typing import Any
 
-import ray
 from ray import ObjectRef
 from ray.serve.handle import DeploymentResponse, DeploymentResponseGenerator
 from ray.serve.request_router import PendingRequest, RunningReplica
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-logger = logging.getLogger("ray.serve")
-PRELOAD_ENV = "RAY_preload_python_modules"  # Ray's system config, read by the raylet: modules its workers import first
-SPARE_EVERY_S = 5.0  # how often a replica makes sure its node has an idle warm worker (a scale-up may have taken it)
 
 
 async def object_ref(response: DeploymentResponse) -> ObjectRef:
@@ -71,33 +56,3 @@ class OwnCallMixin:
                 self.on_chosen(pending, replica)
                 return
         super()._fulfill_next_pending_request(replica, request_metadata)
-
-
-def warm_spares(module: str) -> bool:
-    """Whether this node's workers import `module` before taking work (its raylet's environment, which the workers
-    inherit, names it in RAY_preload_python_modules): then an idle worker here is a warm start for a replica."""
-    return module in os.environ.get(PRELOAD_ENV, "").split(",")
-
-
-@ray.remote(num_cpus=0)
-def _spare() -> int:
-    return os.getpid()
-
-
-def keep_a_spare_worker(stop: threading.Event, every_s: float = SPARE_EVERY_S) -> threading.Thread:
-    """Until `stop` is set, every `every_s` a no-op task on this node, so that an idle worker of this job (warm, with
-    the preload) waits in Ray's pool here for the next replica: the task takes the idle worker there is, or Ray starts
-    one, which then stays. Runs on a daemon thread (the task's wait is Ray's, not the replica's event loop's)."""
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-
-    def loop() -> None:
-        while not stop.is_set():
-            try:
-                ray.get(_spare.options(scheduling_strategy=here).remote(), timeout=60)
-            except Exception as e:  # a busy or shrinking cluster: no spare this time, the next start is a cold one
-                logger.debug("no spare worker kept this time: %s", e)
-            stop.wait(every_s)
-
-    thread = threading.Thread(target=loop, name="spare-worker", daemon=True)
-    thread.start()
-    return thread

@@ -82,7 +82,7 @@ def test_the_baselines_rows_parse_and_the_report_ends_with_issue_53s_line():
     )
 
 
-def test_a_warm_spares_process_and_imports_lie_before_the_decision():
+def test_a_process_started_before_the_decision_counts_only_its_part_after():
     from bench.encoder_scaling import Start
 
     start = Start({"process": 0.5, "imports": 3.0, "waiting": 20.0, "model": 0.1, "first_image": 0.4}, 100.0)

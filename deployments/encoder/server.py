@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +28,6 @@ from deployments.encoder.autoscaling import (
 from deployments.encoder.router import CostRouter
 from deployments.errors import quiet_client_errors
 from deployments.metrics import EncoderMetrics, heap_census
-from deployments.ray_private import keep_a_spare_worker, warm_spares
 from deployments.replica import DRAIN_POLL_S, StartTimeline
 from deployments.transfer import send_tensors_out_of_band
 from encoders import EncoderRunner, ModelSpec, VisionEncoder
@@ -72,10 +70,6 @@ class EncoderReplica:
         self.target_cost = self._target_cost(self.args.encoder, self.runner.gflops)
         threads = torch.get_num_threads()
         logger.info("encoder ready: %s on %s (%s), %d CPU threads", self.args.model, spec.device, spec.dtype, threads)
-        self._spares = threading.Event()  # set: stop keeping a spare
-        if warm_spares(__name__):  # this node's workers import this module first: keep one idle for the next replica
-            keep_a_spare_worker(self._spares)
-            logger.info("encoder: keeping a warm spare worker on this node for the next replica")
 
     @staticmethod
     def _target_cost(opts: EncoderArgs, gflops: float | None) -> float:
@@ -138,10 +132,6 @@ class EncoderReplica:
     async def heap(self) -> dict[str, Any]:
         return heap_census()
 
-    def __del__(self) -> None:
-        if (spares := getattr(self, "_spares", None)) is not None:
-            spares.set()
-
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics, read by the cost policy (deployments/encoder/autoscaling.py)."""
         return {
@@ -152,7 +142,7 @@ class EncoderReplica:
         }
 
 
-IMPORTED = time.time()  # this module's imports are done (a warm spare process did them before its replica began)
+IMPORTED = time.time()  # this module's imports are done
 
 
 # NOTE: the router (it runs in the callers, the ingress replicas) is set here, as the LLM's: `serve deploy` imports a

@@ -56,14 +56,3 @@ def test_the_routers_probe_timeout_is_worded_as_the_ingress_log_filter_expects()
     from deployments.errors import PROBE_TIMEOUT
 
     assert f'f"{PROBE_TIMEOUT}{{replica.replica_id}} "' in inspect.getsource(Base._probe_queue_lens)
-
-
-def test_a_node_keeps_warm_spares_only_where_its_workers_preload_the_module(monkeypatch):
-    """The raylet's RAY_preload_python_modules (comma-separated, inherited by its workers) names the module; what a
-    warm spare does for a start is tested on clusters of their own: tests/deployments/test_warm_start.py."""
-    from deployments.ray_private import PRELOAD_ENV, warm_spares
-
-    monkeypatch.delenv(PRELOAD_ENV, raising=False)
-    assert not warm_spares("deployments.encoder.server")
-    monkeypatch.setenv(PRELOAD_ENV, "torch,deployments.encoder.server")
-    assert warm_spares("deployments.encoder.server") and not warm_spares("deployments.encoder")
