@@ -36,6 +36,7 @@ from encoders.video_decode import Video
 from schemas import AppArgs, EncoderArgs, InvalidRequest
 
 logger = logging.getLogger("ray.serve")
+GAUGE_EVERY_S = 10.0
 DEFAULT_TARGET_COST = 10.0  # GFLOP: about 0.4 s of a 2-core CPU replica on the demo model
 
 
@@ -64,6 +65,7 @@ class EncoderReplica:
             checks=StartupChecks(),  # this node's, shared by its replicas
             on_phase=self.start.mark,
         )
+        self._exporter: asyncio.Task | None = None  # re-sets the gauges, from the first image on
         self.num_cancelled = 0
         self.pending_cost = 0.0  # GFLOP of the images queued and running here (the autoscaling metric)
         self.arrivals = ArrivalMeter()  # GFLOP of the images that came to be encoded here, lately
@@ -106,12 +108,20 @@ class EncoderReplica:
         try:
             out = await self.runner.encode(job)
             if self.start.mark("first_image"):
-                self.metrics.on_started(self.start)
+                self._exporter = asyncio.create_task(self._export_gauges())
                 logger.info("encoder replica served its first image %s", self.start.describe())
             return out
         except InvalidRequest as e:
             logger.warning("a client's image could not be encoded (%d): %s", e.status, e.message)
             return e
+
+    async def _export_gauges(self) -> None:
+        """The gauges set once (the start's phases) or rarely (pending cost), set again every GAUGE_EVERY_S: Ray's
+        metrics agent drops a series that was not set for about 30 s (a dashboard lost a replica's start then)."""
+        while True:
+            self.metrics.on_started(self.start)
+            self.metrics.pending_cost.set(max(0.0, self.pending_cost))
+            await asyncio.sleep(GAUGE_EVERY_S)
 
     def _add_pending(self, cost: float) -> None:
         self.pending_cost += cost
