@@ -26,6 +26,7 @@ from encoders.video_processing import Qwen2VLVideoProcessing
 from llm import TextConfig
 from llm.model import mrope_positions
 from schemas import EncoderArgs
+from tests.encoders.towers import assert_matches_visual
 from tests.helpers import make_image
 
 # Tiny, odd, very wide and very tall, larger than max_pixels (downscaled), and exact multiples of 28.
@@ -157,12 +158,7 @@ def test_a_video_and_images_of_different_sizes_in_one_forward_match_transformers
     batch = [images[0], video, *images[1:]]
     ours = encoder.forward(batch)
     ref = ref if dtype == torch.float32 else Qwen2_5_VLForConditionalGeneration.from_pretrained(ckpt, dtype=dtype)
-    pixel_values, grid_thw = torch.cat([pv for pv, _ in batch]), torch.tensor([g for _, g in batch])
-    with torch.no_grad():  # get_image_features and get_video_features: this forward, split per entry
-        theirs = ref.model.visual(pixel_values.to(dtype), grid_thw=grid_thw).pooler_output
-    assert [o.shape[0] for o in ours] == (grid_thw.prod(-1) // 4).tolist() and theirs.dtype == dtype
-    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}  # bf16: torch's defaults
-    torch.testing.assert_close(torch.cat(ours), theirs, **tolerance)
+    assert_matches_visual(ours, ref.model.visual, batch, dtype)
 
 
 def test_encoder_loads_only_vision_weights_from_both_layouts(ckpt, legacy_ckpt, ref):

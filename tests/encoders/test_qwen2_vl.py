@@ -11,6 +11,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from encoders import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, load_rgb, smart_resize
 from encoders.video_processing import Qwen2VLVideoProcessing
+from tests.encoders.towers import assert_matches_visual
 from tests.helpers import image_bytes, make_image
 
 # Tiny, odd, very wide and very tall, larger than max_pixels (downscaled), and exact multiples of 28.
@@ -100,9 +101,4 @@ def test_a_video_and_images_of_different_sizes_in_one_forward_match_transformers
         if dtype == torch.float32
         else Qwen2VLForConditionalGeneration.from_pretrained(checkpoint, dtype=dtype)
     )
-    pixel_values, grid_thw = torch.cat([pv for pv, _ in batch]), torch.tensor([g for _, g in batch])
-    with torch.no_grad():  # get_image_features and get_video_features: this forward, split per entry
-        theirs = ref.model.visual(pixel_values.to(dtype), grid_thw=grid_thw).pooler_output
-    assert [o.shape[0] for o in ours] == (grid_thw.prod(-1) // 4).tolist() and theirs.dtype == dtype
-    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}  # bf16: torch's defaults
-    torch.testing.assert_close(torch.cat(ours), theirs, **tolerance)
+    assert_matches_visual(ours, ref.model.visual, batch, dtype)
