@@ -331,13 +331,13 @@ def baseline_rows(ref: str, args: argparse.Namespace) -> tuple[str, list[Row]]:
     tree = Path("bench_results") / f"baseline-{sha}"
     if not (tree / "bench" / "encoder_scaling.py").is_file():
         subprocess.run(["git", "worktree", "add", "--detach", "--force", str(tree), sha], check=True)
-    out = tree / "bench_results" / "encoder-scaling.txt"
+    out = "baseline-encoder-scaling.txt"  # in the worktree
     options = [f"--rate={args.rate}", f"--duration={args.duration}", f"--large-share={args.large_share}"]
     options += [f"--max-replicas={args.max_replicas}", f"--large-s={args.large_s}", f"--seed={args.seed}"]
     env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
-    command = [sys.executable, "-m", "bench.encoder_scaling", "--configs=count,cost", f"--out={out.name}", *options]
+    command = [sys.executable, "-m", "bench.encoder_scaling", "--configs=count,cost", f"--out={out}", *options]
     subprocess.run(command, cwd=tree, env=env, check=True)
-    lines = (tree / out.name).read_text().splitlines()
+    lines = (tree / out).read_text().splitlines()
     return sha, [Row.parse(line, sha) for line in lines if line.startswith(("count ", "cost "))]
 
 

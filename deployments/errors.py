@@ -70,12 +70,17 @@ class _ClientsNotOurs(logging.Filter):
         return True
 
 
-def quiet_client_errors(logger_name: str = "ray.serve") -> None:
-    """`_ClientsNotOurs` on Serve's logger and asyncio's (each replica calls it at start; twice is once)."""
-    for name in (logger_name, "asyncio"):
+def _install(kind: type[logging.Filter], *logger_names: str) -> None:
+    """A `kind` filter on each of these loggers, unless it has one (twice is once)."""
+    for name in logger_names:
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _ClientsNotOurs) for f in logger.filters):
-            logger.addFilter(_ClientsNotOurs())
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
+
+
+def quiet_client_errors(logger_name: str = "ray.serve") -> None:
+    """`_ClientsNotOurs` on Serve's logger and asyncio's (each replica calls it at start)."""
+    _install(_ClientsNotOurs, logger_name, "asyncio")
 
 
 PROBE_TIMEOUT = "Failed to get queue length from "  # how Serve's router words a probe that timed out (Ray 2.60)
@@ -116,10 +121,8 @@ class _ProbeTimeouts(logging.Filter):
 
 
 def quiet_probe_timeouts(logger_name: str = "ray.serve") -> None:
-    """`_ProbeTimeouts` on Serve's logger, in a process whose handles route calls (twice is once)."""
-    logger = logging.getLogger(logger_name)
-    if not any(isinstance(f, _ProbeTimeouts) for f in logger.filters):
-        logger.addFilter(_ProbeTimeouts())
+    """`_ProbeTimeouts` on Serve's logger, in a process whose handles route calls."""
+    _install(_ProbeTimeouts, logger_name)
 
 
 __all__ = ["LLM_GONE", "PROBE_TIMEOUT", "REPLICA_GONE", "quiet_client_errors", "quiet_probe_timeouts", "root_cause"]

@@ -129,15 +129,8 @@ class EncoderReplica:
         if cost > 0:  # NOTE: Ray counters refuse inc(0)
             self.metrics.cost.inc(cost)
 
-    async def stats(self) -> dict[str, Any]:
-        return {
-            **self.runner.stats(),
-            "cancelled": self.num_cancelled,
-            "target_cost": self.target_cost,
-            "start": self.start.durations(),
-            "serving_since": self.start.events.get("first_image"),
-            "startup_check": self.runner.startup_check,
-        }
+    async def stats(self) -> dict[str, float]:
+        return {**self.runner.stats(), "cancelled": self.num_cancelled, "target_cost": self.target_cost}
 
     async def heap(self) -> dict[str, Any]:
         return heap_census()
