@@ -152,6 +152,7 @@ def deploy(name: str, checkpoint: Path, max_replicas: int, seconds_per_gflop: fl
     from deployments.encoder.server import Encoder
     from deployments.ingress import Ingress
     from deployments.llm.server import LLM
+    from encoders.checkpoint_config import plain_config, read_config
 
     args = {"model": str(checkpoint), "llm": {"max_model_len": 4096}, "encoder": {"cache_gib": 0}}
     policy = {"target_ongoing_requests": 4} if name == "count" else {"policy": {"policy_function": POLICY_PATH}}
@@ -162,7 +163,8 @@ def deploy(name: str, checkpoint: Path, max_replicas: int, seconds_per_gflop: fl
     if name != "cost":
         options["request_router_config"] = RequestRouterConfig()  # Serve's default: power of two on counts
     slow = functools.partial(SlowViT, seconds_per_gflop=seconds_per_gflop)
-    encoder = Encoder.options(**options).bind(args, model_factory=slow)
+    config = plain_config(read_config(checkpoint))  # as the app builder sends it (deployments/app.py)
+    encoder = Encoder.options(**options).bind(args, model_factory=slow, config=config)
     llm = LLM.options(ray_actor_options={"num_cpus": 1}).bind(args)
     app = Ingress.options(ray_actor_options={"num_cpus": 0.25}).bind(encoder, llm, args)
     serve.run(app, name=name, route_prefix=f"/{name}", logging_config=QUIET)

@@ -15,7 +15,7 @@ from encoders import ModelSpec, Qwen2VLVisionEncoder
 class SlowViT(Qwen2VLVisionEncoder):
     def __init__(self, model_dir, device="cpu", dtype=torch.float32, *, seconds_per_gflop: float, config=None):
         super().__init__(model_dir, device, dtype, config=config)
-        self.cost = ModelSpec.load(model_dir, device=device).image_cost
+        self.cost = ModelSpec.load(model_dir, device=device, config=config).image_cost
         self.seconds_per_gflop = seconds_per_gflop
 
     def forward(self, batch):

@@ -11,6 +11,7 @@ from deployments.ingress import Ingress
 from deployments.llm.server import LLM
 from deployments.llm.tp import llm_placement
 from encoders import ModelSpec
+from encoders.checkpoint_config import plain_config
 from llm import TextConfig
 from llm.model.parallel import check_divisible
 from schemas import AppArgs
@@ -31,4 +32,5 @@ def build_app(args: dict[str, Any]) -> Application:
     llm = LLM.options(**llm_placement(tp, app_args.device)).bind(plain)  # GPUs checked, ranks packed on one node
     if app_args.encoder.colocated:  # no encoder tier: the LLM replica encodes the images itself
         return Ingress.bind(None, llm, plain)
-    return Ingress.bind(Encoder.bind(plain), llm, plain)
+    # the config as data: a new Encoder replica then imports no transformers (encoders/checkpoint_config.py)
+    return Ingress.bind(Encoder.bind(plain, config=plain_config(spec.hf_config)), llm, plain)

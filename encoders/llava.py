@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from PIL import Image
 from torch import nn
-from transformers import AutoConfig
 
+from encoders.checkpoint_config import read_config
 from encoders.clip_vit import ClipVisionTower, LlavaProjector
 from encoders.cost import VisionCost, linear_flops
 from encoders.family import ImageTokens
@@ -55,7 +55,7 @@ class LlavaVisionEncoder:
         self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, config: Any = None
     ):
         """`config`: the checkpoint's transformers config, when the caller has it (encoders.ModelSpec)."""
-        config = config or AutoConfig.from_pretrained(model_dir)
+        config = config or read_config(model_dir)
         self.processing = LlavaImageProcessing.from_pretrained(model_dir, config)
         self._load(config, load_components(model_dir, {"vision"})["vision"], device, dtype)
 
@@ -63,7 +63,8 @@ class LlavaVisionEncoder:
         """Build the tower and the projector from the vision component's weights (LLaVA-NeXT's encoder too)."""
         # NOTE: the tower and the projector are ours (encoders/clip_vit.py, torch alone), not transformers' modules,
         # whose import pulls in transformers.modeling_utils, torch._dynamo and torch.distributed.tensor (~1.4 CPU-s;
-        # but LLaVA's transformers config, read first, already pulls in the last two: tests/test_replica_imports.py).
+        # LLaVA's transformers config pulls in the last two where it is read: an Encoder replica gets it as data,
+        # encoders/checkpoint_config.py, and so imports none: tests/test_replica_imports.py).
         # Their parameters have transformers' names, so the checkpoint's tensors load as they are.
         self.device, self.dtype = torch.device(device), dtype
         vc = config.vision_config

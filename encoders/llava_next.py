@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoConfig
 
+from encoders.checkpoint_config import read_config
 from encoders.llava import LlavaVisionEncoder
 from encoders.llava_processing import LlavaImageProcessing, _image_processor_config, check_tower_size
 from encoders.weights import load_components
@@ -96,7 +96,7 @@ class LlavaNextImageProcessing:
     def from_pretrained(cls, model_dir: str | Path, config: Any = None) -> LlavaNextImageProcessing:
         """`config`: the checkpoint's transformers config, when the caller has it (encoders.ModelSpec)."""
         cfg = _image_processor_config(Path(model_dir))
-        config = config or AutoConfig.from_pretrained(model_dir)
+        config = config or read_config(model_dir)
         if config.vision_feature_select_strategy != "default":
             # NOTE: transformers' pack_image_features reshapes each tile's features to the patch grid, which the
             # CLS token of "full" does not fit.
@@ -196,7 +196,7 @@ class LlavaNextVisionEncoder(LlavaVisionEncoder):
         self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, config: Any = None
     ):
         """`config`: the checkpoint's transformers config, when the caller has it (encoders.ModelSpec)."""
-        config = config or AutoConfig.from_pretrained(model_dir)
+        config = config or read_config(model_dir)
         self.processing = LlavaNextImageProcessing.from_pretrained(model_dir, config)
         weights = load_components(model_dir, {"vision"})["vision"]
         if "image_newline" not in weights:

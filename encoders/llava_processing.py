@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoConfig
+
+from encoders.checkpoint_config import read_config
 
 # OpenAI CLIP statistics: the image processors' defaults when preprocessor_config.json names none.
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -58,7 +59,7 @@ class LlavaImageProcessing:
     def from_pretrained(cls, model_dir: str | Path, config: Any = None) -> LlavaImageProcessing:
         """`config`: the checkpoint's transformers config, when the caller has it (encoders.ModelSpec)."""
         cfg = _image_processor_config(Path(model_dir))
-        config = config or AutoConfig.from_pretrained(model_dir)
+        config = config or read_config(model_dir)
         strategy = config.vision_feature_select_strategy
         if strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported ('default' or 'full')")

@@ -2,7 +2,9 @@
 config (and the generation config and the image preprocessing config) a single time; everything else receives it.
 
 The app builder builds one (so a bad checkpoint or setting fails at deploy time), and so does each replica when it
-starts: the ingress, each encoder and each LLM replica (`device` and `dtype` resolve in the process that serves)."""
+starts: the ingress, each encoder and each LLM replica (`device` and `dtype` resolve in the process that serves). An
+Encoder replica is given the config the app builder read, as data (encoders/checkpoint_config.py), and so reads no
+config.json and imports no transformers."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from encoders.checkpoint_config import read_config, read_generation_config
 from encoders.cost import VisionCost
 from encoders.family import Family, ImageProcessing, ImageTokens
 from encoders.registry import family_of
@@ -55,20 +57,16 @@ class ModelSpec:
         device: str = "auto",
         dtype: str = "auto",
         generation_config: str = "auto",
+        config: Any = None,
     ) -> ModelSpec:
-        """An unsupported checkpoint, or a `max_model_len` over the checkpoint's positions, raises `ValueError`."""
+        """An unsupported checkpoint, or a `max_model_len` over the checkpoint's positions, raises `ValueError`.
+        `config`: the checkpoint's config when the caller has it (an Encoder replica: the app builder's, as a
+        ConfigView); else read here (as `family`'s config when the checkpoint names another model_type)."""
         fam = family_of(model_dir, family)  # first: an unsupported model_type fails here, listing the families
-        if family is None:
-            config = AutoConfig.from_pretrained(model_dir)
-        else:  # the checkpoint is that family's under another model_type: read its config as that family's
-            config_dict, _ = PretrainedConfig.get_config_dict(model_dir)
-            config = AutoConfig.for_model(family, **{k: v for k, v in config_dict.items() if k != "model_type"})
+        config = read_config(model_dir, family) if config is None else config
         text = getattr(config, "text_config", config)
         dev = resolve_device(device, torch.cuda.is_available())
-        try:
-            generation = GenerationConfig.from_pretrained(model_dir)
-        except OSError:  # no generation_config.json
-            generation = None
+        generation = read_generation_config(model_dir)
         return cls(
             str(model_dir),
             config,
@@ -85,7 +83,7 @@ class ModelSpec:
         )
 
     @classmethod
-    def from_args(cls, args: AppArgs) -> ModelSpec:
+    def from_args(cls, args: AppArgs, config: Any = None) -> ModelSpec:
         return cls.load(
             args.model,
             family=args.family,
@@ -93,13 +91,14 @@ class ModelSpec:
             device=args.device,
             dtype=args.dtype,
             generation_config=args.generation_config,
+            config=config,
         )
 
 
-def eos_token_ids(generation: GenerationConfig | None, config: Any) -> set[int]:
+def eos_token_ids(generation: dict[str, Any] | None, config: Any) -> set[int]:
     """generation_config.json's EOS ids (what transformers' generate stops on), else the config's."""
     if generation is not None:
-        eos = generation.eos_token_id
+        eos = generation.get("eos_token_id")
     else:  # no generation_config.json
         eos = getattr(getattr(config, "text_config", config), "eos_token_id", None)
     return set([eos] if isinstance(eos, int) else eos or [])
@@ -110,11 +109,11 @@ def eos_token_ids(generation: GenerationConfig | None, config: Any) -> set[int]:
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def sampling_defaults(generation: GenerationConfig | None) -> dict[str, float]:
+def sampling_defaults(generation: dict[str, Any] | None) -> dict[str, float]:
     """The sampling values generation_config.json sets (transformers 5 leaves the others None)."""
     if generation is None:
         return {}
-    out = {k: v for k in SAMPLING_KEYS if (v := getattr(generation, k, None)) is not None}
+    out = {k: v for k in SAMPLING_KEYS if (v := generation.get(k)) is not None}
     t, p, k, m, r = (out.get(k) for k in SAMPLING_KEYS)
     if not (
         (t is None or t >= 0) and (p is None or 0 < p <= 1) and (k is None or k >= -1)

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import nn
-from transformers import AutoConfig
 
+from encoders.checkpoint_config import read_config
 from encoders.cost import VisionCost, linear_flops
 from encoders.family import ImageTokens
 from encoders.qwen_vit import Qwen2VLViT
@@ -168,7 +168,7 @@ class Qwen2VLVisionEncoder:
         self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, config: Any = None
     ):
         """`config`: the checkpoint's transformers config, when the caller has it (encoders.ModelSpec)."""
-        config = (config or AutoConfig.from_pretrained(model_dir)).vision_config
+        config = (config or read_config(model_dir)).vision_config
         self.processing = Qwen2VLImageProcessing.from_pretrained(model_dir)
         self.device, self.dtype = torch.device(device), dtype
         weights = load_components(model_dir, {"vision"})["vision"]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from transformers import AutoConfig
-
+from encoders.checkpoint_config import read_config
 from encoders.family import Family, ImageTokens
 from encoders.llava import LlavaVisionEncoder, llava_cost, llava_image_tokens
 from encoders.llava_next import LlavaNextImageProcessing, LlavaNextVisionEncoder
@@ -70,7 +69,7 @@ def family_for(model_type: str | None, name: str | None = None) -> Family:
 
 
 def image_tokens_of(model_dir: str | Path, name: str | None = None) -> ImageTokens:
-    return family_of(model_dir, name).image_tokens(AutoConfig.from_pretrained(model_dir))
+    return family_of(model_dir, name).image_tokens(read_config(model_dir))
 
 
 __all__ = ["FAMILIES", "family_for", "family_of", "image_tokens_of"]

@@ -2,7 +2,8 @@
 the LLM replicas import leave transformers' modeling modules alone, which pull in
 torch._dynamo and torch.distributed.tensor (~3 s a process on this VM). The vision towers are ours too (Qwen2-VL's and
 Qwen2.5-VL's: encoders/qwen_vit.py; LLaVA's and LLaVA-NeXT's CLIP and projector: encoders/clip_vit.py): an Encoder
-replica builds one without them."""
+replica builds one without them, and, sent the checkpoint's config as data by the app builder, imports no transformers
+at all."""
 
 from __future__ import annotations
 
@@ -109,7 +110,8 @@ def test_building_the_llava_encoders_imports_no_transformers_modeling(tmp_path):
 
     NOTE: LLaVA's transformers config does pull those two in (transformers 5.23: its text config, LlamaConfig,
     imports transformers.utils.type_validators, which imports transformers.activations, whose hub-kernels imports
-    reach DTensor and torch.compiler.disable; ~1.2 CPU-s), and every replica reads it (encoders.ModelSpec.load)."""
+    reach DTensor and torch.compiler.disable; ~1.2 CPU-s): a process that reads it through transformers has them
+    (here, and the ingress and LLM replicas); an Encoder replica is sent it as data (the next test)."""
     from demo.tiny_llava import build_llava_checkpoint
     from demo.tiny_llava_next import build_llava_next_checkpoint
 
@@ -125,3 +127,41 @@ def test_building_the_llava_encoders_imports_no_transformers_modeling(tmp_path):
     modeling = _modeling(loaded)
     assert modeling == [], f"the LLaVA tower and projector are ours: no transformers modeling, got {modeling}"
     assert "transformers.modeling_utils" not in loaded
+
+
+def _builds_from_sent_configs(checkpoints: list[Path]) -> str:
+    """Code that builds, as an Encoder replica does (deployments/encoder/server.py), each checkpoint's encoder from the
+    config the app builder sends (`plain_config`, as data) and encodes an image."""
+    from encoders.checkpoint_config import plain_config, read_config
+
+    sent = {str(c): plain_config(read_config(c)) for c in checkpoints}
+    return (
+        "from PIL import Image\nfrom encoders import EncoderRunner, ModelSpec\n"
+        "from encoders.checkpoint_config import ConfigView\nfrom schemas import AppArgs\n"
+        f"for model, config in json.loads({json.dumps(sent)!r}).items():\n"
+        "    args = AppArgs(model=model, device='cpu', encoder={'startup_check': False})\n"
+        "    runner = EncoderRunner(ModelSpec.from_args(args, ConfigView(config)), args.encoder)\n"
+        "    assert len(runner.encoder.encode([Image.new('RGB', (64, 64))])) == 1\n"
+    )
+
+
+@pytest.mark.slow
+def test_an_encoder_replica_given_the_app_builders_config_imports_no_transformers(checkpoint, tmp_path):
+    """The app builder sends the Encoder the config it read (deployments/app.py): a new replica's start then imports
+    no transformers at all, for every family (~0.9 CPU-s of a Qwen replica's start, ~1.8 of a LLaVA one's, whose
+    config alone pulls in torch._dynamo)."""
+    from demo.tiny_llava import build_llava_checkpoint
+    from demo.tiny_llava_next import build_llava_next_checkpoint
+    from demo.tiny_qwen2_5_vl import build_qwen2_5_vl_checkpoint
+
+    checkpoints = [
+        checkpoint,
+        build_qwen2_5_vl_checkpoint(tmp_path / "qwen2.5-vl-tiny", seed=1),
+        build_llava_checkpoint(tmp_path / "llava-tiny"),
+        build_llava_next_checkpoint(tmp_path / "llava-next-tiny"),
+    ]
+    imported, built = _imported_after(("deployments.encoder.server",), _builds_from_sent_configs(checkpoints))
+    assert "encoders.clip_vit" in built and "encoders.qwen_vit" in built
+    for loaded in (imported, built):
+        assert [m for m in loaded if m.split(".")[0] == "transformers"] == []
+        assert [m for m in HEAVY if m in loaded] == []

@@ -31,6 +31,7 @@ from deployments.metrics import EncoderMetrics, heap_census
 from deployments.replica import DRAIN_POLL_S, StartTimeline
 from deployments.transfer import send_tensors_out_of_band
 from encoders import EncoderRunner, ModelSpec, VisionEncoder
+from encoders.checkpoint_config import ConfigView
 from encoders.startup_checks import StartupChecks
 from encoders.video_decode import Video
 from schemas import AppArgs, EncoderArgs, InvalidRequest
@@ -45,7 +46,15 @@ class EncoderReplica:
     the deployment names it (by reference) instead of copying it: a new replica then imports this module first, as
     its start's timeline assumes, and the class's globals are this module's, not the driver's values."""
 
-    def __init__(self, args: dict[str, Any], model_factory: Callable[..., VisionEncoder] | None = None):
+    def __init__(
+        self,
+        args: dict[str, Any],
+        model_factory: Callable[..., VisionEncoder] | None = None,
+        *,
+        config: dict[str, Any] | None = None,
+    ):
+        """`config`: the checkpoint's config as the app builder resolved it (`plain_config`); without it, this replica
+        reads config.json through transformers (~0.8 CPU-s more imports in its start)."""
         self.start = StartTimeline(IMPORTS_BEGAN, IMPORTED)
         self.start.mark("waiting")
         self.args = AppArgs.model_validate(args)
@@ -53,7 +62,7 @@ class EncoderReplica:
         send_tensors_out_of_band()
         if self.args.encoder.cpu_threads is not None:  # process-wide: the worker threads that encode take it too
             torch.set_num_threads(self.args.encoder.cpu_threads)
-        spec = ModelSpec.from_args(self.args)
+        spec = ModelSpec.from_args(self.args, ConfigView(config) if config is not None else None)
         self.metrics = EncoderMetrics()
         self.runner = EncoderRunner(
             spec,

@@ -5,30 +5,26 @@ from __future__ import annotations
 
 import pytest
 import ray
-from transformers import AutoConfig, GenerationConfig
+from transformers import AutoConfig
 
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
 from encoders import ModelSpec
+from encoders.checkpoint_config import plain_config, read_config
 
 
 @pytest.fixture
 def config_loads(monkeypatch):
-    """How many times the transformers config (config.json) and the generation config are read."""
-    counts = {"config": 0, "generation": 0}
-    config_load, generation_load = AutoConfig.from_pretrained, GenerationConfig.from_pretrained
+    """How many times the transformers config (config.json) is read."""
+    counts = {"config": 0}
+    config_load = AutoConfig.from_pretrained
 
     def config(*args, **kwargs):
         counts["config"] += 1
         return config_load(*args, **kwargs)
 
-    def generation(*args, **kwargs):
-        counts["generation"] += 1
-        return generation_load(*args, **kwargs)
-
     monkeypatch.setattr(AutoConfig, "from_pretrained", config)
-    monkeypatch.setattr(GenerationConfig, "from_pretrained", generation)
     return counts
 
 
@@ -66,4 +62,14 @@ def test_each_replica_reads_the_config_once(checkpoint, config_loads, no_ray_lef
     else:
         LLM.func_or_class(args).engine.close()
     assert config_loads["config"] == 1, f"the {replica} replica read config.json {config_loads['config']} times"
-    assert config_loads["generation"] <= 1
+
+
+def test_an_encoder_replica_given_the_app_builders_config_reads_none(checkpoint, config_loads, no_ray_left):
+    """As deployed (deployments/app.py), an Encoder replica gets the config as data: it reads no config.json through
+    transformers (whose import is ~1/3 of a new replica's start: tests/test_replica_imports.py)."""
+    args = {"model": str(checkpoint), "encoder": {"startup_check": False}}
+    config = plain_config(read_config(checkpoint))
+    config_loads["config"] = 0
+    encoder = Encoder.func_or_class(args, None, config=config)
+    assert config_loads["config"] == 0
+    assert encoder.runner.encoder.hidden_size == read_config(checkpoint).text_config.hidden_size
