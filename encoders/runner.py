@@ -48,7 +48,7 @@ class EncoderRunner:
         checks: StartupChecks | None = None,
         on_phase: Callable[[str], None] | None = None,
     ):
-        """`model_factory(model_dir, device=, dtype=)` stands in for the family's encoder (tests); `video`: the
+        """`model_factory(model_dir, device=, dtype=, config=)` stands in for the family's encoder (tests); `video`: the
         limits of video decoding (the defaults when None); `on_video(seconds)`: after each video's decoding;
         `checks`: where the start-up check's results are kept and reused (None: check every time); `on_phase(name)`:
         when the tower is built ("model") and when the start-up check is done ("check")."""
@@ -57,10 +57,10 @@ class EncoderRunner:
         self.video, self.on_video = video or VideoArgs(), on_video
         vision = _part(opts.vision_device, opts.vision_dtype, (spec.device, spec.dtype))
         projector = _part(opts.projector_device, opts.projector_dtype, vision)
-        if model_factory is not None:
-            self.encoder = model_factory(model_dir, device=vision[0], dtype=vision[1])
-        else:
-            self.encoder = family.encoder(model_dir, device=vision[0], dtype=vision[1], config=spec.hf_config)
+        # NOTE: given the spec's config, neither builder reads config.json again (an Encoder replica's, sent as data,
+        # keeps transformers out of its start: encoders/checkpoint_config.py)
+        build = model_factory if model_factory is not None else family.encoder
+        self.encoder = build(model_dir, device=vision[0], dtype=vision[1], config=spec.hf_config)
         if projector != vision:
             if family.projector is None:
                 raise ValueError(f"{Path(model_dir).name}: this family's projector cannot be placed on its own")

@@ -56,8 +56,8 @@ class Traced:
 
 
 class TracingEncoder:
-    def __init__(self, model_dir, device="cpu", dtype=torch.float32, *, record_dir: str):
-        self.inner, self.record_dir = Qwen2VLVisionEncoder(model_dir, device, dtype), record_dir
+    def __init__(self, model_dir, device="cpu", dtype=torch.float32, *, record_dir: str, config=None):
+        self.inner, self.record_dir = Qwen2VLVisionEncoder(model_dir, device, dtype, config=config), record_dir
         self.hidden_size = self.inner.hidden_size
 
     def preprocess(self, image, size=None):
@@ -76,8 +76,8 @@ class SlowEncoder:
     (with the replica's actor name), and each forward finished, as (pid, time, images): which replica served, and
     when."""
 
-    def __init__(self, model_dir, device="cpu", dtype=torch.float32, *, delay_s: float, record_dir: str):
-        self.inner = family_of(model_dir).encoder(model_dir, device, dtype)
+    def __init__(self, model_dir, device="cpu", dtype=torch.float32, *, delay_s: float, record_dir: str, config=None):
+        self.inner = family_of(model_dir).encoder(model_dir, device, dtype, config=config)
         self.delay_s, self.record_dir = delay_s, record_dir
         self.hidden_size = self.inner.hidden_size
         self.actor = _actor_name()

@@ -10,7 +10,7 @@ from transformers import AutoConfig
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
-from encoders import ModelSpec
+from encoders import ModelSpec, Qwen2VLVisionEncoder
 from encoders.checkpoint_config import plain_config, read_config
 
 
@@ -64,12 +64,18 @@ def test_each_replica_reads_the_config_once(checkpoint, config_loads, no_ray_lef
     assert config_loads["config"] == 1, f"the {replica} replica read config.json {config_loads['config']} times"
 
 
-def test_an_encoder_replica_given_the_app_builders_config_reads_none(checkpoint, config_loads, no_ray_left):
+class _Factory(Qwen2VLVisionEncoder):
+    """A model factory, as the benchmarks' and tests' stand-ins for the family's encoder are."""
+
+
+@pytest.mark.parametrize("factory", [None, _Factory])
+def test_an_encoder_replica_given_the_app_builders_config_reads_none(checkpoint, config_loads, no_ray_left, factory):
     """As deployed (deployments/app.py), an Encoder replica gets the config as data: it reads no config.json through
-    transformers (whose import is ~1/3 of a new replica's start: tests/test_replica_imports.py)."""
+    transformers (whose import is ~1/3 of a new replica's start: tests/test_replica_imports.py), nor does a model
+    factory standing in for the family's encoder."""
     args = {"model": str(checkpoint), "encoder": {"startup_check": False}}
     config = plain_config(read_config(checkpoint))
     config_loads["config"] = 0
-    encoder = Encoder.func_or_class(args, None, config=config)
+    encoder = Encoder.func_or_class(args, factory, config=config)
     assert config_loads["config"] == 0
     assert encoder.runner.encoder.hidden_size == read_config(checkpoint).text_config.hidden_size
