@@ -99,6 +99,10 @@ class Engine:
         self.encoding = 0
         self._ids = itertools.count()
         self.dead: BaseException | None = None  # set when a tensor-parallel rank is lost: the replica must restart
+        # An observer of each step, called on the worker with the step's chunks before they run (what a test watches:
+        # each step's rows and threads). It may block, which holds the step, or raise, which fails the step's
+        # sequences as any fault in a step does.
+        self.on_step: Callable[[list[Chunk]], None] | None = None
         self._closing = False
         threading.Thread(target=self._loop, name="llm-engine", daemon=True).start()
 
@@ -187,6 +191,8 @@ class Engine:
                     if keepalive is not None:
                         keepalive()
                     continue
+                if self.on_step is not None:
+                    self.on_step(chunks)
                 started, cpu = time.monotonic(), time.thread_time()
                 with torch.inference_mode():
                     self._step(chunks)

@@ -16,12 +16,12 @@ import pytest
 import torch
 from transformers import AutoProcessor, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 
+from demo.inputs import make_image
 from demo.tiny_llava import build_llava_checkpoint
 from demo.tiny_llava_next import build_llava_next_checkpoint
 from encoders import LlavaNextVisionEncoder, LlavaVisionEncoder
 from llm import Qwen2LM
 from schemas import EncoderUnavailable, GenerateRequest, MediaItem, SamplingParams
-from tests.helpers import make_image
 from tests.llm.reference import Case, collect, make_engine, reference_generate, request_for
 
 SIZES = [(64, 48), (30, 200), (120, 60)]  # three images: 12, 28 and 16 placeholder tokens
@@ -82,13 +82,8 @@ async def _until(condition, cap_s: float = 60.0) -> None:
 
 def _record_steps(engine) -> list[list[tuple[str, int, int]]]:
     """Each step's chunks as (request id, start, n), recorded as the step runs."""
-    steps, real = [], engine._step
-
-    def step(chunks):
-        steps.append([(c.seq.request_id, c.start, c.n) for c in chunks])
-        real(chunks)
-
-    engine._step = step
+    steps = []
+    engine.on_step = lambda chunks: steps.append([(c.seq.request_id, c.start, c.n) for c in chunks])
     return steps
 
 

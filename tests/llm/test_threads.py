@@ -45,13 +45,8 @@ def test_only_the_calling_thread_gets_the_threads(one_thread_process_wide):
 
 def _generate_seeing_threads(engine, max_tokens: int) -> tuple[list, list[int]]:
     """One generation's chunks, and the torch threads the engine's worker had at each of its steps."""
-    seen, step = [], engine._step
-
-    def spy(chunks):
-        seen.append(torch.get_num_threads())
-        return step(chunks)
-
-    engine._step = spy
+    seen = []
+    engine.on_step = lambda chunks: seen.append(torch.get_num_threads())
 
     async def run():
         return [c async for c in engine.generate(_seq([5, 6, 7], max_tokens=max_tokens))]
@@ -211,8 +206,8 @@ def test_steps_keep_cpu_threads_while_an_encoder_works_for_the_engine(
     prefix = [11, 12, 13, 14, 15, 16, 17]
     inp, _ = request_for(checkpoint, reference, vision, [(64, 48)], seed=1, prefix=prefix, max_tokens=2)
     engine = make_engine(model, reference, cpu_threads=1, cpu_threads_max=2, cpu_threads_max_rows=3)
-    seen, step = [], engine._step
-    engine._step = lambda chunks: seen.append((torch.get_num_threads(), chunks[0].start, chunks[0].n)) or step(chunks)
+    seen = []
+    engine.on_step = lambda chunks: seen.append((torch.get_num_threads(), chunks[0].start, chunks[0].n))
     prompt = inp.request.prompt_token_ids
     image_at = prompt.index(reference.config.image_token_id)  # 8: the prefix and the vision start
 
