@@ -124,13 +124,12 @@ class Sequence:
 
 
 def _image_counts(items: list[MediaItem], embeds: list[torch.Tensor | None], merge_size: int, mrope: bool) -> list[int]:
-    """Tokens per image, as the ingress counted them. An embedding that has arrived must have as many rows, and with
-    M-RoPE the grid must give as many tokens (positions follow the grid)."""
+    """Tokens per image, as the ingress counted them (with M-RoPE, as its grid gives them: positions follow the grid).
+    An embedding that has arrived must have as many rows: it comes from an encoder, another process (`ValueError`)."""
     counts = []
     for i, (item, x) in enumerate(zip(items, embeds, strict=True)):
         n, (t, h, w) = item.num_tokens, item.grid_thw
-        if mrope and n != t * h * w // merge_size**2:
-            raise ValueError(f"image {i}: {n} tokens announced for a grid of {t * h * w // merge_size**2} tokens")
+        assert not mrope or n == t * h * w // merge_size**2, f"image {i}: {n} tokens for a grid of {t * h * w} patches"
         if x is not None and x.shape[0] != n:
             raise ValueError(f"image {i}: {x.shape[0]} embedding rows for {n} placeholder tokens")
         counts.append(n)
@@ -152,15 +151,17 @@ def make_sequence(
     video_token_id: int | None = None,
     tokens_per_second: float | None = None,
 ) -> Sequence:
-    """The request's checks (context length, embedding rows against placeholders and grids), then its state.
-    `embeds`: one per item, its (num_tokens, D) embedding, or None until it arrives (`Sequence.set_image`). Videos'
-    placeholders are `video_token_id`; `tokens_per_second`: Qwen2.5-VL's temporal position rule."""
+    """The sequence's state, after the engine's own checks: its context (its KV cache's bound: `InvalidRequest`) and
+    the rows of each embedding that has arrived (`ValueError`).
+    What the ingress checked (deployments/ingress/prepare.py and prompt.py: logit_bias within the vocabulary, a prompt
+    of at least one token, placeholders only where an image or video is, each one's token count from its size) is
+    asserted here, not checked a second time. `embeds`: one per item, its (num_tokens, D) embedding, or None until it
+    arrives (`Sequence.set_image`). Videos' placeholders are `video_token_id`; `tokens_per_second`: Qwen2.5-VL's
+    temporal position rule."""
     n_prompt, n_max = len(inp.prompt_token_ids), inp.sampling.max_tokens
     bias, vocab_size, mrope = inp.sampling.logit_bias, lm_config.vocab_size, lm_config.mrope_section is not None
-    if bias and not (0 <= min(bias) and max(bias) < vocab_size):  # the ingress checked: a second line of defence
-        raise InvalidRequest(f"logit_bias names tokens outside the vocabulary of {vocab_size}", param="logit_bias")
-    if n_prompt == 0:
-        raise InvalidRequest("the prompt is empty")
+    assert not bias or (0 <= min(bias) and max(bias) < vocab_size), f"logit_bias outside the vocabulary: {bias}"
+    assert n_prompt > 0, "an empty prompt"
     if n_prompt + n_max > max_model_len:
         raise InvalidRequest(
             f"{n_prompt} prompt tokens + max_tokens {n_max} exceed the context length of {max_model_len}",
@@ -172,20 +173,12 @@ def make_sequence(
     if video_token_id is not None:
         is_mm |= ids == video_token_id
     counts = _image_counts(inp.items, embeds, merge_size, mrope)  # one not arrived yet is laid out all the same
-    n_mm = int(is_mm.sum())
-    if n_mm and not counts:  # the ingress refuses placeholders typed as text first: a second line of defence
-        raise InvalidRequest(
-            f"the prompt has {n_mm} image or video placeholder tokens and no image or video: "
-            "text must not contain that reserved token",
-            param="prompt",
-        )
-    if sum(counts) != n_mm:  # counted on the CPU ids (a mismatch with images is ours: the ingress counted them)
-        raise ValueError(f"{sum(counts)} image embeddings for {n_mm} placeholder tokens")
+    n_mm = int(is_mm.sum())  # counted on the CPU ids
+    assert sum(counts) == n_mm, f"{sum(counts)} image or video tokens for {n_mm} placeholder tokens"
     starts = is_mm.nonzero().flatten().tolist()
     spans, k = [], 0
     for i, n in enumerate(counts):
-        if starts[k + n - 1] != starts[k] + n - 1:
-            raise ValueError(f"the {n} placeholder tokens of image {i} are not one contiguous run")
+        assert starts[k + n - 1] == starts[k] + n - 1, f"the {n} placeholder tokens of item {i} are not one run"
         # No key: a unique one, so that this prompt's image blocks never match another's.
         key = inp.items[i].key or f"unshared-{inp.request_id}-{i}"
         spans.append((starts[k], starts[k] + n, key))

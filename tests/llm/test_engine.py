@@ -103,11 +103,11 @@ def test_context_limit_is_a_client_error(model, reference):
         asyncio.run(collect(engine, _seq(range(3, 18), max_tokens=6)))
 
 
-def test_image_placeholders_with_no_image_are_a_client_error(model, reference):
-    """Placeholder ids in a prompt with no image or video (the ingress refuses them typed as text first) are the
-    client's 400, not the embedding count's ValueError, a 500."""
+def test_what_the_ingress_checked_is_asserted_not_checked_again(model, reference):
+    """Placeholder ids with no image or video are the ingress's to refuse (typed as text: a 400 on every route,
+    tests/deployments/test_completions.py); the engine asserts the counts agree and goes on serving."""
     engine, pad = make_engine(model, reference), reference.config.image_token_id
-    with pytest.raises(InvalidRequest, match="the prompt has 2 image or video placeholder tokens and no image"):
+    with pytest.raises(AssertionError, match="0 image or video tokens for 2 placeholder tokens"):
         asyncio.run(collect(engine, _seq([5, pad, 6, pad, 7])))
     assert asyncio.run(collect(engine, _seq([5, 6, 7], max_tokens=2)))[1] == "length"  # and it goes on
 
@@ -150,15 +150,14 @@ def test_queue_bound_gives_overloaded(model, reference):
 def test_an_admitted_sequence_frees_its_queue_place_during_its_first_step(model, reference):
     """Queue bound 1: while the first sequence's (slow) first step runs, a second one may wait; it is not refused."""
     engine = make_engine(model, reference, max_queued=1, max_num_seqs=1, max_model_len=4096, num_blocks=300)
-    real_step, first_step, release = engine._step, threading.Event(), threading.Event()
+    first_step, release = threading.Event(), threading.Event()
 
     def slow(chunks):
         if not first_step.is_set():
             first_step.set()
             assert release.wait(60), "never released"  # held until the second sequence is in the queue
-        real_step(chunks)
 
-    engine._step = slow
+    engine.on_step = slow
 
     async def scenario():
         first = asyncio.create_task(collect(engine, _seq([5], max_tokens=2)))
@@ -176,15 +175,14 @@ def test_an_admitted_sequence_frees_its_queue_place_during_its_first_step(model,
 
 def test_tokens_before_a_fault_are_delivered_then_the_error(model, reference):
     engine = make_engine(model, reference, max_model_len=4096, num_blocks=300)
-    real_step, steps = engine._step, []
+    steps = []
 
     def failing(chunks):
         steps.append(len(steps))
         if len(steps) == 7:
             raise RuntimeError("injected fault")
-        real_step(chunks)
 
-    engine._step = failing
+    engine.on_step = failing
 
     async def scenario():
         received = []
@@ -210,8 +208,8 @@ def test_cuda_float32_matches_cpu_and_bfloat16_runs(checkpoint, reference, model
 
 
 def test_embedding_rows_must_match_the_image_grid(model, reference):
-    """With M-RoPE the grid gives an image's tokens: the announced count must be the grid's, and the embedding's
-    rows that count."""
+    """With M-RoPE the grid gives an image's tokens: the count the ingress announced is the grid's (asserted), and an
+    embedding from the encoder must have that many rows (checked: another process made it)."""
     engine = make_engine(model, reference)
     pad = reference.config.image_token_id
     request = GenerateRequest(
@@ -221,7 +219,7 @@ def test_embedding_rows_must_match_the_image_grid(model, reference):
     with pytest.raises(ValueError, match="image 0: 3 embedding rows for 4 placeholder tokens"):
         asyncio.run(collect(engine, rows))
     grid = Case(replace(request, items=[MediaItem("", (1, 4, 4), 3)]), [torch.zeros(3, 64)])
-    with pytest.raises(ValueError, match="image 0: 3 tokens announced for a grid of 4 tokens"):
+    with pytest.raises(AssertionError, match="image 0: 3 tokens for a grid of 16 patches"):  # the ingress's count
         asyncio.run(collect(engine, grid))
     assert asyncio.run(collect(engine, _seq([5, 6, 7], max_tokens=2)))[1] == "length"  # and it goes on
 
