@@ -23,7 +23,7 @@ from bench.encoder_transfer import base64_decode, elapsed_ms, transfer
 from bench.server import bench_checkpoint
 from bench.workload import parse_sizes
 from demo.build_tiny import build_checkpoint
-from tests.helpers import make_image
+from demo.inputs import make_image
 
 # NOTE: Qwen2-VL-2B-Instruct's preprocessor_config.json allows up to 12845056 pixels; the bench checkpoint's
 # own 224*224 would shrink every size below to the same grid.

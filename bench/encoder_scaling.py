@@ -41,10 +41,11 @@ import numpy as np
 
 from bench.server import QUIET, bench_checkpoint, ray_serve, wait_healthy
 from bench.slow_vit import SlowViT
+from demo.inputs import data_url, make_image
+from demo.local import free_port
 from deployments.encoder.autoscaling import AUTOSCALING
 from deployments.replica import START_PHASES
 from encoders import ModelSpec
-from tests.helpers import data_url, free_port, make_image
 
 # A small LM (the prompts' prefill is not what is measured) with a ViT that takes photos up to 1 MP (max_pixels).
 CHECKPOINT = dict(

@@ -21,7 +21,7 @@ import torch
 from bench.gpu_decode import _sync
 from bench.workload import parse_sizes
 from demo.build_tiny import build_checkpoint
-from tests.helpers import make_image
+from demo.inputs import make_image
 
 SHAPES = {
     "2b": dict(vision_embed_dim=1280, vision_depth=32, vision_heads=16, vision_mlp_ratio=4, hidden_size=1536),

@@ -21,8 +21,8 @@ import httpx
 
 from bench.server import CHECKPOINT_PARAMS, QUIET, bench_checkpoint, ray_serve, wait_healthy
 from bench.slow_vit import SlowViT
+from demo.inputs import data_url, make_image
 from encoders import ModelSpec
-from tests.helpers import data_url, make_image
 
 SIDE = 448
 CHECKPOINT = {**CHECKPOINT_PARAMS, "max_pixels": SIDE * SIDE}  # 256 tokens an image

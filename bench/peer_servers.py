@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import signal
@@ -17,13 +16,9 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.server import _merge
-from tests.helpers import free_port
+from demo.local import OURS_ENV, free_port, ingress_of, ingress_ports, ours_config, serve_env
 
 ROOT = Path(__file__).resolve().parents[1]
-# NOTE: as bench/server.py: Serve's default proxy readiness and health checks (5 s / 10 s) kill the proxy on a
-# loaded 2-core machine, and 32 streams load it. They are health checks only, not a serving setting.
-OURS_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
 # vLLM's defaults, plus what this comparison or this machine needs (each printed with the results):
 VLLM_FLAGS = {
     "--dtype": ("float32", "ours serves float32 on CPU (dtype auto); vLLM's auto would keep the checkpoint's"),
@@ -34,83 +29,6 @@ VLLM_FLAGS = {
         "(0.15 still leaves a KV cache of tens of thousands of tokens for this model)",
     ),
 }
-
-
-def serve_env(ingress: str | None = None) -> dict[str, str]:
-    """What `make serve [INGRESS=...]` puts in Ray's environment: the Makefile is the one place that says it."""
-    cmd = ["make", "-s", "--no-print-directory", "-C", str(ROOT), "serve-env"]
-    cmd += [f"INGRESS={ingress}"] if ingress else []
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return dict(kv.split("=", 1) for kv in out.split())
-
-
-def ingress_of(env: dict[str, str]) -> str:
-    """The front door that Ray 2.60 opens with env (HAProxy turns direct ingress on too)."""
-    if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
-        return "haproxy"
-    return "direct" if env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1" else "proxy"
-
-
-def ingress_ports(ingress: str, port: int) -> tuple[int, dict[str, str], list[str]]:
-    """(the port clients use, env, why) for a run of `ingress` on one machine whose http_options.port is port.
-    Direct and HAProxy: the Ingress replica's own port pinned to one free one (Ray's default: the first free one from
-    30000 up, per replica on the node); clients use it under direct, HAProxy's http_options.port under haproxy.
-    HAProxy's fixed side ports (stats 8404, metrics 9101, fallback proxy 8500) move to free ones, so that two
-    clusters on one machine do not collide."""
-    if ingress == "proxy":
-        return port, {}, []
-    own = free_port()
-    env = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(own), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(own + 1)}
-    why = [f"env {k}={v} (the Ingress replica's port, a free one)" for k, v in env.items()]
-    if ingress == "haproxy":
-        side = {
-            k: str(free_port())
-            for k in (
-                "RAY_SERVE_HAPROXY_STATS_PORT",
-                "RAY_SERVE_HAPROXY_METRICS_PORT",
-                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
-            )
-        }
-        env |= side
-        why += [f"env {k}={v} (a free one)" for k, v in side.items()]
-    return (own if ingress == "direct" else port), env, why
-
-
-def ours_config(
-    checkpoint: Path, port: int, app_args: dict, deployments: dict[str, dict] | None = None
-) -> tuple[dict, list[str]]:
-    """serve_config.yaml with the bench checkpoint and a free port, and each change from it, in words; `deployments`:
-    options merged into the named deployments' entries, or entries of their own (`{"Encoder": {...}}`)."""
-    base = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    config = copy.deepcopy(base)
-    config["http_options"]["port"] = port
-    app = config["applications"][0]
-    app["args"] = _merge({**app["args"], "model": str(checkpoint)}, app_args)
-    changes = [
-        f"args.model: {checkpoint} (serve_config.yaml: {base['applications'][0]['args']['model']})",
-        f"http_options.port: {port} (serve_config.yaml: {base['http_options']['port']}), a free one",
-    ]
-    changes += [f"args.{k}: {v} (merged from --app-args)" for k, v in app_args.items()]
-    for name, options in (deployments or {}).items():
-        entries = [d for d in app["deployments"] if d["name"] == name]
-        if entries:
-            entries[0].update(_merge(entries[0], options))
-        else:  # e.g. the Encoder, which the laptop's file leaves to its decorator (encoder.colocated there)
-            app["deployments"].append({"name": name, **options})
-        changes.append(f"deployments {name}: {options} ({'merged' if entries else 'added'})")
-    if app["args"].get("encoder", {}).get("colocated"):  # no Encoder in the app: Serve refuses settings for one
-        app["deployments"] = [d for d in app["deployments"] if d["name"] != "Encoder"]
-        changes.append("deployments Encoder: removed (encoder.colocated: the app has no Encoder)")
-    changes += [
-        f"env {k}={os.environ.get(k, v)} (health checks only; `make serve` leaves Serve's default)"
-        for k, v in OURS_ENV.items()
-    ]
-    changes += [
-        f"env {k}={v} (from the caller's environment)"
-        for k, v in sorted(os.environ.items())
-        if k.startswith(("RAY_SERVE_", "VLM_")) and k not in OURS_ENV
-    ]
-    return config, changes
 
 
 @contextmanager

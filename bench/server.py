@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers import free_port
+from demo.local import free_port, merge_args
 
 # A bench-size random Qwen2-VL: ~26M parameters, big enough that compute dominates per-request overheads.
 # init_std is small so activations stay sane over 8 layers; output quality is irrelevant (lengths are forced).
@@ -61,16 +61,6 @@ def wait_healthy(base_url: str, deadline_s: float) -> None:
         time.sleep(0.5)
 
 
-def _merge(base: dict, extra: dict) -> dict:
-    return {
-        **base,
-        **{
-            k: _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
-            for k, v in extra.items()
-        },
-    }
-
-
 @contextmanager
 def ray_serve(num_cpus: int = 4, ingress: str = "proxy", metrics_port: int | None = None) -> Iterator[int]:
     """Ray + Serve in this process, HTTP on a free port; always shut down, even when the run fails. `ingress`: Serve's
@@ -79,7 +69,7 @@ def ray_serve(num_cpus: int = 4, ingress: str = "proxy", metrics_port: int | Non
     import ray
     from ray import serve
 
-    from bench.peer_servers import ingress_ports, serve_env
+    from demo.local import ingress_ports, serve_env
 
     # NOTE: as tests/conftest.py: Serve's default proxy readiness checks (5 s / 10 s) kill the
     # proxy on a loaded 2-core machine; the controller reads these from the driver's environment at ray.init.
@@ -126,7 +116,7 @@ def serve_app(
     from deployments.app import build_app
 
     with ray_serve(ingress=ingress) as port:
-        args = _merge(
+        args = merge_args(
             {
                 "model": str(checkpoint),
                 "llm": {"max_model_len": max_model_len},

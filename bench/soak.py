@@ -3,9 +3,9 @@
 `python -m bench.soak --requests 30000 --rounds 12 --concurrency 16` (`make soak`) starts the app here as `make bench`
 does (tiny demo checkpoint, the end-to-end tests' small LIMITS, so bad inputs hit limits cheaply), behind the front
 door `make serve` opens (`--ingress`, direct by default: the Ingress replica's own port, where a request a client
-leaves has its calls cancelled with it; tests/deployments/test_soak.py soaks Serve's proxy);
+leaves has its calls cancelled with it; tests/test_bench_soak.py soaks Serve's proxy);
 `--url http://127.0.0.1:8000 --app vlm` drives one already running (this process then joins its Ray cluster,
-which must be on this machine: replica memory is read from /proc). tests/deployments/test_soak.py runs a short one.
+which must be on this machine: replica memory is read from /proc). tests/test_bench_soak.py runs a short one.
 
 The mix (seeded; bench/soak_mix.py): ~35% good non-streaming (text, one or two PNGs of varied sizes, mostly from a
 small pool so the embedding and prefix caches hit, sometimes n=2, stop, logprobs, unknown fields), ~25% good
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from bench.server import serve_app
         from demo.build_tiny import main as build_tiny
-        from tests.helpers import LIMITS
+        from demo.local import LIMITS
 
         build_tiny(["--out", "demo/qwen2-vl-tiny"])  # as `make checkpoint`: a no-op when it is there
         with serve_app(

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 from PIL import Image
 
-from tests.helpers import data_url, image_bytes, make_image
+from demo.inputs import data_url, image_bytes, make_image
 
 MIX = {"good": 0.35, "stream": 0.25, "cancel": 0.15, "bad": 0.25}
 PROMPTS = [

@@ -6,22 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-
-def replica_pids(app: str) -> dict[str, int]:
-    """{"LLM#<replica id>": pid} for the app's live replicas, and the HTTP proxy."""
-    # NOTE: ray.util.state.list_actors asks the dashboard, which the test cluster runs without; the GCS actor
-    # table, which that API reads in the end, has the pid too.
-    from ray._private.state import actors
-
-    out = {}
-    for actor in actors(actor_state_name="ALIVE").values():
-        name = actor.get("Name") or ""
-        if name.startswith(f"SERVE_REPLICA::{app}#"):
-            _, deployment, replica = name.split("#")
-            out[f"{deployment}#{replica}"] = actor["Pid"]
-        elif actor["ActorClassName"] == "ProxyActor":
-            out["proxy"] = actor["Pid"]
-    return out
+from demo.local import replica_pids
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -146,7 +131,6 @@ __all__ = [
     "problems",
     "upstream",
     "object_store",
-    "replica_pids",
     "rss_bytes",
     "sample",
     "serve_logs",

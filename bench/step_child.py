@@ -14,9 +14,10 @@ import threading
 import time
 
 sys.path.insert(0, sys.argv[1])
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo"))
 
 import torch  # noqa: E402
-from op_count import OpCount  # noqa: E402  (beside this script: bench/op_count.py)
+from op_count import OpCount  # noqa: E402  (this tree's demo/op_count.py, whichever tree's llm is timed)
 
 try:  # the tree as it is now: llm/model/, llm/engine/
     from llm.engine.threads import set_thread_intra_op_threads

@@ -51,10 +51,10 @@ import numpy as np
 from bench import proc_cpu
 from bench.client import _one
 from bench.metrics import RequestResult, aggregate
-from bench.peer_servers import serve_env
 from bench.server import CHECKPOINT_PARAMS, bench_checkpoint
 from bench.two_nodes import PinnedNodes
 from bench.workload import data_url, noise_png, stream_body
+from demo.local import serve_env
 
 # The bench LM (hidden 512, 8 layers: 23.6M parameters a token) and a ViT of 6 blocks of 384 with Qwen's MLP ratio
 # (10.6M parameters a patch, 4 patches a token, and the merger): 1.9x the LM's compute per image token, as
@@ -421,7 +421,7 @@ def _per(cpu: dict[str, float], images: int) -> dict[str, float]:
 
 
 def _free() -> int:
-    from tests.helpers import free_port
+    from demo.local import free_port
 
     return free_port()
 

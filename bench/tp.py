@@ -19,11 +19,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.kernels import BS, _decode_batch, _timed
+from demo.local import free_port
 from llm import Qwen2LM
 from llm.engine.threads import set_thread_intra_op_threads
 from llm.model import BatchMeta
 from llm.model.parallel import ParallelLM, TPGroup, init_process_group, serve_rank
-from tests.helpers import free_port
 
 CPU = torch.device("cpu")
 CASES = {"1 rank, all threads (baseline)": (1, None), "1 rank, 1 thread": (1, 1), "2 ranks, 1 thread each": (2, 1)}

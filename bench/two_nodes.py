@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from bench.proc_cpu import ray_roots
-from tests.helpers import free_port
+from demo.local import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

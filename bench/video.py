@@ -55,7 +55,7 @@ def make_video(seed: int, seconds: int = SECONDS, fps: int = FPS) -> bytes:
 
 
 def body(video: bytes, model: str, max_tokens: int) -> dict:
-    from tests.helpers import video_url
+    from demo.inputs import video_url
 
     part = {"type": "video_url", "video_url": {"url": video_url(video)}}
     return {

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from demo.build_tiny import build_checkpoint
-from tests.helpers import DEMO_KEY, LIMITS, free_port, make_image
+from demo.inputs import make_image
+from demo.local import LIMITS, free_port
+from tests.helpers import DEMO_KEY
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,65 +1,21 @@
-"""Test helpers: deterministic images and videos (and one crafted MP4), data URLs, a free port, a self-signed
-certificate, a process's peak memory, and the rule for tests whose tool is missing."""
+"""Test helpers: one crafted MP4, a video's frames, a self-signed certificate, a process's peak memory, a client that
+leaves mid-stream, and the rule for tests whose tool is missing. (Images, videos and data: URLs are demo/inputs.py's;
+free ports, the small limits and the local app's processes demo/local.py's: the benchmarks share them.)"""
 
 from __future__ import annotations
 
-import base64
 import datetime
 import io
 import os
-import random
-import socket
 import struct
 from pathlib import Path
 
-import numpy as np
 import pytest
 from PIL import Image
 
-# Small limits for the end-to-end app, so that every limit can be hit cheaply.
-LIMITS = {
-    "max_request_bytes": 2 << 20,
-    "max_image_pixels": 640 * 640,
-    "max_images_per_request": 4,
-    "default_max_tokens": 16,
-}
+from demo.inputs import make_video
+
 DEMO_KEY = "sk-demo-test"  # the one API key of the session's demo app (tests/conftest.py: demo_app)
-
-
-def make_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
-    """Smooth gradients plus noise: varied enough that different images give different answers."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x * 255 / max(width - 1, 1), y * 255 / max(height - 1, 1), (x + y) % 256], -1)
-    pixels = np.clip(base + rng.normal(0, 40, base.shape), 0, 255).astype(np.uint8)
-    image = Image.fromarray(pixels, "RGB")
-    return image.convert(mode) if mode != "RGB" else image
-
-
-def make_video(
-    seconds: float,
-    fps: int = 8,
-    width: int = 64,
-    height: int = 48,
-    seed: int = 0,
-    fmt: str = "mp4",
-    codec: str = "mpeg4",
-) -> bytes:
-    """A small video made with PyAV: each frame make_image's gradients and noise, a bar that moves, its own seed."""
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as container:
-        stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for i in range(round(seconds * fps)):
-            pixels = np.asarray(make_image(width, height, seed=seed * 100_000 + i)).copy()
-            pixels[:, (i * 3) % width : (i * 3) % width + 3] = 255
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
 
 
 def mp4_index_bomb(samples: int) -> bytes:
@@ -90,42 +46,6 @@ def video_frames(data: bytes) -> list[Image.Image]:
 
     with av.open(io.BytesIO(data)) as container:
         return [frame.to_image() for frame in container.decode(container.streams.video[0])]
-
-
-def video_url(data: bytes, media_type: str = "video/mp4") -> str:
-    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
-
-
-def image_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def data_url(image: Image.Image | bytes, fmt: str = "PNG") -> str:
-    data = image if isinstance(image, bytes) else image_bytes(image, fmt)
-    return f"data:image/{fmt.lower()};base64,{base64.b64encode(data).decode()}"
-
-
-# Ports handed to servers come from below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768 up):
-# a port-0 bind or an outgoing connection (a Ray cluster starting makes hundreds) takes ports from that range, so a
-# port found free there can be taken before the server binds it. That was seen in CI as an Ingress replica that
-# could not bind the one port a test pinned for it. 20000-29999 also misses Ray's worker ports (10002-19999) and Serve's
-# direct-ingress ranges (HTTP 30000-30999, gRPC 40000-40999).
-SERVER_PORTS = range(20000, 30000)
-
-
-def free_port() -> int:
-    """A port nothing listens on, from SERVER_PORTS; random, so that test sessions running at once rarely pick the
-    same one."""
-    for port in random.sample(SERVER_PORTS, 500):
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))  # also taken when something listens on 127.0.0.1 only
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {SERVER_PORTS}")
 
 
 def leave_mid_stream(client, chunks: int = 4, max_tokens: int = 900) -> None:

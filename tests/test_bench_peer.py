@@ -11,7 +11,8 @@ from PIL import Image
 
 from bench.peer import build_requests, parse_args
 from bench.peer_report import WORKLOADS, prompt_check, ratio_lines, ratios, system_table
-from bench.peer_servers import ROOT, ingress_of, ingress_ports, ours_config, serve_env
+from bench.peer_servers import ROOT
+from demo.local import ingress_of, ingress_ports, ours_config, serve_env
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
-"""House rules a reader relies on: pytest never collects the benchmark tools, and the product never waits with
-`asyncio.wait_for`."""
+"""House rules a reader relies on: pytest never collects the benchmark tools, the tests and the benchmarks borrow
+nothing from each other, and the product never waits with `asyncio.wait_for`."""
 
 from __future__ import annotations
 
+import ast
 import tomllib
 from pathlib import Path
 
@@ -19,6 +20,23 @@ def test_pytest_collects_tests_only():
     options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert options["testpaths"] == ["tests"] and "bench" in options["norecursedirs"]
     assert [p for p in (ROOT / "bench").rglob("test_*.py")] == [], "tests of bench/ belong in tests/"
+
+
+def _imported_packages(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.level == 0]
+    return {name.split(".")[0] for name in names}
+
+
+def test_the_tests_and_the_benchmarks_borrow_nothing_from_each_other():
+    """What both use (made-up images, free ports, the app run as `make serve` runs it, op counts) is demo/'s
+    (demo/inputs.py, demo/local.py, demo/op_count.py). A benchmark's own test, tests/test_bench_*.py, imports it."""
+    tests = [p for p in (ROOT / "tests").rglob("*.py") if not p.name.startswith("test_bench_")]
+    borrowing = [str(p.relative_to(ROOT)) for p in tests if "bench" in _imported_packages(p)]
+    assert borrowing == [], f"tests that import bench/ (move the helper to demo/): {borrowing}"
+    bench = [str(p.relative_to(ROOT)) for p in (ROOT / "bench").rglob("*.py") if "tests" in _imported_packages(p)]
+    assert bench == [], f"benchmarks that import tests/ (move the helper to demo/): {bench}"
 
 
 def test_the_product_does_not_use_wait_for():

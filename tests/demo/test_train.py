@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
+from demo.inputs import make_image
 from deployments.ingress.prompt import load_tokenizer
 from encoders import EncoderRunner, ModelSpec, family_of
 from llm import Qwen2LM
 from schemas import EncoderArgs
-from tests.helpers import make_image
 
 
 @pytest.mark.slow

@@ -23,6 +23,8 @@ import torch
 from ray import serve
 from ray.cluster_utils import Cluster
 
+from demo.inputs import data_url, make_image
+from demo.local import free_port
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
@@ -30,7 +32,6 @@ from encoders import Qwen2VLVisionEncoder, family_of
 from schemas import AppArgs
 from tests.deployments.instruments import HeldLM
 from tests.deployments.multinode_llm import lose_llm_node, recover
-from tests.helpers import data_url, free_port, make_image
 
 # Placement: each node advertises a custom resource; each deployment asks for a sliver of its node's.
 HEAD = {"num_cpus": 0.1, "resources": {"head": 0.01}}

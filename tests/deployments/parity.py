@@ -11,8 +11,8 @@ import torch
 from ray import serve
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
+from demo.inputs import data_url, make_image
 from deployments.app import build_app
-from tests.helpers import data_url, make_image
 
 MAX_TOKENS = 24  # the tiny checkpoints' greedy margins are checked for this many steps
 

@@ -7,7 +7,7 @@ import base64
 
 import pytest
 
-from tests.helpers import image_bytes, make_image
+from demo.inputs import image_bytes, make_image
 
 pytestmark = pytest.mark.e2e
 

@@ -10,9 +10,10 @@ import random
 
 import pytest
 
+from demo.inputs import data_url
+from demo.local import LIMITS
 from demo.scenes import make_item
 from tests.api_schema import assert_valid, errors
-from tests.helpers import LIMITS, data_url
 
 pytestmark = pytest.mark.e2e
 GROUNDING, COLOUR = make_item(random.Random(1), "grounding"), make_item(random.Random(2), "colour")

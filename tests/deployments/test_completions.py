@@ -9,7 +9,7 @@ import openai
 import pytest
 import torch
 
-from tests.helpers import data_url, make_image
+from demo.inputs import data_url, make_image
 
 pytestmark = pytest.mark.e2e
 MODEL = "qwen2-vl-tiny"

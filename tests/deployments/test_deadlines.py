@@ -15,6 +15,7 @@ import openai
 import pytest
 from ray import serve
 
+from demo.inputs import data_url, make_image
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
@@ -27,7 +28,6 @@ from tests.deployments.instruments import (
     forwards_started,
     images_preprocessed,
 )
-from tests.helpers import data_url, make_image
 
 pytestmark = pytest.mark.e2e
 SMALL = {"num_cpus": 0.1}

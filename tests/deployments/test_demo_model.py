@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from demo.inputs import data_url
 from demo.scenes import iou, make_eval_set, make_scene
-from tests.helpers import data_url
 
 DEMO = Path(__file__).parents[2] / "demo" / "qwen2-vl-shapes"
 pytestmark = pytest.mark.e2e

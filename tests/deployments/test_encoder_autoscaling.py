@@ -14,13 +14,13 @@ import httpx
 import pytest
 from ray import serve
 
+from demo.inputs import data_url, image_bytes, make_image
 from deployments.encoder.autoscaling import AUTOSCALING, POLICY_PATH
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
 from encoders import ModelSpec
 from tests.deployments.instruments import SlowEncoder
-from tests.helpers import data_url, image_bytes, make_image
 
 pytestmark = pytest.mark.e2e
 SMALL = {"num_cpus": 0.1}  # these apps share the session's logical CPUs with the others

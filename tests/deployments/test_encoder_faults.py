@@ -15,12 +15,12 @@ import pytest
 import ray
 from ray import serve
 
+from demo.inputs import data_url, image_bytes, make_image
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
 from deployments.ray_private import object_ref
 from tests.deployments.instruments import SlowEncoder, forwards, forwards_finished, forwards_started, in_flight_for
-from tests.helpers import data_url, image_bytes, make_image
 
 pytestmark = pytest.mark.e2e
 SMALL = {"num_cpus": 0.1}  # these apps share the session's logical CPUs with the others

@@ -14,11 +14,11 @@ import httpx
 import pytest
 from ray import serve
 
+from demo.inputs import data_url, make_image
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
 from tests.deployments.instruments import SlowEncoder, forwards_started
-from tests.helpers import data_url, make_image
 
 pytestmark = pytest.mark.e2e
 SMALL = {"num_cpus": 0.1}  # these apps share the session's logical CPUs with the others

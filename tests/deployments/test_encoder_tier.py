@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 from ray import serve
 
+from demo.inputs import data_url, image_bytes, make_image
 from tests.deployments.parity import CASES, MAX_TOKENS, openai_messages, reference_generate
-from tests.helpers import data_url, image_bytes, make_image
 
 pytestmark = pytest.mark.e2e
 

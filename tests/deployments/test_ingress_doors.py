@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.peer_servers import OURS_ENV, ingress_of, ingress_ports, serve_env
-from tests.helpers import data_url, free_port, leave_mid_stream, make_image
+from demo.inputs import data_url, make_image
+from demo.local import OURS_ENV, free_port, ingress_of, ingress_ports, serve_env
+from tests.helpers import leave_mid_stream
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,6 +16,7 @@ import torch
 from ray import serve
 
 from demo.build_tiny import build_checkpoint
+from demo.inputs import data_url, make_image
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
@@ -28,7 +29,7 @@ from tests.deployments.instruments import (
     inline_limit,
     locations,
 )
-from tests.helpers import data_url, leave_mid_stream, make_image
+from tests.helpers import leave_mid_stream
 
 pytestmark = pytest.mark.e2e
 

@@ -11,6 +11,7 @@ import pytest
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from demo.inputs import data_url, make_image
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.ingress.prepare import Preparer
@@ -19,7 +20,6 @@ from deployments.llm.server import LLM
 from schemas import AppArgs
 from schemas.openai import ChatCompletionRequest
 from tests.deployments.instruments import per_replica
-from tests.helpers import data_url, make_image
 
 pytestmark = pytest.mark.e2e
 APP = "route"

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import data_url, make_image, make_video, video_url
+from demo.inputs import data_url, make_image, make_video, video_url
 
 pytestmark = pytest.mark.e2e
 

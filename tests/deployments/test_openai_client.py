@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import data_url, make_image
+from demo.inputs import data_url, make_image
 
 pytestmark = pytest.mark.e2e
 

@@ -24,8 +24,8 @@ import httpx
 import pytest
 import yaml
 
-from bench.peer_servers import ours_config
-from tests.helpers import data_url, free_port, make_image
+from demo.inputs import data_url, make_image
+from demo.local import free_port, ours_config
 
 pytestmark = pytest.mark.e2e
 

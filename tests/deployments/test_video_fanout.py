@@ -8,10 +8,10 @@ import httpx
 import pytest
 from ray import serve
 
+from demo.inputs import make_video, video_url
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
-from tests.helpers import make_video, video_url
 
 pytestmark = pytest.mark.e2e
 SMALL = {"num_cpus": 0.1}  # this app shares the session's logical CPUs with the others

@@ -10,9 +10,9 @@ import torch
 from ray import serve
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
+from demo.inputs import data_url, make_image, make_video, video_url
 from demo.tiny_qwen2_5_vl import build_qwen2_5_vl_checkpoint
 from tests.deployments.parity import MAX_TOKENS, deployed
-from tests.helpers import data_url, make_image, make_video, video_url
 from tests.video_reference import reference_video
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("ray_serve")]  # (its `served` fixture asks for it by name)

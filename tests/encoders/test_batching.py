@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
+from demo.inputs import make_image
 from encoders import ImageBatcher, Qwen2VLVisionEncoder
-from tests.helpers import make_image
 
 SIZES = [(57, 31), (300, 140), (28, 28), (40, 260), (120, 80), (90, 90)]
 
@@ -85,8 +85,8 @@ def test_a_failing_forward_fails_its_batch_only():
 
 @pytest.mark.parametrize("fmt", ["JPEG"])
 def test_jpeg_draft_keeps_the_grid_and_stays_close(checkpoint, fmt):
+    from demo.inputs import image_bytes
     from encoders import image_size, load_rgb
-    from tests.helpers import image_bytes
 
     encoder = Qwen2VLVisionEncoder(checkpoint)
     data = image_bytes(make_image(1600, 1200, seed=9), fmt)

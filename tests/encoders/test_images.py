@@ -8,9 +8,9 @@ import io
 import pytest
 from PIL import Image
 
+from demo.inputs import data_url, image_bytes, make_image
 from encoders import data_url_format, decode_data_url, load_rgb, probe_image
 from schemas import InvalidRequest, Limits
-from tests.helpers import data_url, image_bytes, make_image
 
 
 def test_data_url_round_trip():

@@ -12,6 +12,7 @@ from transformers import AutoImageProcessor, AutoProcessor, LlavaConfig, LlavaFo
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
+from demo.inputs import image_bytes, make_image
 from demo.tiny_llava import build_llava_checkpoint, build_llava_tokenizer
 from encoders import (
     FAMILIES,
@@ -26,7 +27,6 @@ from encoders import (
     load_rgb,
 )
 from schemas import EncoderArgs
-from tests.helpers import image_bytes, make_image
 
 # Tiny, odd, square at the crop size, very wide and very tall, larger than the crop.
 SIZES = [(1, 1), (5, 3), (56, 56), (57, 31), (120, 80), (31, 200), (640, 17), (333, 251)]

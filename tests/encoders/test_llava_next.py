@@ -11,6 +11,7 @@ import torch
 from transformers import AutoProcessor, LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
 from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
+from demo.inputs import image_bytes, make_image
 from demo.tiny_llava import build_llava_tokenizer
 from demo.tiny_llava_next import GRID_PINPOINTS, build_llava_next_checkpoint, rename_to_layout
 from encoders import (
@@ -26,7 +27,6 @@ from encoders import (
     load_rgb,
 )
 from schemas import EncoderArgs
-from tests.helpers import image_bytes, make_image
 
 # 28 px tiles, pinpoints of 2x2 to 4x4 tiles: tiny, odd, one tile, a pinpoint's own size, wide and tall (padding
 # above and below / left and right, then unpadded), so wide that no tile row is left, and larger than every pinpoint.

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
+from demo.inputs import make_image
 from encoders import EncoderRunner, ModelSpec, Qwen2VLVisionEncoder
 from encoders.runner import MEASURE_BATCH, MEASURE_SIZE
 from schemas import EncoderArgs
-from tests.helpers import make_image
 
 
 def _runner(checkpoint, **opts) -> EncoderRunner:

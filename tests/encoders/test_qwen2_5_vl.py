@@ -13,6 +13,7 @@ from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProce
 from transformers.processing_utils import ProcessorMixin
 from transformers.vision_utils import get_vision_window_index
 
+from demo.inputs import make_image
 from demo.tiny_qwen2_5_vl import build_qwen2_5_vl_checkpoint
 from encoders import (
     EncoderRunner,
@@ -27,7 +28,6 @@ from llm import TextConfig
 from llm.model import mrope_positions
 from schemas import EncoderArgs
 from tests.encoders.towers import assert_matches_visual
-from tests.helpers import make_image
 
 # Tiny, odd, very wide and very tall, larger than max_pixels (downscaled), and exact multiples of 28.
 SIZES = [(1, 1), (5, 3), (57, 31), (199, 3), (3, 500), (640, 17), (333, 251), (1000, 700), (224, 448)]

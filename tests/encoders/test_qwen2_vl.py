@@ -9,10 +9,10 @@ from transformers import Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
+from demo.inputs import image_bytes, make_image
 from encoders import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, load_rgb, smart_resize
 from encoders.video_processing import Qwen2VLVideoProcessing
 from tests.encoders.towers import assert_matches_visual
-from tests.helpers import image_bytes, make_image
 
 # Tiny, odd, very wide and very tall, larger than max_pixels (downscaled), and exact multiples of 28.
 SIZES = [(1, 1), (5, 3), (28, 28), (57, 31), (199, 3), (3, 500), (640, 17), (333, 251), (1000, 700), (224, 448)]

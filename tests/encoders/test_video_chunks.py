@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from demo.inputs import image_bytes, make_image
 from demo.tiny_qwen2_5_vl import build_qwen2_5_vl_checkpoint
 from encoders import Qwen2_5_VLVisionEncoder, Qwen2VLVisionEncoder
 from encoders.video_decode import decode_frames
 from encoders.video_processing import Qwen2VLVideoProcessing, SamplingRequest, VideoMeta
-from tests.helpers import image_bytes, make_image
 
 PROC = Qwen2VLVideoProcessing(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 12)
 

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from demo.inputs import make_video
 from encoders import video_decode
 from encoders.video_decode import Video, decode_video
 from encoders.video_processing import Qwen2VLVideoProcessing, SamplingRequest, VideoMeta
 from encoders.videos import probe_video
 from schemas import InvalidRequest, Limits, VideoArgs
-from tests.helpers import make_video, video_frames
+from tests.helpers import video_frames
 
 ARGS = VideoArgs()
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from demo.inputs import image_bytes, make_image
 from encoders.video_decode import decode_frames
 from encoders.video_processing import Qwen2VLVideoProcessing, SamplingRequest, VideoMeta
 from schemas import InvalidRequest, VideoArgs
-from tests.helpers import image_bytes, make_image
 from tests.video_reference import frame_size, patchify, qwen_nframes
 
 TOTAL_PIXELS = VideoArgs().total_pixels

@@ -7,9 +7,10 @@ import base64
 
 import pytest
 
+from demo.inputs import image_bytes, make_image, make_video, video_url
 from encoders.videos import decode_video_data_url, probe_frames, probe_video
 from schemas import InvalidRequest, Limits, VideoArgs
-from tests.helpers import image_bytes, make_image, make_video, mp4_index_bomb, peak_rss, video_url
+from tests.helpers import mp4_index_bomb, peak_rss
 
 
 @pytest.mark.parametrize(

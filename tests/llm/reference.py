@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from demo.inputs import make_image
 from llm import Engine, EngineConfig
 from llm.engine.logits import RowState
 from schemas import GenerateRequest, MediaItem, SamplingParams
-from tests.helpers import make_image
 
 
 @dataclass

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.op_count import OpCount
+from demo.op_count import OpCount
 from llm.engine.decode_step import StaticDecode, bucket_for, buckets_up_to
 from llm.model import BatchMeta, ChunkSpec, cpu_kernels
 from tests.llm.reference import collect, make_engine, reference_generate, request_for

@@ -14,11 +14,11 @@ from transformers import (
 )
 
 from demo.build_tiny import init_weights
+from demo.inputs import make_image
 from demo.tiny_llava import build_llava_checkpoint
 from encoders import LlavaVisionEncoder
 from llm import Qwen2LM, TextConfig
 from llm.model import linear_positions, merge_image_embeds
-from tests.helpers import make_image
 from tests.llm.test_model import run_chunks
 
 

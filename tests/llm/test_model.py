@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from demo.inputs import make_image
 from encoders import Qwen2VLVisionEncoder
 from llm import Qwen2LM
 from llm.model import BatchMeta, ChunkSpec, cpu_kernels, merge_image_embeds, mrope_positions
 from llm.model.model import fuse_projections
-from tests.helpers import make_image
 
 
 def run_chunks(model: Qwen2LM, embeds, positions, cuts: list[int], block_size: int = 4):

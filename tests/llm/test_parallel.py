@@ -16,13 +16,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from demo.build_tiny import build_checkpoint
+from demo.local import free_port
 from demo.tiny_llava import build_llava_checkpoint
 from encoders import Qwen2VLVisionEncoder
 from llm import Qwen2LM
 from llm.model.attention import BatchMeta, ChunkSpec
 from llm.model.parallel import ParallelLM, RankFailure, TPGroup, init_process_group, serve_rank
 from schemas import Overloaded
-from tests.helpers import free_port
 from tests.llm.reference import collect, make_engine, reference_generate, request_for
 
 pytestmark = pytest.mark.slow  # every test here starts gloo rank processes

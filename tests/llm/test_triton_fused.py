@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
-from bench.op_count import OpCount
+from demo.op_count import OpCount
 from llm.model import gemm_kernel, triton_attention, triton_fused, triton_gemm
 from llm.model.attention import BatchMeta, ChunkSpec, StaticMeta, write_kv
 from llm.model.gemm_kernel import Fold, RopeKV

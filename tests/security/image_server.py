@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from tests.helpers import image_bytes, make_image
+from demo.inputs import image_bytes, make_image
 
 PNG = image_bytes(make_image(8, 8))
 CAP = 10_000  # /big is one byte over it

@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 from ray import serve
 
+from demo.inputs import data_url, image_bytes, make_image
 from tests.api_schema import assert_valid
-from tests.helpers import data_url, image_bytes, make_image
 from tests.security.image_server import image_server
 
 pytestmark = pytest.mark.e2e

@@ -14,8 +14,9 @@ import av
 import numpy as np
 import pytest
 
-from bench.soak_probe import replica_pids
-from tests.helpers import image_bytes, make_image, make_video, mp4_index_bomb, peak_rss, video_url
+from demo.inputs import image_bytes, make_image, make_video, video_url
+from demo.local import replica_pids
+from tests.helpers import mp4_index_bomb, peak_rss
 
 pytestmark = pytest.mark.e2e
 PART = "messages[0].content[0]"

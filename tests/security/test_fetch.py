@@ -12,9 +12,10 @@ import time
 
 import pytest
 
+from demo.local import free_port
 from deployments.ingress.fetch import ImageFetcher
 from schemas import ImageURLArgs, InvalidRequest
-from tests.helpers import free_port, self_signed_certificate
+from tests.helpers import self_signed_certificate
 from tests.security.image_server import CAP, PNG, Handler, image_server
 
 LOOPBACK = {"allowed_networks": ["127.0.0.1/32"]}  # the test server's exemption

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import image_bytes, make_image
+from demo.inputs import image_bytes, make_image
 from tests.security.image_server import image_server
 
 pytestmark = pytest.mark.e2e

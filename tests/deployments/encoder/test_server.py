@@ -9,11 +9,11 @@ import pickle
 import pytest
 import torch
 
+from demo.inputs import image_bytes, make_image
 from deployments.encoder.server import Encoder
 from deployments.transfer import _from_numpy, _to_numpy
 from encoders import Qwen2VLVisionEncoder
 from schemas import InvalidRequest
-from tests.helpers import image_bytes, make_image
 
 
 def test_a_call_returns_each_images_embedding_and_a_bad_one_as_its_error(checkpoint):

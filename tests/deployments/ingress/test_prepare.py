@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from demo.inputs import data_url, make_image
 from deployments.ingress.prepare import Preparer
 from schemas import AppArgs, InvalidRequest
 from schemas.completions import CompletionRequest
 from schemas.openai import ChatCompletionRequest
-from tests.helpers import data_url, make_image
 
 CONTEXT = 160
 

@@ -8,13 +8,13 @@ import base64
 import pytest
 from pydantic import ValidationError
 
+from demo.inputs import data_url, image_bytes, make_image, make_video, video_url
 from deployments.ingress.prepare import Preparer
 from deployments.ingress.videos import VideoPreparer
 from encoders.video_decode import Video
 from schemas import AppArgs, InvalidRequest
 from schemas.completions import CompletionRequest
 from schemas.openai import ChatCompletionRequest
-from tests.helpers import data_url, image_bytes, make_image, make_video, video_url
 
 SMALL = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 8}  # a 64x48 frame: 56x56, 4 tokens a tubelet
 VIDEO = make_video(2.5, fps=8, width=64, height=48)  # 20 frames: 4 sampled at 2 fps, 2 tubelets, 8 tokens

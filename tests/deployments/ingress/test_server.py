@@ -10,9 +10,9 @@ import pytest
 from starlette.requests import Request
 from starlette.testclient import TestClient
 
+from demo.inputs import data_url, image_bytes, make_image
 from deployments.ingress import Ingress
 from tests.api_schema import assert_valid
-from tests.helpers import data_url, image_bytes, make_image
 
 NAME = "org/tiny-vl"  # a served name with a slash, as hub ids have: the openai client sends it as org%2Ftiny-vl
 PNG = image_bytes(make_image(32, 32))

@@ -2,7 +2,8 @@
 
 Not counted: views move no data, and an allocation is part of the op that fills it (an aten op allocates its output
 inside, unseen; the CPU kernels' allocations would be seen). The CPU kernels' own calls are not dispatched, so
-callers add `llm.model.cpu_kernels.calls`. No project imports: bench/step_child.py loads it beside a baseline tree.
+callers add `llm.model.cpu_kernels.calls`. No project imports: bench/step_child.py loads it by path
+beside a baseline tree.
 """
 
 import torch
