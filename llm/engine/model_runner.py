@@ -26,6 +26,8 @@ from schemas import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
+# A step's DeepStack features (Qwen3-VL): the batch's rows that get them (R,), and theirs (R, levels, D).
+Deepstack = tuple[torch.Tensor, torch.Tensor]
 PROMPT_LOGPROB_ROWS = 256  # prompt rows per logits slice: a long prefill never holds (T, V) logits at once
 
 
@@ -159,37 +161,60 @@ class ModelRunner:
             self.model.logits(hidden, list(range(tokens - min(rows, tokens), tokens))).sum().item()  # one sync
         return tokens
 
-    def _embed(self, chunk: Chunk) -> torch.Tensor:
-        """Input embeddings of the chunk's tokens, image rows merged in: the one merge."""
+    def _embed(self, chunk: Chunk) -> tuple[torch.Tensor, Deepstack | None]:
+        """Input embeddings of the chunk's tokens, image rows merged in (the one merge); and where an image's
+        embedding carries DeepStack levels after its D columns (Qwen3-VL: encoders/qwen3_vl.py), the chunk's rows
+        that get them and their features (R, L, D)."""
         seq, a, b = chunk.seq, chunk.start, chunk.start + chunk.n
         x = self.model.embed(torch.tensor(seq.token_ids[a:b]))  # (n, D)
         rows = seq.image_rows(a, b)
-        return x if rows is None else merge_image_embeds(x, *rows)
+        if rows is None:
+            return x, None
+        mask, embeds = rows  # (n,), (R, (1 + L) * D)
+        d = x.shape[1]
+        if embeds.shape[1] % d:
+            raise ValueError(f"image embeddings have width {embeds.shape[1]}, the LM hidden size is {d}")
+        x = merge_image_embeds(x, mask, embeds[:, :d].contiguous())
+        if embeds.shape[1] == d:
+            return x, None
+        return x, (mask.nonzero().flatten(), embeds[:, d:].unflatten(1, (-1, d)))
 
-    def _inputs(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embeddings (T, D) and positions (3, T) of the batch; decode tokens (generated text) in one lookup."""
+    def _inputs(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, Deepstack | None]:
+        """Embeddings (T, D), positions (3, T) and DeepStack features (rows of the batch) of the batch; decode
+        tokens (generated text) in one lookup."""
         n_dec = next((i for i, c in enumerate(chunks) if c.n != 1 or c.start < c.seq.prompt_len), len(chunks))
-        embeds, positions = [], []
+        embeds, positions, deepstack, offset = [], [], [], 0
         if n_dec:
             dec = chunks[:n_dec]
             embeds.append(self.model.embed(torch.tensor([c.seq.token_ids[c.start] for c in dec])))
             positions.append(torch.tensor([c.start + c.seq.rope_delta for c in dec]).expand(3, -1))
+            offset = n_dec
         for c in chunks[n_dec:]:
-            embeds.append(self._embed(c))
+            x, stack = self._embed(c)
+            embeds.append(x)
             positions.append(c.seq.positions(c.start, c.start + c.n))
-        return torch.cat(embeds), torch.cat(positions, dim=1)
+            if stack is not None:
+                deepstack.append((stack[0] + offset, stack[1]))
+            offset += c.n
+        if deepstack:
+            rows, features = (torch.cat(parts) for parts in zip(*deepstack, strict=True))
+            return torch.cat(embeds), torch.cat(positions, dim=1), (rows.to(self.device), features.to(self.device))
+        return torch.cat(embeds), torch.cat(positions, dim=1), None
 
     def run(self, chunks: list[Chunk]) -> list[Sampled]:
         """One forward over the chunks (one-token chunks first, shortest context first); a token for each chunk
         that completes its sequence's known tokens."""
         if self.static is not None and all(c.n == 1 and c.start >= c.seq.prompt_len for c in chunks):
             return self._decode(chunks)
-        embeds, positions = self._inputs(chunks)  # (T, D), (3, T)
+        embeds, positions, deepstack = self._inputs(chunks)  # (T, D), (3, T)
         meta = BatchMeta.build([ChunkSpec(c.seq.block_ids, c.start, c.n) for c in chunks], self.block_size, self.device)
         ends = itertools.accumulate(c.n for c in chunks)
         rows = [(c.seq, end - 1) for c, end in zip(chunks, ends) if c.completes]
         mask = self._grammar_mask([s for s, _ in rows])
-        hidden = self.model(embeds, positions, self.cache, meta)  # (T, D)
+        if deepstack is None:
+            hidden = self.model(embeds, positions, self.cache, meta)  # (T, D)
+        else:  # Qwen3-VL's image rows in this step: their DeepStack features after the first decoder layers
+            hidden = self.model(embeds, positions, self.cache, meta, deepstack=deepstack)
         if any(c.seq.needs_prompt_logprobs for c in chunks):
             self._prompt_logprobs(hidden, chunks)
         if not rows:

@@ -49,7 +49,8 @@ def interleave_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 class Rotary:
     """RoPE as unit complex numbers, one table row per position (cos and sin of position * inv_freq in float32, as
-    transformers computes them), kept as real pairs (P, hd/2, 2). M-RoPE takes each frequency from its own axis."""
+    transformers computes them), kept as real pairs (P, hd/2, 2). M-RoPE takes each frequency from its own axis:
+    in sections (Qwen2-VL, Qwen2.5-VL) or interleaved (Qwen3-VL)."""
 
     def __init__(
         self,
@@ -58,12 +59,18 @@ class Rotary:
         max_positions: int,
         mrope_section: tuple[int, ...] | None,
         device: torch.device | str = "cpu",
+        interleaved: bool = False,
     ):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # (hd/2,)
         angles = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq  # (P, hd/2)
         self.table = torch.stack([angles.cos(), angles.sin()], -1).to(device)  # (P, hd/2, 2)
         sections = mrope_section or (head_dim // 2,)
-        axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(sections)])  # (hd/2,) which axis
+        if interleaved:  # Qwen3-VL: frequency i is h's where i % 3 == 1 (the first 3 * sections[1]), w's where 2
+            i = torch.arange(head_dim // 2)
+            axis = torch.where((i % 3 == 1) & (i < 3 * sections[1]), 1, 0)
+            axis = torch.where((i % 3 == 2) & (i < 3 * sections[2]), 2, axis)
+        else:  # Qwen2-VL: a section of frequencies per axis, t's first
+            axis = torch.cat([torch.full((n,), k % 3) for k, n in enumerate(sections)])  # (hd/2,) which axis
         self.axis, self.freq = axis.to(device), torch.arange(head_dim // 2, device=device)
         self.scale = head_dim**-0.5
 
@@ -156,6 +163,9 @@ class Attention(nn.Module):
         self.nh, self.nkv, self.hd = c.num_heads // tp.world_size, c.num_kv_heads // tp.world_size, c.head_dim
         self.qkv_proj = Linear(c.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=c.qkv_bias)
         self.o_proj = RowParallelLinear(self.nh * self.hd, c.hidden_size, c.o_bias, tp)
+        # Qwen3: each query and key head RMS-normed before RoPE (its weight's entries in the rows' interleaved order)
+        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else None
 
     def forward(self, x, cis, kv_cache: torch.Tensor, meta: BatchMeta, norm: RMSNorm | None = None) -> torch.Tensor:
         """norm (DecoderLayer.folded): x is the residual stream, normed in q/k/v's GEMM, and o_proj's GEMM adds its
@@ -163,12 +173,17 @@ class Attention(nn.Module):
         T = x.shape[0]
         shape = (T, self.nh + 2 * self.nkv, self.hd)
         written = True  # one kernel (one op on CPU) rotates and writes the new keys and values into the cache
-        if norm is not None or triton_fused.on(x) and triton_gemm.fuse_rope and triton_gemm.on(x, self.qkv_proj.weight):
+        rope_in_gemm = self.q_norm is None and triton_gemm.fuse_rope  # the q/k norms come between the GEMM and RoPE
+        if norm is not None or triton_fused.on(x) and rope_in_gemm and triton_gemm.on(x, self.qkv_proj.weight):
             rope = RopeKV(cis, kv_cache, meta.slot_mapping, self.nh, self.nkv)  # in the GEMM's finish
             fold = Fold(None if norm is None else (norm.weight, norm.eps), rope=rope)
             qkv = triton_gemm.linear(x, self.qkv_proj.weight, self.qkv_proj.bias, fold).view(shape)
         else:
             qkv = self.qkv_proj(x).view(shape)
+            if self.q_norm is not None:
+                q, k = qkv[:, : self.nh], qkv[:, self.nh : self.nh + self.nkv]
+                q.copy_(torch.rms_norm(q, (self.hd,), self.q_norm.weight, self.q_norm.eps))
+                k.copy_(torch.rms_norm(k, (self.hd,), self.k_norm.weight, self.k_norm.eps))
             if triton_fused.on(qkv):
                 triton_fused.rope_kv_write_(qkv, cis, kv_cache, meta.slot_mapping)
             elif cpu_kernels.on(qkv):
@@ -231,6 +246,7 @@ class DecoderLayer(nn.Module):
         g = triton_gemm  # NOTE: triton_fused.on first: on CPU it is the whole cost of this check
         return (
             triton_fused.on(x)
+            and self.self_attn.q_norm is None  # the q/k norms between the GEMM and RoPE: not foldable
             and g.fuse_norm
             and g.fuse_rope
             and g.fuse_silu

@@ -42,11 +42,15 @@ class TextConfig:
     qkv_bias: bool = True  # Qwen2's q/k/v projections have biases, its o_proj none
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3's RMSNorm of each query and key head before RoPE
+    # Qwen3-VL's M-RoPE: the frequencies of the three axes interleaved (t, h, w, t, h, w, ...), not in sections
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, (self.num_heads, self.num_kv_heads)
         if self.mrope_section is not None:
             assert sum(self.mrope_section) == self.head_dim // 2, (self.mrope_section, self.head_dim)
+        assert not self.mrope_interleaved or self.mrope_section is not None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> TextConfig:
@@ -71,7 +75,8 @@ class TextConfig:
         mrope = rope.get("mrope_section")
         # Llama-family configs say which projections have biases; Qwen2's have no such fields (q/k/v biased), nor do
         # Mistral's (none biased).
-        is_qwen = str(getattr(tc, "model_type", "")).startswith("qwen2")
+        model_type = str(getattr(tc, "model_type", ""))
+        is_qwen = model_type.startswith("qwen2")
         attention_bias = getattr(tc, "attention_bias", None)
         if not is_qwen and getattr(tc, "sliding_window", None):  # Mistral's window; Qwen2's needs use_sliding_window
             raise ValueError(f"sliding-window attention (window {tc.sliding_window}) is not supported")
@@ -91,6 +96,9 @@ class TextConfig:
             qkv_bias=is_qwen if attention_bias is None else bool(attention_bias),
             o_bias=bool(attention_bias),
             mlp_bias=bool(getattr(tc, "mlp_bias", False)),
+            qk_norm=model_type.startswith("qwen3"),
+            # NOTE: transformers' Qwen3-VL rotary interleaves whatever rope_parameters' mrope_interleaved says
+            mrope_interleaved=model_type.startswith("qwen3_vl") and bool(mrope),
         )
 
 
@@ -153,7 +161,9 @@ class Qwen2LM(nn.Module):
         model = model.to(device=device, dtype=dtype).eval()
         if torch.device(device).type == "cpu":  # a decode step streams every weight: huge pages (hugepages.py)
             hugepages.move_parameters(model)
-        model.rotary = Rotary(c.head_dim, c.rope_theta, c.max_position_embeddings, c.mrope_section, device)
+        model.rotary = Rotary(
+            c.head_dim, c.rope_theta, c.max_position_embeddings, c.mrope_section, device, c.mrope_interleaved
+        )
         return model
 
     def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
@@ -171,14 +181,23 @@ class Qwen2LM(nn.Module):
         return self.embed_tokens(input_ids.to(self.embed_tokens.weight.device))  # (T, D)
 
     def forward(
-        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: BatchMeta
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        meta: BatchMeta,
+        deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """A flat batch of chunks: inputs_embeds (T, D), positions (3, T) -> final hidden states (T, D)."""
+        """A flat batch of chunks: inputs_embeds (T, D), positions (3, T) -> final hidden states (T, D).
+        `deepstack` (Qwen3-VL): (rows (R,), features (R, L, D)): after layer l < L, the hidden states of the image
+        rows `rows` get their level-l features added (transformers' `_deepstack_process`; the DeepStack paper)."""
         attn = self.layers[0].self_attn
         cis = self.rotary.step(positions.to(self.lm_head.weight.device), attn.nh, attn.nkv)  # once per step
         x, delta = inputs_embeds.clone(), None  # the residual stream, summed in place by the layers
         for i, layer in enumerate(self.layers):
             delta = layer(x, delta, cis, cache.kv[i], meta)
+            if deepstack is not None and i < deepstack[1].shape[1]:  # into the stream: the layer's output is x + delta
+                x.index_add_(0, deepstack[0], deepstack[1][:, i].to(x.dtype))
         return self.norm(x, delta)
 
     def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
@@ -189,10 +208,14 @@ class Qwen2LM(nn.Module):
 
 def fuse_projections(state: dict[str, torch.Tensor], num_layers: int, head_dim: int) -> dict[str, torch.Tensor]:
     """The checkpoint's q/k/v and gate/up tensors (whole, or this rank's slices) as the fused qkv_proj and
-    gate_up_proj, q and k rows interleaved per head for the complex RoPE (llm/model/layers.py)."""
+    gate_up_proj, q and k rows interleaved per head for the complex RoPE (llm/model/layers.py), and so the q and k
+    norms' weights (Qwen3)."""
     out = dict(state)
     for i in range(num_layers):
         a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        for norm in ("q_norm", "k_norm"):
+            if f"{a}{norm}.weight" in out:
+                out[f"{a}{norm}.weight"] = interleave_rope_rows(out[f"{a}{norm}.weight"], head_dim)
         for kind in ("weight", "bias"):
             if f"{a}q_proj.{kind}" in out:
                 q, k, v = (out.pop(f"{a}{n}_proj.{kind}") for n in "qkv")

@@ -129,10 +129,18 @@ class ParallelLM:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.local.embed(input_ids)
 
-    def __call__(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache, meta: BatchMeta) -> torch.Tensor:
-        self._send(("forward", meta.chunks, meta.block_size, positions.cpu(), inputs_embeds.shape[0]))
+    def __call__(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache, meta: BatchMeta, deepstack=None
+    ) -> torch.Tensor:
+        """`deepstack` (Qwen3-VL's image rows of this step, as Qwen2LM.forward takes it) goes to every rank: each
+        holds the whole hidden state, so each adds the same features."""
+        stack = None if deepstack is None else (tuple(deepstack[1].shape), deepstack[1].dtype)
+        self._send(("forward", meta.chunks, meta.block_size, positions.cpu(), inputs_embeds.shape[0], stack))
         _collective(lambda: dist.broadcast(inputs_embeds.contiguous(), src=0))
-        return _collective(lambda: self.local(inputs_embeds, positions, cache, meta))  # (T, D)
+        if deepstack is not None:
+            _collective(lambda: dist.broadcast(deepstack[0].contiguous(), src=0))
+            _collective(lambda: dist.broadcast(deepstack[1].contiguous(), src=0))
+        return _collective(lambda: self.local(inputs_embeds, positions, cache, meta, deepstack))  # (T, D)
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         self._send(("logits", rows))
@@ -172,10 +180,18 @@ def serve_rank(local) -> None:
         with torch.inference_mode():
             while (op := _broadcast(None))[0] != "stop":
                 if op[0] == "forward":
-                    _, chunks, block_size, positions, num_tokens = op
+                    _, chunks, block_size, positions, num_tokens, stack = op
                     inputs_embeds = torch.empty(num_tokens, local.config.hidden_size, dtype=dtype, device=device)
                     dist.broadcast(inputs_embeds, src=0)  # (T, D): rank 0's embeddings, images merged
-                    hidden = local(inputs_embeds, positions, cache, BatchMeta.build(chunks, block_size, device))
+                    deepstack = None
+                    if stack is not None:  # (rows, features (R, L, D)) as rank 0 has them
+                        shape, features_dtype = stack
+                        deepstack = (torch.empty(shape[0], dtype=torch.long, device=device),
+                                     torch.empty(shape, dtype=features_dtype, device=device))  # fmt: skip
+                        dist.broadcast(deepstack[0], src=0)
+                        dist.broadcast(deepstack[1], src=0)
+                    meta = BatchMeta.build(chunks, block_size, device)
+                    hidden = local(inputs_embeds, positions, cache, meta, deepstack)
                 elif op[0] == "logits":
                     gather_logits(local, hidden[op[1]], local.config.vocab_size)
                 elif op[0] == "cache":
