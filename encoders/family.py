@@ -69,6 +69,8 @@ class Family:
     max_images_per_prompt: int | None = None  # the family's own limit, if it has one
     projector: str | None = None  # attribute path of the projector in the encoder object, to place it on its own
     video_processing: Callable[..., Any] | None = None  # from_pretrained(model_dir) -> video sampling; None: no video
+    # DeepStack levels an image's embedding carries after its D columns (Qwen3-VL: encoders/qwen3_vl.py); None: none
+    deepstack_levels: Callable[[Any], int] | None = None
 
 
 __all__ = ["Family", "ImageProcessing", "ImageTokens", "VisionEncoder"]

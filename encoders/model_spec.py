@@ -47,6 +47,12 @@ class ModelSpec:
     def merge_size(self) -> int:
         return self.processing.merge_size
 
+    @property
+    def embedding_width(self) -> int:
+        """Columns of an image's embedding: the LM's width, times 1 + the DeepStack levels it carries (Qwen3-VL)."""
+        levels = self.family.deepstack_levels(self.hf_config) if self.family.deepstack_levels is not None else 0
+        return self.text_config.hidden_size * (1 + levels)
+
     @classmethod
     def load(
         cls,

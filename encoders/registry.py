@@ -12,6 +12,7 @@ from encoders.llava_next import LlavaNextImageProcessing, LlavaNextVisionEncoder
 from encoders.llava_processing import LlavaImageProcessing
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder, qwen2_5_vl_cost
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, qwen2_vl_cost, qwen2_vl_image_tokens
+from encoders.qwen3_vl import Qwen3VLVisionEncoder, deepstack_levels, qwen3_vl_cost
 from encoders.video_processing import Qwen2VLVideoProcessing
 
 FAMILIES: dict[str, Family] = {
@@ -31,6 +32,16 @@ FAMILIES: dict[str, Family] = {
         image_tokens=qwen2_vl_image_tokens,
         projector="vit.merger",
         video_processing=Qwen2VLVideoProcessing,
+    ),
+    # Qwen3-VL (dense LMs): Qwen2-VL's preprocessing (its patch 16 from preprocessor_config.json) and image tokens,
+    # its own ViT whose embeddings carry the DeepStack levels (encoders/qwen3_vl.py). Video: not yet (a 400 says so).
+    "qwen3_vl": Family(
+        processing=Qwen2VLImageProcessing,
+        encoder=Qwen3VLVisionEncoder,
+        cost=qwen3_vl_cost,
+        image_tokens=qwen2_vl_image_tokens,
+        projector=None,
+        deepstack_levels=deepstack_levels,
     ),
     "llava": Family(
         processing=LlavaImageProcessing,
@@ -54,8 +65,17 @@ def family_of(model_dir: str | Path, name: str | None = None) -> Family:
     return family_for(json.loads((Path(model_dir) / "config.json").read_text()).get("model_type"), name)
 
 
+# Checkpoints of a supported family's make that need what the engine does not have, and what that is.
+UNSUPPORTED = {
+    "qwen3_vl_moe": "Qwen3-VL's MoE models (30B-A3B, 235B-A22B) need mixture-of-experts layers, which the engine does "
+    "not have; its dense models (2B, 4B, 8B, 32B) are supported"
+}
+
+
 def family_for(model_type: str | None, name: str | None = None) -> Family:
     """The family named in `args.family`, else the one of this `model_type`."""
+    if model_type in UNSUPPORTED and name is None:
+        raise ValueError(f"checkpoint model_type {model_type!r} is not supported: {UNSUPPORTED[model_type]}")
     if name is not None:
         if name not in FAMILIES:
             raise ValueError(f"family {name!r} is not supported; supported: {sorted(FAMILIES)}")

@@ -79,7 +79,7 @@ class Ingress:
             urls.allowed_domains if urls.allow_http else "off",
             urls.file_root or "off",
         )
-        row_bytes = spec.text_config.hidden_size * 4  # float32: the cache's budget holds whatever the encoders' dtype
+        row_bytes = spec.embedding_width * 4  # float32: the cache's budget holds whatever the encoders' dtype
         self.gen = Generator(
             encoder, llm, self.hub, self.args, self.tokenizer, embedding_row_bytes=row_bytes, metrics=self.metrics
         )
