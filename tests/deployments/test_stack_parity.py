@@ -1,5 +1,5 @@
 """Through the deployed app over HTTP, each family's greedy output equals transformers' generate on the same
-checkpoint: one test per claim, over the four families (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5, LLaVA-NeXT)."""
+checkpoint: one test per claim, over the five families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, LLaVA-NeXT)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,13 @@ from transformers import (
     LlavaNextForConditionalGeneration,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
 )
 
 from demo.tiny_llava import build_llava_checkpoint
 from demo.tiny_llava_next import build_llava_next_checkpoint
 from demo.tiny_qwen2_5_vl import build_qwen2_5_vl_checkpoint
+from demo.tiny_qwen3_vl import build_qwen3_vl_checkpoint
 from tests.deployments.parity import (
     CASES,
     MAX_TOKENS,
@@ -50,6 +52,9 @@ FAMILIES = {
     # NOTE: seed 1: every top-1/top-2 logit gap over these cases' 24 greedy steps is > 0.025 (seed 0: 0.012).
     "qwen2_5_vl": Family("qwen25", lambda d: build_qwen2_5_vl_checkpoint(d / "qwen2.5-vl-tiny", seed=1),
                          Qwen2_5_VLForConditionalGeneration),
+    # DeepStack through the encoder tier: each image's embedding carries its levels (encoders/qwen3_vl.py)
+    "qwen3_vl": Family("qwen3", lambda d: build_qwen3_vl_checkpoint(d / "qwen3-vl-tiny"),
+                       Qwen3VLForConditionalGeneration),
     "llava": Family("llava", lambda d: build_llava_checkpoint(d / "llava-tiny"), LlavaForConditionalGeneration,
                     processor_generate),
     "llava_next": Family("llava-next", lambda d: build_llava_next_checkpoint(d / "llava-next-tiny"),

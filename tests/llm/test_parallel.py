@@ -18,7 +18,9 @@ import torch.multiprocessing as mp
 from demo.build_tiny import build_checkpoint
 from demo.local import free_port
 from demo.tiny_llava import build_llava_checkpoint
+from demo.tiny_qwen3_vl import build_qwen3_vl_checkpoint
 from encoders import Qwen2VLVisionEncoder
+from encoders.qwen3_vl import Qwen3VLVisionEncoder
 from llm import Qwen2LM
 from llm.model.attention import BatchMeta, ChunkSpec
 from llm.model.parallel import ParallelLM, RankFailure, TPGroup, init_process_group, serve_rank
@@ -207,6 +209,40 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(checkpoint, referenc
     for (inp, ref), (ours, _) in zip(requests, asyncio.run(together()), strict=True):
         assert ours == reference_generate(reference, ref, max_new_tokens=inp.request.sampling.max_tokens)
     engine.close()
+
+
+def test_two_ranks_add_qwen3_vls_deepstack_levels_as_one(tmp_path_factory):
+    """Qwen3-VL over two ranks: each holds the whole hidden state, so each adds the step's DeepStack features, sent
+    with its embeddings (ParallelLM): transformers' greedy tokens, in chunks of 7 that cut the images. (Seed 2: there
+    the tokens change when the levels are zeroed: tests/llm/test_qwen3_vl.py.)"""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    ckpt = build_qwen3_vl_checkpoint(tmp_path_factory.mktemp("qwen3-vl") / "tiny", seed=2)
+    reference = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    inp, ref = request_for(
+        ckpt, reference, Qwen3VLVisionEncoder(ckpt), [(120, 80), (64, 200)], seed=1, prefix=[3, 4, 5], max_tokens=6
+    )
+    expected = reference_generate(reference, ref, max_new_tokens=6)
+    # One prefill with random levels at some rows: the ranks' logits are one rank's (a rank that skipped the features
+    # would compute its heads and its vocabulary slice from another hidden state)
+    whole, ids = Qwen2LM.from_pretrained(ckpt), torch.arange(3, 30)
+    rows, features = torch.tensor([4, 5, 6, 9]), torch.randn(4, 2, 64, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(len(ids)).expand(3, -1)
+    meta = lambda: BatchMeta.build([ChunkSpec(list(range(4)), 0, len(ids))], 16, CPU)  # noqa: E731
+    with torch.inference_mode():
+        stack = (rows, 500 * features)  # at the scale of the hidden states where they are added
+        one = whole.logits(whole(whole.embed(ids), positions, whole.new_cache(8, 16), meta(), stack))
+    with ranks(ckpt, 2) as (parallel, _):
+        with torch.inference_mode():
+            parallel.new_cache(8, 16)
+            hidden = parallel(parallel.embed(ids), positions, parallel.local.new_cache(8, 16), meta(), stack)
+            two = parallel.logits(hidden, list(range(len(ids))))
+        torch.testing.assert_close(two, one, rtol=1e-4, atol=1e-5 * one.abs().max().item())
+        engine = make_engine(parallel, reference, max_num_batched_tokens=7, max_model_len=512, num_blocks=64)
+        try:
+            assert asyncio.run(collect(engine, inp))[0] == expected
+        finally:
+            engine.close()
 
 
 def test_three_ranks_give_the_greedy_tokens_of_one_and_of_transformers(odd_checkpoint):
