@@ -143,3 +143,13 @@ def test_llava_full_feature_strategy_keeps_the_cls_token(ray_serve, app_args, tm
     with deployed(ray_serve, app_args, ckpt, "llava-full") as client:
         for case in ("one_image", "three_images"):
             assert_greedy_equals_reference(client, ckpt, reference, CASES[case], generate=processor_generate)
+
+
+def test_qwen3_vl_colocated_equals_transformers(ray_serve, app_args, tmp_path_factory):
+    """Qwen3-VL with no encoder tier: the LLM replica encodes the images itself, DeepStack levels and all, and its
+    greedy tokens are transformers'."""
+    ckpt = build_qwen3_vl_checkpoint(tmp_path_factory.mktemp("qwen3-colocated") / "qwen3-vl-tiny")
+    reference = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with deployed(ray_serve, {**app_args, "encoder": {"colocated": True}}, ckpt, "qwen3-colocated") as client:
+        for case in ("one_image", "three_images"):
+            assert_greedy_equals_reference(client, ckpt, reference, CASES[case])
