@@ -18,7 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.llm.server import LLM
-from encoders import Qwen2VLVisionEncoder, family_of
+from encoders import family_of
 from llm import Qwen2LM
 
 
@@ -57,7 +57,8 @@ class Traced:
 
 class TracingEncoder:
     def __init__(self, model_dir, device="cpu", dtype=torch.float32, *, record_dir: str, config=None):
-        self.inner, self.record_dir = Qwen2VLVisionEncoder(model_dir, device, dtype, config=config), record_dir
+        self.inner = family_of(model_dir).encoder(model_dir, device, dtype, config=config)  # Qwen3-VL's: levels too
+        self.record_dir = record_dir
         self.hidden_size = self.inner.hidden_size
 
     def preprocess(self, image, size=None):

@@ -17,6 +17,7 @@ from ray import serve
 
 from demo.build_tiny import build_checkpoint
 from demo.inputs import data_url, make_image
+from demo.tiny_qwen3_vl import build_qwen3_vl_checkpoint
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
@@ -100,6 +101,30 @@ def test_embeddings_go_through_the_object_store_never_the_ingress(through_the_st
         assert encoded == 2 and (stats["cache_hits"], stats["cache_misses"], stats["cache_objects"]) == (2, 2, 1)
     else:
         assert encoded == 4 and "cache_hits" not in stats
+
+
+def test_qwen3_vls_deepstack_levels_go_through_the_object_store_with_their_image(ray_serve, app_args, tmp_path):
+    """Qwen3-VL: an image's embedding carries its DeepStack levels, (1 + 2) x 64 columns here; it is one object in a
+    node's store, sent to the LLM by ref and deserialized there only, as every family's."""
+    checkpoint = build_qwen3_vl_checkpoint(tmp_path / "qwen3-vl-tiny", seed=2, max_pixels=32 * 32 * 128)
+    images = [make_image(320, 256, seed=30 + i) for i in range(2)]  # 10 x 8 merged: 80 tokens x 192, 60 KiB each
+    record_dir = str(tmp_path / "record")
+    Path(record_dir).mkdir()
+    args = {**app_args, "model": str(checkpoint), "encoder": {"cache_gib": 0, "startup_check": False}}
+    encoder = Encoder.bind(args, model_factory=functools.partial(TracingEncoder, record_dir=record_dir))
+    llm = LLM.options(func_or_class=LocatingLLM).bind(args, record_dir=record_dir)
+    serve.run(Ingress.bind(encoder, llm, args), name="store-q3", route_prefix="/store-q3")
+    try:
+        parts = [{"type": "image_url", "image_url": {"url": data_url(im, fmt="JPEG")}} for im in images]
+        body = {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}], "max_tokens": 3}
+        r = httpx.post(f"{ray_serve}/store-q3/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        serve.delete("store-q3")
+    (where,) = locations(record_dir)  # one encoder call holds both images
+    assert where["size"] > 2 * 80 * 3 * 64 * 4 > inline_limit() and where["nodes"] >= 1, where  # the levels too
+    seen = deserializations(record_dir)
+    assert seen == ["store-q3:LLM"] * 2, seen  # each image's tensor, levels and all, deserialized by the LLM only
 
 
 def _wait(condition, cap_s: float = 60.0) -> None:
