@@ -190,7 +190,7 @@ def build_checkpoint(
 ) -> Path:  # fmt: skip
     """Write config, random weights, tokenizer, generation and image-processor configs into out_dir."""
     import torch
-    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if layout not in ("hub", "legacy"):
@@ -223,23 +223,32 @@ def build_checkpoint(
     torch.manual_seed(seed)  # the constructor's own init is overwritten, but keep it reproducible too
     model = Qwen2VLForConditionalGeneration(config).eval()
     init_weights(model, seed, init_std)
+    save_qwen(model, tokenizer, ids, out)
+    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(out)
+    if layout == "legacy":
+        to_legacy_layout(out / "model.safetensors")
+    return out
+
+
+def save_qwen(model, tokenizer, ids: dict[str, int], out: Path) -> None:
+    """A tiny Qwen-VL model's last steps (Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's builders): output rows greedy decoding
+    must never pick zeroed, the generation config, the weights and the tokenizer saved in `out`."""
+    import torch
+    from transformers import GenerationConfig
+
+    eot, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
     with torch.no_grad():
         # Zero output rows get logit 0, far below the random winners, so greedy decoding never emits
         # them: the ids past the tokenizer (they only pad the matrix to a multiple of 64) and the
         # vision placeholders, which a real model never generates and a server must not re-expand.
         never = [i for t, i in ids.items() if t.startswith("<|vision") or t.endswith("_pad|>")]
-        never += range(len(tokenizer), config.text_config.vocab_size)
+        never += range(len(tokenizer), model.config.text_config.vocab_size)
         model.lm_head.weight[never] = 0.0
-
     model.generation_config = GenerationConfig(
         eos_token_id=[im_end, eot], pad_token_id=eot, bos_token_id=eot, do_sample=False
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)  # also writes chat_template.jinja, where processor loaders look
-    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(out)
-    if layout == "legacy":
-        to_legacy_layout(out / "model.safetensors")
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 # NOTE: the tokenizer, chat template, seeded init and legacy renaming are Qwen2-VL's builder's: Qwen2.5-VL uses the
 # same tokenizer, special tokens and chat template, and the same two safetensors layouts.
-from demo.build_tiny import SPECIAL_TOKENS, build_tokenizer, init_weights, mrope_section, to_legacy_layout
+from demo.build_tiny import SPECIAL_TOKENS, build_tokenizer, init_weights, mrope_section, save_qwen, to_legacy_layout
 
 # OpenAI CLIP statistics, as every Qwen2.5-VL preprocessor_config.json names them.
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -27,7 +27,7 @@ def build_qwen2_5_vl_checkpoint(
     The ViT has 3 blocks, block 1 full attention and blocks 0 and 2 windowed; its windows are 2x2 merged tokens
     (window_size 56 px), so every test image above 56x56 is cut into several windows, edge windows partial."""
     import torch
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     if layout not in ("hub", "legacy"):
         raise ValueError(f"layout must be 'hub' or 'legacy', got {layout!r}")
@@ -59,17 +59,7 @@ def build_qwen2_5_vl_checkpoint(
     torch.manual_seed(seed)  # the constructor's own init is overwritten, but keep it reproducible too
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     init_weights(model, seed, init_std)
-    with torch.no_grad():
-        # As in build_tiny: rows that greedy decoding must never pick (vision placeholders, vocab padding) get 0.
-        never = [i for t, i in ids.items() if t.startswith("<|vision") or t.endswith("_pad|>")]
-        never += range(len(tokenizer), config.text_config.vocab_size)
-        model.lm_head.weight[never] = 0.0
-
-    model.generation_config = GenerationConfig(
-        eos_token_id=[im_end, eot], pad_token_id=eot, bos_token_id=eot, do_sample=False
-    )
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    save_qwen(model, tokenizer, ids, out)
     # NOTE: written as the hub's Qwen2.5-VL checkpoints write it (top-level min/max_pixels, Qwen2-VL's processor
     # class), not as save_pretrained would (size{}): both forms are in the wild, Qwen2-VL's builder covers the other.
     preprocessor = {

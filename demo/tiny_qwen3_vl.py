@@ -8,7 +8,7 @@ from pathlib import Path
 
 # NOTE: the tokenizer and seeded init are Qwen2-VL's builder's: Qwen3-VL keeps Qwen2-VL's vision special tokens
 # (<|vision_start|>, <|image_pad|>, <|video_pad|>, ...), which is all the tests of the tower and its token counts need.
-from demo.build_tiny import SPECIAL_TOKENS, build_tokenizer, init_weights
+from demo.build_tiny import SPECIAL_TOKENS, build_tokenizer, init_weights, save_qwen
 
 # Qwen3-VL's preprocessor_config.json normalizes with mean = std = 0.5 (not CLIP's statistics, as Qwen2-VL did).
 _HALF = [0.5, 0.5, 0.5]
@@ -37,7 +37,7 @@ def build_qwen3_vl_checkpoint(
     ~500 after its first layer at init std 1.0): each level then moves the greedy tokens, so a test fails when one
     is dropped, misplaced or added twice (at ~3.5 none did)."""
     import torch
-    from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -76,16 +76,7 @@ def build_qwen3_vl_checkpoint(
                 param.mul_(vision_std / init_std)
             if "deepstack_merger_list." in name and "linear_fc2" in name:
                 param.mul_(deepstack_gain)
-        # As in build_tiny: rows that greedy decoding must never pick (vision placeholders, vocab padding) get 0.
-        never = [i for t, i in ids.items() if t.startswith("<|vision") or t.endswith("_pad|>")]
-        never += range(len(tokenizer), config.text_config.vocab_size)
-        model.lm_head.weight[never] = 0.0
-
-    model.generation_config = GenerationConfig(
-        eos_token_id=[im_end, eot], pad_token_id=eot, bos_token_id=eot, do_sample=False
-    )
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    save_qwen(model, tokenizer, ids, out)
     # As the hub's Qwen3-VL checkpoints write it (size{} in pixels; patch 16, so the resize factor is 32), with a
     # tiny pixel budget: 4 to 64 merged tokens an image.
     preprocessor = {
