@@ -27,13 +27,13 @@ import torch
 from torch import nn
 
 from encoders.qwen_vit import (
+    AxialRotary,
     VisionAttention,
     VisionBlock,
     activation,
     frame_lengths,
     grids_of,
     position_ids,
-    rope_theta,
 )
 
 
@@ -141,22 +141,7 @@ class Qwen3VLViT(nn.Module):
             raise ValueError(f"deepstack_visual_indexes {levels} must be increasing block indexes below {depth}")
         self.deepstack = dict(zip(levels, range(len(levels))))  # block -> its merger
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(d, self.merge, out, postshuffle=True) for _ in levels)
-        # 2-D axial rope, as Qwen2-VL's (qwen_vit._QwenViT): computed on the CPU in float32 whatever the device
-        # the module is built on or its dtype; not a buffer, so neither state_dict nor `.to()` touches it.
-        half = d // heads // 2
-        exponent = torch.arange(0, half, 2, dtype=torch.float32, device="cpu") / half
-        self.inv_freq = 1.0 / (rope_theta(config) ** exponent)  # (head_dim / 4,)
-
-    def rotary(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (n, 1, head_dim), float32 on `device`, of the patches at `positions` ((n, 2) rows, columns):
-        [rows, columns] for each half of the head."""
-        if self.inv_freq.device != device:
-            self.inv_freq = self.inv_freq.to(device)
-        angles = positions.to(device).unsqueeze(-1).float() * self.inv_freq  # (n, 2, head_dim / 4)
-        cos, sin = angles.cos(), angles.sin()
-        cos = torch.cat([cos[:, 0], cos[:, 1], cos[:, 0], cos[:, 1]], dim=-1).unsqueeze(1)
-        sin = torch.cat([sin[:, 0], sin[:, 1], sin[:, 0], sin[:, 1]], dim=-1).unsqueeze(1)
-        return cos, sin
+        self.rotary = AxialRotary(config, d)  # Qwen2-VL's 2-D rope
 
     def position_embeddings(self, positions: torch.Tensor, extents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(n, hidden_size) in `dtype`: the learned table resampled at each patch. The weighted sum is float32 (the

@@ -218,6 +218,29 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.width))
 
 
+class AxialRotary:
+    """2-D axial rope: a quarter of each head's dims rotate with the row, a quarter with the column, each half of the
+    head (rotate_half's pairs) with both. The frequencies are computed on the CPU, in float32, whatever the device the
+    tower is built on (meta, before the weights are assigned) or its dtype: not a buffer, so neither state_dict,
+    `.to(meta)` nor `.to(bfloat16)` touches them (a bf16 inv_freq would misplace patches). Every Qwen tower's."""
+
+    def __init__(self, config: Any, width: int):
+        half = width // int(config.num_heads) // 2
+        exponent = torch.arange(0, half, 2, dtype=torch.float32, device="cpu") / half
+        self.inv_freq = 1.0 / (rope_theta(config) ** exponent)  # (head_dim / 4,)
+
+    def __call__(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (n, 1, head_dim), float32 on `device`, of the patches at `positions` ((n, 2) rows, columns)."""
+        if self.inv_freq.device != device:
+            self.inv_freq = self.inv_freq.to(device)
+        angles = positions.to(device).unsqueeze(-1).float() * self.inv_freq  # (n, 2, head_dim / 4)
+        cos, sin = angles.cos(), angles.sin()
+        # [rows, columns] for each half of the head
+        cos = torch.cat([cos[:, 0], cos[:, 1], cos[:, 0], cos[:, 1]], dim=-1).unsqueeze(1)
+        sin = torch.cat([sin[:, 0], sin[:, 1], sin[:, 0], sin[:, 1]], dim=-1).unsqueeze(1)
+        return cos, sin
+
+
 class _QwenViT(nn.Module):
     """What both towers share: the patch embedding, the blocks, the merger, the rotary angles."""
 
@@ -230,24 +253,7 @@ class _QwenViT(nn.Module):
         )
         self.blocks = nn.ModuleList(blocks)
         self.merger = PatchMerger(out_dim, width, self.merge, ln_q)
-        # 2-D axial rope: a quarter of each head's dims rotate with the row, a quarter with the column, each half of
-        # the head (rotate_half's pairs) with both. The frequencies are computed on the CPU, in float32, whatever the
-        # device the module is built on (meta, before the weights are assigned) or its dtype: not a buffer, so
-        # neither state_dict, `.to(meta)` nor `.to(bfloat16)` touches them (a bf16 inv_freq would misplace patches).
-        half = width // int(config.num_heads) // 2
-        exponent = torch.arange(0, half, 2, dtype=torch.float32, device="cpu") / half
-        self.inv_freq = 1.0 / (rope_theta(config) ** exponent)  # (head_dim / 4,)
-
-    def rotary(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (n, 1, head_dim), float32 on `device`, of the patches at `positions` ((n, 2) rows, columns)."""
-        if self.inv_freq.device != device:
-            self.inv_freq = self.inv_freq.to(device)
-        angles = positions.to(device).unsqueeze(-1).float() * self.inv_freq  # (n, 2, head_dim / 4)
-        cos, sin = angles.cos(), angles.sin()
-        # [rows, columns] for each half of the head
-        cos = torch.cat([cos[:, 0], cos[:, 1], cos[:, 0], cos[:, 1]], dim=-1).unsqueeze(1)
-        sin = torch.cat([sin[:, 0], sin[:, 1], sin[:, 0], sin[:, 1]], dim=-1).unsqueeze(1)
-        return cos, sin
+        self.rotary = AxialRotary(config, width)
 
     def _check(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> None:
         patches = sum(t * h * w for t, h, w in grids)
