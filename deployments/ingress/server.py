@@ -35,6 +35,7 @@ from deployments.ingress.responses import (
     system_fingerprint,
     with_deadline,
 )
+from deployments.ingress.responses_api import ResponseState, response_body, response_stream
 from deployments.ingress.sampling import sampling_params
 from deployments.ingress.text_completions import text_completion, text_sse_stream
 from deployments.ingress.tokens import TokenRoutes
@@ -46,6 +47,7 @@ from schemas import AppArgs, InvalidRequest
 from schemas.completions import CompletionRequest
 from schemas.openai import ChatCompletionRequest
 from schemas.requests import GenerationRequest
+from schemas.responses import ResponsesRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -88,6 +90,7 @@ class Ingress:
         self.routes = {
             "/v1/chat/completions": ("POST", self.chat),
             "/v1/completions": ("POST", self.completions),
+            "/v1/responses": ("POST", self.responses),
             "/tokenize": ("POST", tokens.tokenize),
             "/detokenize": ("POST", tokens.detokenize),
             "/v1/models": ("GET", info.models),
@@ -103,8 +106,9 @@ class Ingress:
             hub.close()
 
     async def __call__(self, request: Request) -> Response:
-        kind = "cmpl" if route_path(request) == "/v1/completions" else "chatcmpl"  # the completion's id, as OpenAI
-        request_id = f"{kind}-{uuid.uuid4().hex}"
+        # the completion's (the response's) id, as OpenAI's
+        kind = {"/v1/completions": "cmpl-", "/v1/responses": "resp_"}.get(route_path(request), "chatcmpl-")
+        request_id = f"{kind}{uuid.uuid4().hex}"
         if request.method == "OPTIONS":  # CORS preflight: browsers send no credentials with it
             response = self.gate.preflight(request)
         else:
@@ -187,16 +191,18 @@ class Ingress:
         }
         return prompts, head, with_deadline(interleave(firsts, streams), deadline, timeout_s), log
 
-    async def chat(self, request: Request, request_id: str) -> Response:
-        started = time.monotonic()
-        req = parse(ChatCompletionRequest, await read_json(request, self.args.limits.max_request_bytes))
-
+    def _chat_prepare(self, req: ChatCompletionRequest, request: Request) -> Callable[[], Awaitable[list[Prepared]]]:
         async def prepare() -> list[Prepared]:
             self.prep.check(req)
             scope = cache_scope(getattr(request.state, "tenant", None), req.cache_salt)
             return [await asyncio.to_thread(self.prep.prepare, req, await self.fetcher.fetch_request(req), scope)]
 
-        [p], head, events, log = await self._run(req, prepare, request_id, started)
+        return prepare
+
+    async def chat(self, request: Request, request_id: str) -> Response:
+        started = time.monotonic()
+        req = parse(ChatCompletionRequest, await read_json(request, self.args.limits.max_request_bytes))
+        [p], head, events, log = await self._run(req, self._chat_prepare(req, request), request_id, started)
         headers = {"X-Dropped-Messages": str(p.dropped_messages)} if p.dropped_messages else None
         boxes = functools.partial(
             pixel_boxes,
@@ -215,6 +221,24 @@ class Ingress:
         body, choices = await completion(req, head, p.prompt, events, self.tokenizer, boxes, parses_tools(req))
         self._log(log, choices)
         return JSONResponse(body.model_dump(), headers=headers)
+
+    async def responses(self, request: Request, request_id: str) -> Response:
+        """POST /v1/responses: OpenAI's Responses API, run as the chat request it translates to (schemas/responses.py):
+        one choice, its message and function calls as output items, or its typed events when streamed."""
+        started = time.monotonic()
+        rreq = parse(ResponsesRequest, await read_json(request, self.args.limits.max_request_bytes))
+        req = parse(ChatCompletionRequest, rreq.chat_body())
+        [p], _, events, log = await self._run(req, self._chat_prepare(req, request), request_id, started)
+        state = ResponseState(rreq, req, request_id, self.args.model_name, len(p.prompt))
+        tools = parses_tools(req)
+        if rreq.stream:
+            done = lambda choices: self._log(log, choices)  # noqa: E731
+            return StreamingResponse(
+                response_stream(state, events, tools, request_id, done), media_type="text/event-stream"
+            )
+        body, choice = await response_body(state, events, tools)
+        self._log(log, [choice])
+        return JSONResponse(body)
 
     async def completions(self, request: Request, request_id: str) -> Response:
         """POST /v1/completions: plain prompts, no chat template, no images; the same engine path as chat."""

@@ -24,6 +24,21 @@ ROOTS = (
     "ListModelsResponse",
     "Model",
     "CreateCompletionResponse",
+    # POST /v1/responses: the object, and the stream events this server sends
+    "Response",
+    "ResponseCreatedEvent",
+    "ResponseInProgressEvent",
+    "ResponseCompletedEvent",
+    "ResponseIncompleteEvent",
+    "ResponseOutputItemAddedEvent",
+    "ResponseOutputItemDoneEvent",
+    "ResponseContentPartAddedEvent",
+    "ResponseContentPartDoneEvent",
+    "ResponseTextDeltaEvent",
+    "ResponseTextDoneEvent",
+    "ResponseFunctionCallArgumentsDeltaEvent",
+    "ResponseFunctionCallArgumentsDoneEvent",
+    "ResponseErrorEvent",
 )
 PREFIX = "#/components/schemas/"
 OUT = Path(__file__).with_name("openai.json")

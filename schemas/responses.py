@@ -1,0 +1,151 @@
+"""POST /v1/responses, OpenAI's Responses API, as its wire format: the request, and its translation into the chat
+request every route runs as (`ResponsesRequest.chat_body`, then `ChatCompletionRequest`'s own validation), so that
+limits, images, grammars, tools, cancellation and metrics are chat's, with no second pipeline.
+
+What is refused, by name: `previous_response_id` and `store: true` (no response is kept here), an input item or a
+content part other than those below (files, hosted tools, reasoning), and every field the API has that is not here
+(`include`, `reasoning`, `background`, ...: Strict)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from schemas.errors import InvalidRequest
+from schemas.requests import NO_EFFECT, Strict, unsupported
+
+
+class ResponsesRequest(Strict):
+    ACCEPTED: ClassVar[frozenset[str]] = NO_EFFECT - {"store"}  # metadata, user, ...: nothing to do with the tokens
+
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(description="A string (one user message), or input items.")
+    instructions: str | None = Field(None, description="A system message before the input.")
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None  # not OpenAI's; as chat's (vLLM takes it too)
+    stop: str | list[str] | None = None  # not OpenAI's; as chat's
+    stream: bool = False
+    text: dict[str, Any] | None = Field(None, description="`format`: text, json_object or json_schema.")
+    tools: list[dict[str, Any]] = Field(default_factory=list, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    truncation: Literal["auto", "disabled"] = Field(
+        "disabled", description="auto: drop the oldest whole turns to fit the context; disabled: a 400."
+    )
+    previous_response_id: str | None = None
+    store: bool | None = None
+
+    @model_validator(mode="after")
+    def _nothing_stored(self) -> ResponsesRequest:
+        if self.previous_response_id is not None:
+            raise unsupported(
+                "previous_response_id", "no response is stored here: send the conversation as `input` items"
+            )
+        if self.store:
+            raise unsupported("store", "no response is stored here: leave `store` out or send false")
+        return self
+
+    @property
+    def text_format(self) -> dict[str, Any]:
+        return (self.text or {}).get("format") or {"type": "text"}
+
+    def chat_body(self) -> dict[str, Any]:
+        """The same request as chat's JSON body (for `ChatCompletionRequest`'s validation)."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": _messages(self.instructions, self.input),
+            "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "context_overflow": "drop_oldest_turns" if self.truncation == "auto" else "error",
+        }
+        if self.tools:
+            body["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"] = _tool_choice(self.tool_choice)
+        fmt = self.text_format
+        if fmt.get("type") == "json_schema":
+            spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+            body["response_format"] = {"type": "json_schema", "json_schema": spec}
+        elif fmt.get("type") == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif fmt.get("type") != "text":
+            raise InvalidRequest(f"text.format type {fmt.get('type')!r} is not supported", param="text.format")
+        return {k: v for k, v in body.items() if v is not None}
+
+
+def _messages(instructions: str | None, items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Instructions and input items as chat messages: messages as they are (their parts renamed), each run of
+    function calls as one assistant message's tool_calls, each call's output as a tool message."""
+    out: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    if isinstance(items, str):
+        return [*out, {"role": "user", "content": items}]
+    for i, item in enumerate(items):
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise InvalidRequest(f"input[{i}].role {role!r} is not supported", param=f"input[{i}].role")
+            content = item.get("content")
+            parts = content if isinstance(content, str) else [_part(i, k, p) for k, p in enumerate(content or [])]
+            out.append({"role": role, "content": parts})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function"}
+            call["function"] = {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not out[-1].get("content"):
+                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else "".join(p.get("text", "") for p in output or [])
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        else:
+            raise InvalidRequest(
+                f"input[{i}]: items of type {kind!r} are not supported (message, function_call, function_call_output)",
+                param=f"input[{i}].type",
+            )
+    return out
+
+
+def _part(i: int, k: int, part: dict[str, Any]) -> dict[str, Any]:
+    kind = part.get("type")
+    if kind in ("input_text", "output_text"):
+        return {"type": "text", "text": part.get("text")}
+    if kind == "input_image":
+        if part.get("image_url") is None:  # file_id: no file store here
+            raise InvalidRequest(
+                f"input[{i}].content[{k}]: an input_image needs an image_url (no file_id: files are not stored here)",
+                param=f"input[{i}].content[{k}].image_url",
+            )
+        return {"type": "image_url", "image_url": {"url": part["image_url"], "detail": part.get("detail", "auto")}}
+    raise InvalidRequest(
+        f"input[{i}].content[{k}]: parts of type {kind!r} are not supported (input_text, input_image)",
+        param=f"input[{i}].content[{k}].type",
+    )
+
+
+def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise InvalidRequest(
+            f"tools[{i}]: tools of type {tool.get('type')!r} are not supported (function)", param=f"tools[{i}].type"
+        )
+    keys = ("name", "description", "parameters", "strict")
+    return {"type": "function", "function": {k: tool[k] for k in keys if tool.get(k) is not None}}
+
+
+def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise InvalidRequest(f"tool_choice of type {choice.get('type')!r} is not supported", param="tool_choice")
+
+
+__all__ = ["ResponsesRequest"]
