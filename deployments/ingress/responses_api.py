@@ -71,11 +71,20 @@ class ResponseState:
             "temperature": r.temperature,
             "text": {"format": r.text_format},
             "tool_choice": r.tool_choice if r.tool_choice is not None else ("auto" if r.tools else "none"),
-            "tools": r.tools,
+            "tools": [_echo_tool(t) for t in r.tools],
             "top_p": r.top_p,
             "truncation": r.truncation,
             "metadata": {},
         } | ({"usage": _usage(self.n_prompt, choice)} if done else {})  # in progress: none yet (not null)
+
+
+def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool as the response names it (OpenAI's FunctionTool: parameters and strict always there)."""
+    out = {"type": "function", "name": tool.get("name")}
+    if tool.get("description"):
+        out["description"] = tool["description"]
+    return out | {"parameters": tool.get("parameters") or {"type": "object", "properties": {}},
+                  "strict": bool(tool.get("strict", False))}  # fmt: skip
 
 
 def _usage(n_prompt: int, c: ChoiceState) -> dict[str, Any]:
@@ -182,7 +191,7 @@ async def response_stream(
             )  # fmt: skip
             yield event(
                 "response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                arguments=call.arguments,
+                name=call.name, arguments=call.arguments,
             )  # fmt: skip
             done = state.function_call(call, call.arguments, "completed")
             state.output.append(done)

@@ -150,6 +150,29 @@ def test_every_body_and_event_validates(base_url):
         assert_valid(names[event["type"]], event)
 
 
+def test_a_response_with_function_calls_validates(tools_app):
+    client, _ = tools_app
+    body = {"model": "qwen2-vl-tiny", "input": "Weather in Oslo?", "tools": [WEATHER], "tool_choice": "required",
+            "temperature": 0, "max_output_tokens": 120}  # fmt: skip
+    r = client.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    assert [item["type"] for item in r.json()["output"]] == ["function_call"]
+    assert_valid("Response", r.json())
+    with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        events = [json.loads(line.removeprefix("data: ")) for line in r.iter_lines() if line.startswith("data: ")]
+    names = {
+        "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaEvent",
+        "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneEvent",
+        "response.output_item.added": "ResponseOutputItemAddedEvent",
+        "response.output_item.done": "ResponseOutputItemDoneEvent",
+        "response.completed": "ResponseCompletedEvent",
+    }
+    for event in events:
+        if event["type"] in names:
+            assert_valid(names[event["type"]], event)
+    assert "response.function_call_arguments.done" in {e["type"] for e in events}
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
