@@ -14,7 +14,7 @@ from schemas import AuthArgs, InvalidRequest
 
 _PREFLIGHT = {
     "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-    "Access-Control-Allow-Headers": "Authorization, Content-Type",
+    "Access-Control-Allow-Headers": "Authorization, Content-Type, x-api-key",
     "Access-Control-Max-Age": "600",
 }
 
@@ -40,9 +40,13 @@ class Gate:
         if not self._digests:
             return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" and (key := request.headers.get("x-api-key")):  # Anthropic's clients' header
+            scheme, token = "bearer", key
         if scheme.lower() != "bearer" or not token.strip():
             raise InvalidRequest(
-                "no API key: send the header Authorization: Bearer <key>", status=401, code="invalid_api_key"
+                "no API key: send the header Authorization: Bearer <key> (or x-api-key: <key>)",
+                status=401,
+                code="invalid_api_key",
             )
         digest, ok = _digest(token.strip()), False
         for known in self._digests:  # no early exit: the time does not say which key came close

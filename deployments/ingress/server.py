@@ -25,6 +25,7 @@ from deployments.ingress.generate import Generator
 from deployments.ingress.grounding import GroundingTokens, pixel_boxes
 from deployments.ingress.http import error_response, head_only, parse, read_json, route_path
 from deployments.ingress.info import InfoRoutes
+from deployments.ingress.messages_api import MessageState, anthropic_error, message_body, message_stream
 from deployments.ingress.prepare import Prepared, Preparer
 from deployments.ingress.responses import (
     ChoiceState,
@@ -44,6 +45,7 @@ from deployments.metrics import IngressMetrics, heap_census
 from deployments.replica import DRAIN_POLL_S, this_replica
 from encoders import ModelSpec, cache_scope
 from schemas import AppArgs, InvalidRequest
+from schemas.anthropic import MessagesRequest
 from schemas.completions import CompletionRequest
 from schemas.openai import ChatCompletionRequest
 from schemas.requests import GenerationRequest
@@ -91,6 +93,7 @@ class Ingress:
             "/v1/chat/completions": ("POST", self.chat),
             "/v1/completions": ("POST", self.completions),
             "/v1/responses": ("POST", self.responses),
+            "/v1/messages": ("POST", self.messages),
             "/tokenize": ("POST", tokens.tokenize),
             "/detokenize": ("POST", tokens.detokenize),
             "/v1/models": ("GET", info.models),
@@ -107,7 +110,9 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         # the completion's (the response's) id, as OpenAI's
-        kind = {"/v1/completions": "cmpl-", "/v1/responses": "resp_"}.get(route_path(request), "chatcmpl-")
+        kind = {"/v1/completions": "cmpl-", "/v1/responses": "resp_", "/v1/messages": "msg_"}.get(
+            route_path(request), "chatcmpl-"
+        )
         request_id = f"{kind}{uuid.uuid4().hex}"
         if request.method == "OPTIONS":  # CORS preflight: browsers send no credentials with it
             response = self.gate.preflight(request)
@@ -136,7 +141,8 @@ class Ingress:
                 raise InvalidRequest(f"{request.url.path} takes {method}, not {request.method}", status=405)
             response = await handler(request, request_id)
         except Exception as e:
-            response = error_response(e, request_id)
+            # Anthropic's clients read Anthropic's error body
+            response = anthropic_error(e, request_id) if path == "/v1/messages" else error_response(e, request_id)
             if response.status_code == 401:
                 response.headers["WWW-Authenticate"] = "Bearer"
         return head_only(response) if request.method == "HEAD" else response
@@ -237,6 +243,24 @@ class Ingress:
                 response_stream(state, events, tools, request_id, done), media_type="text/event-stream"
             )
         body, choice = await response_body(state, events, tools)
+        self._log(log, [choice])
+        return JSONResponse(body)
+
+    async def messages(self, request: Request, request_id: str) -> Response:
+        """POST /v1/messages: Anthropic's Messages API, run as the chat request it translates to (schemas/anthropic.py):
+        one choice, its text and tool_use blocks, or Anthropic's events when streamed."""
+        started = time.monotonic()
+        mreq = parse(MessagesRequest, await read_json(request, self.args.limits.max_request_bytes))
+        req = parse(ChatCompletionRequest, mreq.chat_body())
+        [p], _, events, log = await self._run(req, self._chat_prepare(req, request), request_id, started)
+        state = MessageState(req, request_id, self.args.model_name, len(p.prompt))
+        tools = parses_tools(req)
+        if mreq.stream:
+            done = lambda choices: self._log(log, choices)  # noqa: E731
+            return StreamingResponse(
+                message_stream(state, events, tools, request_id, done), media_type="text/event-stream"
+            )
+        body, choice = await message_body(state, events, tools)
         self._log(log, [choice])
         return JSONResponse(body)
 

@@ -1,0 +1,126 @@
+"""POST /v1/messages (Anthropic's Messages API) through the deployed app with the `anthropic` SDK, unchanged: text, an
+image (base64 source), streamed, a tool loop (tool_use, then tool_result); greedy text equal to chat's for the same
+conversation (one request model inside); errors in Anthropic's shape; `x-api-key` taken like the bearer key."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import anthropic
+import httpx
+import pytest
+
+from demo.inputs import data_url, make_image
+from tests.helpers import DEMO_KEY
+
+pytestmark = pytest.mark.e2e
+
+PNG = make_image(120, 80, seed=1)
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "maximum": 7}},
+        "required": ["city", "days"],
+    },
+}
+
+
+def _client(base_url: str, **kw) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=str(base_url).rstrip("/"), api_key="unused", max_retries=0, timeout=120, **kw)
+
+
+def _png_b64() -> str:
+    buf = io.BytesIO()
+    PNG.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _chat_text(base_url: str, messages: list, max_tokens: int) -> str:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_text_and_an_image_are_chats(base_url):
+    client = _client(base_url)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _png_b64()}}
+    out = client.messages.create(
+        model="qwen2-vl-tiny", max_tokens=10, extra_body={"temperature": 0}, system="Be brief.",
+        messages=[{"role": "user", "content": [image, {"type": "text", "text": "What is in it?"}]}],
+    )  # fmt: skip
+    assert out.type == "message" and out.role == "assistant" and out.stop_reason in ("end_turn", "max_tokens")
+    parts = [{"type": "image_url", "image_url": {"url": data_url(PNG)}}, {"type": "text", "text": "What is in it?"}]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+    assert out.content[0].text == _chat_text(base_url, chat, 10)
+    assert out.usage.input_tokens > 20 and out.usage.output_tokens <= 10
+
+
+def test_max_tokens_is_the_stop_reason_when_cut(base_url):
+    out = _client(base_url).messages.create(
+        model="qwen2-vl-tiny", max_tokens=3, messages=[{"role": "user", "content": "Talk for a long time."}]
+    )
+    assert out.stop_reason == "max_tokens" and out.usage.output_tokens == 3
+
+
+def test_the_stream_is_the_unstreamed_answer(base_url):
+    client = _client(base_url)
+    ask = {"model": "qwen2-vl-tiny", "max_tokens": 12, "extra_body": {"temperature": 0},
+           "messages": [{"role": "user", "content": "Tell me about red circles."}]}  # fmt: skip
+    whole = client.messages.create(**ask)
+    with client.messages.stream(**ask) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert final.content[0].text == whole.content[0].text and final.stop_reason == whole.stop_reason
+
+
+def test_a_tool_loop(tools_app):
+    client, _ = tools_app
+    claude = _client(client.base_url)
+    ask = {"model": "qwen2-vl-tiny", "max_tokens": 120, "extra_body": {"temperature": 0}, "tools": [WEATHER]}
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    first = claude.messages.create(**ask, messages=[question], tool_choice={"type": "any"})
+    uses = [block for block in first.content if block.type == "tool_use"]
+    assert first.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
+    assert set(uses[0].input) == {"city", "days"}
+    results = [{"type": "tool_result", "tool_use_id": u.id, "content": "sunny"} for u in uses]
+    history = [question, {"role": "assistant", "content": [u.model_dump() for u in uses]},
+               {"role": "user", "content": results}]  # fmt: skip
+    second = claude.messages.create(**ask, messages=history, tool_choice={"type": "none"})
+    assert second.stop_reason in ("end_turn", "max_tokens") and second.content[0].type == "text"
+    with claude.messages.stream(**ask, messages=[question], tool_choice={"type": "tool", "name": "get_weather"}) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["tool_use"] and set(final.content[0].input) == {"city", "days"}
+
+
+def test_errors_are_anthropics_shape(base_url):
+    r = httpx.post(f"{base_url}/v1/messages", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error" and "max_tokens" in r.json()["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="thinking"):
+        thinking = {"type": "enabled", "budget_tokens": 1024}
+        _client(base_url).messages.create(
+            model="qwen2-vl-tiny", max_tokens=5, thinking=thinking, messages=[{"role": "user", "content": "hi"}]
+        )
+
+
+def test_x_api_key_is_taken_like_the_bearer_key(demo_app):
+    """The demo app has an API key. Anthropic's API takes it as x-api-key (curl and older clients send that); the
+    SDK (2.10) sends it as a bearer token: both are taken."""
+    url = str(demo_app.base_url).rstrip("/")
+    ask = {"model": "qwen2-vl-shapes", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{url}/v1/messages", json=ask, headers={"x-api-key": DEMO_KEY}, timeout=60)
+    assert r.status_code == 200 and r.json()["type"] == "message", r.text
+    r = httpx.post(f"{url}/v1/messages", json=ask, headers={"x-api-key": "wrong"}, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(f"{url}/v1/messages", json=ask, timeout=60)  # no key
+    assert r.status_code == 401 and json.loads(r.text)["error"]["type"] == "authentication_error"
+    out = anthropic.Anthropic(base_url=url, api_key=DEMO_KEY, max_retries=0, timeout=120).messages.create(**ask)
+    assert out.content
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0, timeout=120).messages.create(**ask)
