@@ -21,7 +21,7 @@ BLOCKS = dict(re.findall(r"^```python clients:(\w+)\n(.*?)^```", DOC.read_text()
 
 
 def test_the_doc_has_its_recipes():
-    assert sorted(BLOCKS) == ["image", "json", "parse", "tools"]
+    assert sorted(BLOCKS) == ["image", "json", "messages", "parse", "responses", "tools"]
 
 
 @pytest.fixture(scope="module")
@@ -77,4 +77,18 @@ def test_the_tool_loop_answers_after_the_tool_result(run):
 def test_the_image_url_is_fetched(run):
     Handler.seen.clear()
     assert run("image")["completion"].choices[0].message.content
+    assert [s["path"] for s in Handler.seen] == ["/img.png"]
+
+
+def test_the_responses_recipe_streams_an_answer_about_the_fetched_image(run):
+    Handler.seen.clear()
+    ns = run("responses")
+    assert ns["response"].output_text == ns["text"] and ns["text"]
+    assert [s["path"] for s in Handler.seen] == ["/img.png"]
+
+
+def test_the_messages_recipe_answers_about_the_fetched_image(run):
+    Handler.seen.clear()
+    message = run("messages")["message"]
+    assert message.content[0].text and message.stop_reason in ("end_turn", "max_tokens")
     assert [s["path"] for s in Handler.seen] == ["/img.png"]

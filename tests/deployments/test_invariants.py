@@ -167,6 +167,21 @@ def test_error_after_first_token_is_an_event_the_client_raises(instrumented):
     assert ok.usage.completion_tokens == 3
 
 
+def test_an_error_after_the_first_byte_is_each_apis_error_event(instrumented):
+    """The Responses API's `error` event and Anthropic's, as chat's: the 200 and the text made before the fault went
+    out, then the event (the LM here fails at position 40)."""
+    ask = {"model": "qwen2-vl-tiny", "stream": True, "temperature": 0}
+    responses = {**ask, "input": "hi", "max_output_tokens": 200}
+    messages = {**ask, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
+    for route, body in (("responses", responses), ("messages", messages)):
+        with httpx.stream("POST", f"{instrumented}/v1/{route}", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        assert len(events) > 3 and events[-1]["type"] == "error", events[-3:]
+        error = events[-1] if route == "responses" else events[-1]["error"]
+        assert "internal error (request " in error["message"]
+
+
 def test_llm_refuses_embeddings_that_are_not_refs(base_url):
     """The LLM checks what it receives, so a future ingress that awaited the embeddings would fail loudly."""
     llm = serve.get_deployment_handle("LLM", app_name="vlm")

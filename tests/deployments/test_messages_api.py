@@ -98,6 +98,42 @@ def test_a_tool_loop(tools_app):
     assert [b.type for b in final.content] == ["tool_use"] and set(final.content[0].input) == {"city", "days"}
 
 
+def test_bodies_and_events_are_anthropics_documented_shapes(base_url):
+    """Validated by the SDK's own types (generated from Anthropic's API reference), strictly."""
+    from anthropic.types import Message, RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _png_b64()}}
+    body = {"model": "qwen2-vl-tiny", "max_tokens": 6,
+            "messages": [{"role": "user", "content": [image, {"type": "text", "text": "Hi"}]}]}  # fmt: skip
+    r = httpx.post(f"{base_url}/v1/messages", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    Message.model_validate(r.json(), strict=True)
+    with httpx.stream("POST", f"{base_url}/v1/messages", json={**body, "stream": True}, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    adapter = TypeAdapter(RawMessageStreamEvent)
+    assert [adapter.validate_python(e, strict=True).type for e in events][-1] == "message_stop"
+
+
+def test_the_chat_rules_hold_a_bad_image_and_a_forbidden_url(base_url):
+    """The same 4xx as chat for an image that does not decode and for a URL the server may not fetch (the app
+    allows 127.0.0.1 only): each check is chat's own."""
+    bad = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}}
+    private = {"type": "image", "source": {"type": "url", "url": "http://10.0.0.1/cat.png"}}
+    for image in (bad, private):
+        body = {"model": "qwen2-vl-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [image]}]}
+        r = httpx.post(f"{base_url}/v1/messages", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        parts = [{"type": "input_image", "image_url": _image_url(image)}]
+        r = httpx.post(f"{base_url}/v1/responses", json={"input": [{"role": "user", "content": parts}]}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def _image_url(image: dict) -> str:
+    source = image["source"]
+    return source["url"] if source["type"] == "url" else f"data:{source['media_type']};base64,{source['data']}"
+
+
 def test_errors_are_anthropics_shape(base_url):
     r = httpx.post(f"{base_url}/v1/messages", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
     assert r.status_code == 400 and r.json()["type"] == "error"
