@@ -2,6 +2,8 @@
 request every route runs as (`ResponsesRequest.chat_body`, then `ChatCompletionRequest`'s own validation), so that
 limits, images, grammars, tools, cancellation and metrics are chat's, with no second pipeline.
 
+Video, which OpenAI's API does not take, comes as an `input_video` part (`video_url`: chat's video URL rules).
+
 What is refused, by name: `previous_response_id` and `store: true` (no response is kept here), an input item or a
 content part other than those below (files, hosted tools, reasoning), and every field the API has that is not here
 (`include`, `reasoning`, `background`, ...: Strict)."""
@@ -125,8 +127,10 @@ def _part(i: int, k: int, part: dict[str, Any]) -> dict[str, Any]:
                 param=f"input[{i}].content[{k}].image_url",
             )
         return {"type": "image_url", "image_url": {"url": part["image_url"], "detail": part.get("detail", "auto")}}
+    if kind == "input_video":  # not OpenAI's (its API takes no video): chat's video_url part, as input_image is
+        return {"type": "video_url", "video_url": {"url": part.get("video_url")}}
     raise InvalidRequest(
-        f"input[{i}].content[{k}]: parts of type {kind!r} are not supported (input_text, input_image)",
+        f"input[{i}].content[{k}]: parts of type {kind!r} are not supported (input_text, input_image, input_video)",
         param=f"input[{i}].content[{k}].type",
     )
 

@@ -12,7 +12,7 @@ import anthropic
 import httpx
 import pytest
 
-from demo.inputs import data_url, make_image
+from demo.inputs import data_url, make_image, make_video, video_url
 from tests.helpers import DEMO_KEY
 
 pytestmark = pytest.mark.e2e
@@ -160,3 +160,40 @@ def test_x_api_key_is_taken_like_the_bearer_key(demo_app):
     assert out.content
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0, timeout=120).messages.create(**ask)
+
+
+def test_one_conversation_through_the_three_routes_gives_the_same_answer(base_url):
+    """One request model inside: chat, responses and messages run the same pipeline, so the same greedy answer and
+    the same token counts, for a system prompt, an image and text."""
+    image, question = data_url(PNG), "What is in the picture?"
+    png = {"type": "base64", "media_type": "image/png", "data": _png_b64()}
+    chat_parts = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": question}]
+    system = {"role": "system", "content": "Be brief."}
+    chat = {"max_tokens": 12, "temperature": 0, "messages": [system, {"role": "user", "content": chat_parts}]}
+    response_parts = [{"type": "input_image", "image_url": image}, {"type": "input_text", "text": question}]
+    response = {"max_output_tokens": 12, "temperature": 0, "instructions": "Be brief.",
+                "input": [{"role": "user", "content": response_parts}]}  # fmt: skip
+    message_blocks = [{"type": "image", "source": png}, {"type": "text", "text": question}]
+    message = {"max_tokens": 12, "temperature": 0, "system": "Be brief.",
+               "messages": [{"role": "user", "content": message_blocks}]}  # fmt: skip
+    chat = httpx.post(f"{base_url}/v1/chat/completions", json=chat, timeout=120).json()
+    response = httpx.post(f"{base_url}/v1/responses", json=response, timeout=120).json()
+    message = httpx.post(f"{base_url}/v1/messages", json=message, timeout=120).json()
+    text = chat["choices"][0]["message"]["content"]
+    assert response["output"][0]["content"][0]["text"] == text == message["content"][0]["text"]
+    counts = (chat["usage"]["prompt_tokens"], chat["usage"]["completion_tokens"])
+    assert (response["usage"]["input_tokens"], response["usage"]["output_tokens"]) == counts
+    assert (message["usage"]["input_tokens"], message["usage"]["output_tokens"]) == counts
+
+
+def test_a_video_through_the_responses_api_is_chats(base_url):
+    """Video, which OpenAI's Responses API does not take, as an `input_video` part: chat's video, the same answer."""
+    url = video_url(make_video(1.0, fps=4, seed=2))
+    chat = httpx.post(f"{base_url}/v1/chat/completions", timeout=120, json={"max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                  {"type": "text", "text": "What happens?"}]}]}).json()  # fmt: skip
+    out = httpx.post(f"{base_url}/v1/responses", timeout=120, json={"max_output_tokens": 8, "temperature": 0,
+        "input": [{"role": "user", "content": [{"type": "input_video", "video_url": url},
+                                               {"type": "input_text", "text": "What happens?"}]}]}).json()  # fmt: skip
+    assert out["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    assert out["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] > 30

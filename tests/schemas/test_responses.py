@@ -86,5 +86,11 @@ def test_what_is_not_supported_is_a_400_naming_it(body, param):
     assert e.value.param == param and e.value.status == 400
 
 
+def test_a_video_is_an_input_video_part_as_chats_video_url():
+    part = {"type": "input_video", "video_url": "data:video/mp4;base64,AAAA"}
+    messages = _chat({"input": [{"role": "user", "content": [part]}]})["messages"]
+    assert messages[0]["content"] == [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+
+
 def test_store_false_and_metadata_are_accepted():
     assert _chat({"input": "hi", "store": False, "metadata": {"k": "v"}, "user": "u"})["messages"]
