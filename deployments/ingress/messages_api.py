@@ -13,8 +13,8 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from deployments.ingress.http import error_body
-from deployments.ingress.responses import ChoiceState
-from deployments.ingress.tool_parser import ParsedCall, ToolCallParser
+from deployments.ingress.responses import ChoiceState, Rendering
+from deployments.ingress.tool_parser import ParsedCall, ToolCallParser, split_delta
 from deployments.ingress.tool_parser import parse as parse_calls
 from deployments.ingress.tools import max_calls
 from schemas.openai import ChatCompletionRequest
@@ -41,7 +41,8 @@ def anthropic_error(e: BaseException, request_id: str) -> JSONResponse:
 class MessageState:
     """One message as it is made: its id (the request's), model, prompt length."""
 
-    def __init__(self, req: ChatCompletionRequest, message_id: str, model: str, n_prompt: int):
+    def __init__(self, wire: Any, req: ChatCompletionRequest, message_id: str, model: str, n_prompt: int):
+        """`wire`: the Messages request (its fields are the chat request's now)."""
         self.req, self.id, self.model, self.n_prompt = req, message_id, model, n_prompt
 
     def head(self) -> dict[str, Any]:
@@ -100,12 +101,7 @@ async def message_stream(
         calls: list[ParsedCall] = []
         async for _, delta in events:
             choice.add(delta)
-            text, new = delta.text, []
-            if parser is not None:
-                text, new = parser.feed(delta.text)
-                if delta.finish_reason is not None:
-                    rest, more = parser.finish()
-                    text, new = text + rest, new + more
+            text, new = split_delta(parser, delta.text, delta.finish_reason is not None)
             if text:
                 if not text_open:
                     text_open = True
@@ -134,4 +130,6 @@ async def message_stream(
         on_done([choice])
 
 
-__all__ = ["MessageState", "anthropic_error", "message_body", "message_stream"]
+MESSAGES = Rendering(MessageState, message_body, message_stream)
+
+__all__ = ["MESSAGES", "MessageState", "anthropic_error", "message_body", "message_stream"]

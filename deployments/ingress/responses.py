@@ -6,12 +6,13 @@ import asyncio
 import hashlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from deployments.ingress.detokenize import TextDelta, decoder
 from deployments.ingress.http import error_body, json_text, sse
-from deployments.ingress.tool_parser import ToolCallParser
+from deployments.ingress.tool_parser import ToolCallParser, split_delta
 from deployments.ingress.tool_parser import parse as parse_calls
 from deployments.ingress.tools import max_calls
 from schemas import AppArgs, FinishReason, InvalidRequest, TokenLogprob
@@ -160,6 +161,17 @@ class ChoiceState:
         self.finish_reason = delta.finish_reason or self.finish_reason
 
 
+@dataclass(frozen=True, slots=True)
+class Rendering:
+    """How a route whose request is chat's in another wire format (the Responses and Messages APIs) answers: its
+    state (`state(wire, req, request_id, model, n_prompt)`), its body of one choice (`body(state, events, tools)`
+    -> (body, choice)), its event stream (`stream(state, events, tools, request_id, on_done)`)."""
+
+    state: Callable[..., Any]
+    body: Callable[..., Any]
+    stream: Callable[..., Any]
+
+
 def usage(n_prompt: int, choices: list[ChoiceState], n: int = 1) -> Usage:
     """`n_prompt`: the tokens of all the prompts; `choices`: n per prompt, prompt by prompt."""
     n_completion = sum(len(c.token_ids) for c in choices)
@@ -245,12 +257,8 @@ async def sse_stream(
             yield sse(ChatCompletionChunk(**head, choices=[role], prompt_token_ids=ids))
         async for i, delta in events:
             choices[i].add(delta)
-            text, calls, parser = delta.text, [], parsers[i]
-            if parser is not None:
-                text, calls = parser.feed(delta.text)
-                if delta.finish_reason is not None:
-                    rest, more = parser.finish()
-                    text, calls = text + rest, calls + more
+            parser = parsers[i]
+            text, calls = split_delta(parser, delta.text, delta.finish_reason is not None)
             if text or (delta.token_ids and (ids_out or delta.logprobs is not None)):
                 lps = None if delta.logprobs is None else logprob_items(tokenizer, delta.token_ids, delta.logprobs)
                 yield chunks.content(i, text, delta.token_ids if ids_out else None, lps)
@@ -282,6 +290,7 @@ async def sse_stream(
 
 __all__ = [
     "ChoiceState",
+    "Rendering",
     "ContentChunks",
     "completion",
     "deadline_error",

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from deployments.ingress.http import error_body
-from deployments.ingress.responses import ChoiceState
-from deployments.ingress.tool_parser import ParsedCall, ToolCallParser
+from deployments.ingress.responses import ChoiceState, Rendering
+from deployments.ingress.tool_parser import ParsedCall, ToolCallParser, split_delta
 from deployments.ingress.tool_parser import parse as parse_calls
 from deployments.ingress.tools import max_calls
 from schemas.openai import ChatCompletionRequest
@@ -130,6 +130,15 @@ async def response_stream(
         data = {"type": kind, "sequence_number": next(seq), **fields}
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
+    def open_message() -> list[str]:
+        item = {**state.message("", "in_progress"), "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        at = {"item_id": state.message_id, "output_index": 0, "content_index": 0}
+        return [
+            event("response.output_item.added", output_index=0, item=item),
+            event("response.content_part.added", **at, part=part),
+        ]
+
     def close_message(status: str) -> list[str]:
         item = state.message(text_so_far, status)
         part = item["content"][0]
@@ -147,22 +156,12 @@ async def response_stream(
         calls: list[ParsedCall] = []
         async for _, delta in events:
             choice.add(delta)
-            text, new = delta.text, []
-            if parser is not None:
-                text, new = parser.feed(delta.text)
-                if delta.finish_reason is not None:
-                    rest, more = parser.finish()
-                    text, new = text + rest, new + more
+            text, new = split_delta(parser, delta.text, delta.finish_reason is not None)
             if text:
                 if not opened:
                     opened = True
-                    item = {**state.message("", "in_progress"), "content": []}
-                    yield event("response.output_item.added", output_index=0, item=item)
-                    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                    yield event(
-                        "response.content_part.added", item_id=state.message_id, output_index=0, content_index=0,
-                        part=part,
-                    )  # fmt: skip
+                    for line in open_message():
+                        yield line
                 text_so_far += text
                 yield event(
                     "response.output_text.delta", item_id=state.message_id, output_index=0, content_index=0,
@@ -171,15 +170,7 @@ async def response_stream(
             calls += new
         status = _status(choice)
         if opened or not calls:  # a message, even an empty one, unless the answer is only calls
-            if not opened:
-                item = {**state.message("", "in_progress"), "content": []}
-                yield event("response.output_item.added", output_index=0, item=item)
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                yield event(
-                    "response.content_part.added", item_id=state.message_id, output_index=0, content_index=0,
-                    part=part,
-                )  # fmt: skip
-            for line in close_message(status):
+            for line in ([] if opened else open_message()) + close_message(status):
                 yield line
         for call in calls:
             index = len(state.output)
@@ -206,4 +197,6 @@ async def response_stream(
         on_done([choice])
 
 
-__all__ = ["ResponseState", "response_body", "response_stream"]
+RESPONSES = Rendering(ResponseState, response_body, response_stream)
+
+__all__ = ["RESPONSES", "ResponseState", "response_body", "response_stream"]

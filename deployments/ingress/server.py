@@ -25,10 +25,11 @@ from deployments.ingress.generate import Generator
 from deployments.ingress.grounding import GroundingTokens, pixel_boxes
 from deployments.ingress.http import error_response, head_only, parse, read_json, route_path
 from deployments.ingress.info import InfoRoutes
-from deployments.ingress.messages_api import MessageState, anthropic_error, message_body, message_stream
+from deployments.ingress.messages_api import MESSAGES, anthropic_error
 from deployments.ingress.prepare import Prepared, Preparer
 from deployments.ingress.responses import (
     ChoiceState,
+    Rendering,
     completion,
     deadline_error,
     interleave,
@@ -36,7 +37,7 @@ from deployments.ingress.responses import (
     system_fingerprint,
     with_deadline,
 )
-from deployments.ingress.responses_api import ResponseState, response_body, response_stream
+from deployments.ingress.responses_api import RESPONSES
 from deployments.ingress.sampling import sampling_params
 from deployments.ingress.text_completions import text_completion, text_sse_stream
 from deployments.ingress.tokens import TokenRoutes
@@ -229,38 +230,26 @@ class Ingress:
         return JSONResponse(body.model_dump(), headers=headers)
 
     async def responses(self, request: Request, request_id: str) -> Response:
-        """POST /v1/responses: OpenAI's Responses API, run as the chat request it translates to (schemas/responses.py):
-        one choice, its message and function calls as output items, or its typed events when streamed."""
-        started = time.monotonic()
-        rreq = parse(ResponsesRequest, await read_json(request, self.args.limits.max_request_bytes))
-        req = parse(ChatCompletionRequest, rreq.chat_body())
-        [p], _, events, log = await self._run(req, self._chat_prepare(req, request), request_id, started)
-        state = ResponseState(rreq, req, request_id, self.args.model_name, len(p.prompt))
-        tools = parses_tools(req)
-        if rreq.stream:
-            done = lambda choices: self._log(log, choices)  # noqa: E731
-            return StreamingResponse(
-                response_stream(state, events, tools, request_id, done), media_type="text/event-stream"
-            )
-        body, choice = await response_body(state, events, tools)
-        self._log(log, [choice])
-        return JSONResponse(body)
+        """POST /v1/responses: OpenAI's Responses API (schemas/responses.py, deployments/ingress/responses_api.py)."""
+        return await self._translated(request, request_id, ResponsesRequest, RESPONSES)
 
     async def messages(self, request: Request, request_id: str) -> Response:
-        """POST /v1/messages: Anthropic's Messages API, run as the chat request it translates to (schemas/anthropic.py):
-        one choice, its text and tool_use blocks, or Anthropic's events when streamed."""
+        """POST /v1/messages: Anthropic's Messages API (schemas/anthropic.py, deployments/ingress/messages_api.py)."""
+        return await self._translated(request, request_id, MessagesRequest, MESSAGES)
+
+    async def _translated(self, request: Request, request_id: str, wire: type, api: Rendering) -> Response:
+        """A route whose request is chat's in another wire format (`wire.chat_body()`): run as chat, one choice,
+        answered in its own format (`api`: a body, or its events when streamed)."""
         started = time.monotonic()
-        mreq = parse(MessagesRequest, await read_json(request, self.args.limits.max_request_bytes))
-        req = parse(ChatCompletionRequest, mreq.chat_body())
+        wreq = parse(wire, await read_json(request, self.args.limits.max_request_bytes))
+        req = parse(ChatCompletionRequest, wreq.chat_body())
         [p], _, events, log = await self._run(req, self._chat_prepare(req, request), request_id, started)
-        state = MessageState(req, request_id, self.args.model_name, len(p.prompt))
+        state = api.state(wreq, req, request_id, self.args.model_name, len(p.prompt))
         tools = parses_tools(req)
-        if mreq.stream:
+        if wreq.stream:
             done = lambda choices: self._log(log, choices)  # noqa: E731
-            return StreamingResponse(
-                message_stream(state, events, tools, request_id, done), media_type="text/event-stream"
-            )
-        body, choice = await message_body(state, events, tools)
+            return StreamingResponse(api.stream(state, events, tools, request_id, done), media_type="text/event-stream")
+        body, choice = await api.body(state, events, tools)
         self._log(log, [choice])
         return JSONResponse(body)
 

@@ -142,4 +142,16 @@ def parse(text: str, max_calls: int | None = None) -> tuple[str | None, list[Par
     return (content + rest) or None, parser.calls
 
 
-__all__ = ["END", "START", "ParsedCall", "ToolCallParser", "call_id", "parse"]
+def split_delta(parser: ToolCallParser | None, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
+    """A delta's text that is surely no call, and the calls it completed (at the finish, what the parser held);
+    without a parser (no tools), the text as it is."""
+    if parser is None:
+        return text, []
+    text, calls = parser.feed(text)
+    if finished:
+        rest, more = parser.finish()
+        text, calls = text + rest, calls + more
+    return text, calls
+
+
+__all__ = ["END", "ParsedCall", "START", "ToolCallParser", "call_id", "parse", "split_delta"]
