@@ -26,7 +26,8 @@ def read_config(model_dir: str | Path, family: str | None = None) -> Any:
 
 def plain_config(config: Any) -> dict[str, Any]:
     """A transformers config as JSON-able data holding all that transformers fills in: its defaults, each
-    sub-config's, and the aliases of its `attribute_map` (LLaVA's `image_token_id`, Qwen's vision `depth`)."""
+    sub-config's, and the aliases of its `attribute_map` (LLaVA's `image_token_id`, Qwen's vision
+    `num_hidden_layers`)."""
     out = config.to_dict()
     subs = [key for key in getattr(config, "sub_configs", {}) if getattr(config, key, None) is not None]
     out.update({key: plain_config(getattr(config, key)) for key in subs})

@@ -187,9 +187,13 @@ class Qwen2VLVisionEncoder:
         one (num_image_tokens, llm_hidden) tensor per image, as transformers' get_image_features splits them."""
         pixel_values = torch.cat([pv for pv, _ in batch]).to(self.device, self.dtype)  # (sum h*w, C*T*p*p)
         grid_thw = torch.tensor([g for _, g in batch], dtype=torch.long)  # (n, 3): the tower reads it on the CPU
-        embeds = self.vit(pixel_values, grid_thw)  # (sum tokens, llm_hidden)
+        embeds = self.embed(pixel_values, grid_thw)  # (sum tokens, hidden_size)
         sizes = (grid_thw.prod(-1) // self.processing.merge_size**2).tolist()
         return list(embeds.split(sizes))
+
+    def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The packed images' tokens, (sum tokens, hidden_size): the tower's output (Qwen3-VL's adds its levels)."""
+        return self.vit(pixel_values, grid_thw)
 
     def encode(self, images: list[Image.Image]) -> list[torch.Tensor]:
         return self.forward([self.preprocess(im) for im in images])

@@ -51,13 +51,9 @@ class Qwen3VLVisionEncoder(Qwen2VLVisionEncoder):
         self.levels = len(self.vit.deepstack_merger_list)
         self.hidden_size *= 1 + self.levels  # the width of what forward returns
 
-    @torch.inference_mode()
-    def forward(self, batch: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
-        pixel_values = torch.cat([pv for pv, _ in batch]).to(self.device, self.dtype)
-        grid_thw = torch.tensor([g for _, g in batch], dtype=torch.long)
+    def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         embeds, deepstack = self.vit(pixel_values, grid_thw)  # (sum tokens, D), L x (sum tokens, D)
-        sizes = (grid_thw.prod(-1) // self.processing.merge_size**2).tolist()
-        return list(torch.cat([embeds, *deepstack], dim=-1).split(sizes))
+        return torch.cat([embeds, *deepstack], dim=-1)  # (sum tokens, (1 + L) * D): Qwen2-VL's forward splits it
 
 
 __all__ = ["Qwen3VLVisionEncoder", "deepstack_levels", "qwen3_vl_cost"]
