@@ -211,10 +211,7 @@ class ModelRunner:
         ends = itertools.accumulate(c.n for c in chunks)
         rows = [(c.seq, end - 1) for c, end in zip(chunks, ends) if c.completes]
         mask = self._grammar_mask([s for s, _ in rows])
-        if deepstack is None:
-            hidden = self.model(embeds, positions, self.cache, meta)  # (T, D)
-        else:  # Qwen3-VL's image rows in this step: their DeepStack features after the first decoder layers
-            hidden = self.model(embeds, positions, self.cache, meta, deepstack=deepstack)
+        hidden = self.model(embeds, positions, self.cache, meta, deepstack)  # (T, D)
         if any(c.seq.needs_prompt_logprobs for c in chunks):
             self._prompt_logprobs(hidden, chunks)
         if not rows:

@@ -228,14 +228,14 @@ class FaultyLM(_InstrumentedLM):
     fail_at, fail_prefill_from = 40, 100
     started = False
 
-    def forward(self, inputs_embeds, positions, cache, meta):
+    def forward(self, inputs_embeds, positions, cache, meta, deepstack=None):
         if not self.started:
             self.started = True
-            return super().forward(inputs_embeds, positions, cache, meta)
+            return super().forward(inputs_embeds, positions, cache, meta, deepstack)
         decode_at = positions.shape[1] == 1 and int(positions[0, 0]) == self.fail_at
         if decode_at or positions.shape[1] >= self.fail_prefill_from:
             raise RuntimeError("injected fault")
-        return super().forward(inputs_embeds, positions, cache, meta)
+        return super().forward(inputs_embeds, positions, cache, meta, deepstack)
 
 
 class SlowLM(_InstrumentedLM):
@@ -243,9 +243,9 @@ class SlowLM(_InstrumentedLM):
 
     delay_s = 0.05
 
-    def forward(self, inputs_embeds, positions, cache, meta):
+    def forward(self, inputs_embeds, positions, cache, meta, deepstack=None):
         time.sleep(self.delay_s)
-        return super().forward(inputs_embeds, positions, cache, meta)
+        return super().forward(inputs_embeds, positions, cache, meta, deepstack)
 
 
 class HeldLM(_InstrumentedLM):
@@ -259,10 +259,10 @@ class HeldLM(_InstrumentedLM):
         """A `model_factory` whose model holds on the file `hold`."""
         return cls.with_attrs(hold=hold)
 
-    def forward(self, inputs_embeds, positions, cache, meta):
+    def forward(self, inputs_embeds, positions, cache, meta, deepstack=None):
         while positions.shape[1] == 1 and os.path.exists(self.hold):
             time.sleep(0.05)
-        return super().forward(inputs_embeds, positions, cache, meta)
+        return super().forward(inputs_embeds, positions, cache, meta, deepstack)
 
 
 class RecordingLM(_InstrumentedLM):
@@ -276,10 +276,10 @@ class RecordingLM(_InstrumentedLM):
         """A `model_factory` whose model records into `record_dir`."""
         return cls.with_attrs(record_dir=record_dir)
 
-    def forward(self, inputs_embeds, positions, cache, meta):
+    def forward(self, inputs_embeds, positions, cache, meta, deepstack=None):
         with open(Path(self.record_dir) / f"{os.getpid()}.lm", "a") as f:
             f.write(f"{time.time():.3f} {inputs_embeds.shape[0]}\n")
-        return super().forward(inputs_embeds, positions, cache, meta)
+        return super().forward(inputs_embeds, positions, cache, meta, deepstack)
 
 
 def llm_forwards(record_dir: str | Path) -> list[tuple[float, int]]:

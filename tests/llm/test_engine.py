@@ -238,9 +238,9 @@ def test_the_engine_runs_its_largest_step_once_at_start(model, reference, monkey
     """max_num_batched_tokens=300 over a 256-token context: two sequences' chunks (256 + 44), before any request."""
     seen, real = [], model.forward
 
-    def forward(embeds, positions, cache, meta):
+    def forward(embeds, positions, cache, meta, deepstack=None):
         seen.append((embeds.shape[0], positions.shape))
-        return real(embeds, positions, cache, meta)
+        return real(embeds, positions, cache, meta, deepstack)
 
     monkeypatch.setattr(model, "forward", forward)
     engine = make_engine(model, reference, max_model_len=256, max_num_batched_tokens=300, num_blocks=64)
@@ -253,7 +253,7 @@ def test_the_engine_runs_its_largest_step_once_at_start(model, reference, monkey
 
 
 def test_a_step_that_does_not_fit_fails_the_start_and_names_the_setting(model, reference, monkeypatch):
-    def forward(embeds, positions, cache, meta):
+    def forward(embeds, positions, cache, meta, deepstack=None):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(model, "forward", forward)
