@@ -13,7 +13,7 @@ from encoders.llava_processing import LlavaImageProcessing
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder, qwen2_5_vl_cost
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, qwen2_vl_cost, qwen2_vl_image_tokens
 from encoders.qwen3_vl import Qwen3VLVisionEncoder, deepstack_levels, qwen3_vl_cost
-from encoders.video_processing import Qwen2VLVideoProcessing
+from encoders.video_processing import Qwen2VLVideoProcessing, Qwen3VLVideoProcessing
 
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(
@@ -34,13 +34,15 @@ FAMILIES: dict[str, Family] = {
         video_processing=Qwen2VLVideoProcessing,
     ),
     # Qwen3-VL (dense LMs): Qwen2-VL's preprocessing (its patch 16 from preprocessor_config.json) and image tokens,
-    # its own ViT whose embeddings carry the DeepStack levels (encoders/qwen3_vl.py). Video: not yet (a 400 says so).
+    # its own ViT whose embeddings carry the DeepStack levels (encoders/qwen3_vl.py); video with each tubelet's
+    # timestamp in the prompt (encoders/video_processing.py).
     "qwen3_vl": Family(
         processing=Qwen2VLImageProcessing,
         encoder=Qwen3VLVisionEncoder,
         cost=qwen3_vl_cost,
         image_tokens=qwen2_vl_image_tokens,
         projector=None,
+        video_processing=Qwen3VLVideoProcessing,
         deepstack_levels=deepstack_levels,
     ),
     "llava": Family(

@@ -57,6 +57,9 @@ class MediaItem:
     # each (encoder call, position): the call's ObjectRef among those sent with the request, and the place in the
     # list that call returned; the LLM concatenates the pieces. Empty when the LLM replica encodes it (colocated).
     pieces: tuple[tuple[int, int], ...] = ()
+    # Qwen3-VL's video: its tokens are one run per tubelet, each after its timestamp's text, and each run is placed
+    # as an image of one tubelet (transformers' get_rope_index splits video_grid_thw so). False: one run.
+    tubelet_runs: bool = False
 
 
 @dataclass(slots=True)

@@ -66,3 +66,47 @@ def reference_video(data: bytes, fps: float | None = None, min_pixels: int = VID
     size = frame_size(frames[0].width, frames[0].height, n, min_pixels, max_pixels)
     sample_fps = n / len(frames) * video_fps
     return patchify([frames[i] for i in indices], size), (n // 2, size[1] // 14, size[0] // 14), 2 / sample_fps
+
+
+def reference_qwen3_video(data: bytes, checkpoint) -> tuple[torch.Tensor, tuple[int, int, int], str]:
+    """A container's (pixel_values_videos, video_grid_thw, placeholder text) as transformers' Qwen3-VL processors make
+    them: Qwen3VLVideoProcessor's frame sampling, its resize's size and its patchify (the resize itself PIL's bicubic,
+    the normalization its image processor's: torchvision cannot load here), and Qwen3VLProcessor's text for the
+    video, each tubelet's `<t seconds>` and run (its methods called on a stand-in for the processor, whose
+    constructor needs torchvision)."""
+    import json
+    from functools import partial
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
+    from transformers.video_utils import VideoMetadata
+
+    cfg = json.loads((Path(checkpoint) / "video_preprocessor_config.json").read_text())
+    proc = Qwen3VLVideoProcessor(**{k: v for k, v in cfg.items() if not k.endswith(("_type", "_class"))})
+    frames = video_frames(data)
+    with av.open(io.BytesIO(data)) as container:
+        video_fps = float(container.streams.video[0].average_rate)
+    meta = VideoMetadata(total_num_frames=len(frames), fps=video_fps)
+    indices = proc.sample_frames(meta).tolist()
+    h, w = smart_resize(len(indices), frames[0].height, frames[0].width, 2, 32, proc.size.shortest_edge,
+                        proc.size.longest_edge)  # fmt: skip
+    image_proc = Qwen2VLImageProcessorPil(
+        min_pixels=32 * 32, max_pixels=w * h, patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    )  # the frame's size: no resize
+    resized = [frames[i].resize((w, h), resample=Image.Resampling.BICUBIC) for i in indices]
+    gh, gw = h // 16, w // 16
+    per_frame = [image_proc(images=[f], return_tensors="pt")["pixel_values"].view(-1, 3, 2, 16 * 16)[:, :, 0]
+                 for f in resized]  # fmt: skip
+    x = torch.stack(per_frame).view(len(resized), gh // 2, gw // 2, 2, 2, 3, 16, 16)
+    x = x.permute(0, 5, 1, 3, 6, 2, 4, 7).reshape(1, len(resized), 3, h, w)  # plain frames again (1, n, C, h, w)
+    pixel_values, t, gh, gw = proc.patchify(x, patch_size=16, merge_size=2, temporal_patch_size=2)
+    stand_in = SimpleNamespace(video_processor=proc, vision_start_token="<|vision_start|>",
+                               video_token="<|video_pad|>", vision_end_token="<|vision_end|>")  # fmt: skip
+    stand_in._calculate_timestamps = partial(Qwen3VLProcessor._calculate_timestamps, stand_in)
+    meta.frames_indices = indices
+    text = Qwen3VLProcessor.replace_video_token(
+        stand_in, {"video_grid_thw": torch.tensor([[t, gh, gw]]), "video_metadata": [meta]}, 0
+    )
+    return pixel_values[0], (t, gh, gw), text

@@ -37,6 +37,13 @@ class Item:
     placeholder_id: int
     jobs: list[EncoderJob]  # one, or a video's chunks in order
     probe_s: float = 0.0  # a video's container read
+    # The ids its placeholder becomes in the prompt: `placeholder_id` num_tokens times, or (Qwen3-VL's video) each
+    # tubelet's timestamp and run in its own vision markers. None: the plain run.
+    run: list[int] | None = None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.run if self.run is not None else [self.placeholder_id] * self.media.num_tokens
 
     @property
     def is_video(self) -> bool:

@@ -21,6 +21,7 @@ from deployments.ingress.structured import response_grammar
 from deployments.ingress.tools import check_tools, renders_tools, template_tools, tool_grammar, tools_as_text
 from deployments.ingress.videos import VideoPreparer, video_params
 from encoders import ModelSpec, data_url_format, decode_data_url, embedding_key, probe_image
+from encoders.video_processing import VideoPlan
 from schemas import AppArgs, InvalidRequest, MediaItem
 from schemas.completions import CompletionRequest
 from schemas.openai import ChatCompletionRequest, Message
@@ -127,8 +128,27 @@ class Preparer:
             EncoderJob(data, scoped_key(key, scope), share, _patches(data.plan.grid_thw), data.plan.num_tokens)
             for data, key in v.chunks
         ]
-        media = MediaItem(scoped_key(v.key, scope), plan.grid_thw, plan.num_tokens, plan.second_per_grid_t)
-        return Item(message, -1, v.size, v.video, media, self.video_token_id, jobs, v.probe_s)
+        media = MediaItem(
+            scoped_key(v.key, scope),
+            plan.grid_thw,
+            plan.num_tokens,
+            plan.second_per_grid_t,
+            tubelet_runs=bool(plan.timestamps),
+        )
+        run = self._timed_run(plan) if plan.timestamps else None
+        return Item(message, -1, v.size, v.video, media, self.video_token_id, jobs, v.probe_s, run)
+
+    def _timed_run(self, plan: VideoPlan) -> list[int]:
+        """Qwen3-VL's video in the prompt: each tubelet's `<t seconds>` then its tokens in vision markers, all in the
+        place of the template's one video placeholder (inside the template's own markers, as transformers' processor
+        writes it). The timestamp follows a special token, so it is tokenized alone as there."""
+        start, end = self.tokens.per_image_ids  # the Qwen families' <|vision_start|>, <|vision_end|>
+        per_tubelet = plan.num_tokens // plan.grid_thw[0]
+        run: list[int] = []
+        for seconds in plan.timestamps:
+            run += self.encode(self.videos.processing.timestamp_text(seconds), add_special_tokens=False)
+            run += [start, *[self.video_token_id] * per_tubelet, end]
+        return run
 
     def _items(self, req: ChatCompletionRequest, fetched: dict[str, bytes], scope: str) -> list[Item]:
         """The request's images and videos, probed and planned, in prompt order."""
@@ -178,7 +198,7 @@ class Preparer:
             self.tokenizer,
             kept if self.renders_tools else tools_as_text(req, kept),
             self.image_token_id,
-            [im.media.num_tokens for im in kept_items],
+            [im.prompt_ids for im in kept_items],
             self.tokens.per_image_ids,
             self.forbidden_ids,
             self.typed_content,

@@ -115,7 +115,7 @@ def build_prompt(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[Message],
     image_token_id: int,
-    image_token_counts: list[int],
+    runs: list[list[int]],
     per_image_ids: Iterable[int] = (),
     forbidden_ids: Iterable[int] = (),
     typed_content: bool = False,
@@ -123,9 +123,10 @@ def build_prompt(
     add_generation_prompt: bool = True,
     placeholder_ids: list[int] | None = None,
 ) -> list[int]:
-    """Render, tokenize, and expand the template's one placeholder per image (or video) to its run of tokens.
+    """Render, tokenize, and replace the template's one placeholder per image (or video) with its run of tokens.
 
-    `image_token_counts`: each item's tokens, in prompt order; `placeholder_ids`: each item's placeholder
+    `runs`: each item's ids in the prompt, in prompt order (its placeholder repeated, or a Qwen3-VL video's
+    timestamps and runs: deployments/ingress/prepare.py); `placeholder_ids`: each item's placeholder
     (`image_token_id` for all when None; a video's is the family's video placeholder). The template writes each
     item's placeholder (and each of `per_image_ids`, such as vision start/end markers) once per item and never any
     of `forbidden_ids`: any other count means the user typed them. `typed_content`: the template's
@@ -143,8 +144,8 @@ def build_prompt(
     # `<s>` to the tokenizer; Qwen's tokenizer has none).
     bos = tokenizer.bos_token
     ids = tokenizer.encode(text, add_special_tokens=bool(bos) and not text.startswith(bos))
-    kinds = placeholder_ids if placeholder_ids is not None else [image_token_id] * len(image_token_counts)
-    n_items = len(image_token_counts)
+    kinds = placeholder_ids if placeholder_ids is not None else [image_token_id] * len(runs)
+    n_items = len(runs)
     expected = (
         {t: 0 for t in forbidden_ids}
         | {t: n_items for t in per_image_ids}
@@ -160,9 +161,9 @@ def build_prompt(
         raise InvalidRequest("the prompt's image and video placeholders are out of order", param="messages")
     expanded: list[int] = []
     prev = 0
-    for slot, count in zip(slots, image_token_counts, strict=True):
+    for slot, run in zip(slots, runs, strict=True):
         expanded += ids[prev:slot]
-        expanded += [ids[slot]] * count
+        expanded += run
         prev = slot + 1
     expanded += ids[prev:]
     return expanded

@@ -29,8 +29,10 @@ class Sequence:
     prompt_positions: torch.Tensor  # (3, P) CPU: M-RoPE positions of the prompt
     rope_delta: int  # a generated token at index i sits at position i + rope_delta
     is_multimodal: torch.Tensor  # (P,) bool CPU: image and video placeholder positions of the prompt
-    image_embeds: list[torch.Tensor | None]  # per image, in prompt order: (its placeholders, D); None: not arrived
-    image_spans: list[tuple[int, int, str]]  # per image: placeholder run [start, end) and its content key
+    # Per placeholder run, in prompt order (an image's one run, or a Qwen3-VL video's run per tubelet):
+    image_embeds: list[torch.Tensor | None]  # its rows (its placeholders, D); None: not arrived
+    image_spans: list[tuple[int, int, str]]  # [start, end) in the prompt and its content key
+    item_runs: list[range]  # per item (image or video) of the request: the indices of its runs
     params: SamplingParams
     stop_token_ids: frozenset[int] = frozenset()  # the request's, and EOS unless it ignores EOS
     generator: torch.Generator | None = None
@@ -51,7 +53,7 @@ class Sequence:
     def __post_init__(self) -> None:
         assert self.prompt_positions.shape == (3, self.prompt_len), self.prompt_positions.shape
         assert len(self.image_embeds) == len(self.image_spans), (len(self.image_embeds), len(self.image_spans))
-        self.num_missing = sum(e is None for e in self.image_embeds)
+        self.num_missing = sum(e is None for e in self.image_embeds)  # runs
 
     @property
     def num_generated(self) -> int:
@@ -70,13 +72,18 @@ class Sequence:
         return min(missing, default=len(self.token_ids)) - a
 
     def set_image(self, index: int, embeds: torch.Tensor) -> None:
-        """Image `index`'s embeddings have arrived (in any order); raises ValueError if they do not fit its run."""
-        s, e, _ = self.image_spans[index]
-        if embeds.shape[0] != e - s:
-            raise ValueError(f"image {index}: {embeds.shape[0]} embedding rows for {e - s} placeholder tokens")
-        assert self.image_embeds[index] is None, f"image {index} arrived twice"
-        self.image_embeds[index] = embeds
-        self.num_missing -= 1
+        """Item `index`'s embeddings have arrived (in any order), rows in prompt order over its runs; raises
+        ValueError if they do not fit them."""
+        runs = self.item_runs[index]
+        n = sum(self.image_spans[r][1] - self.image_spans[r][0] for r in runs)
+        if embeds.shape[0] != n:
+            raise ValueError(f"image {index}: {embeds.shape[0]} embedding rows for {n} placeholder tokens")
+        row = 0
+        for r in runs:
+            s, e, _ = self.image_spans[r]
+            assert self.image_embeds[r] is None, f"image {index} arrived twice"
+            self.image_embeds[r], row = embeds[row : row + e - s], row + e - s
+            self.num_missing -= 1
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -176,19 +183,27 @@ def make_sequence(
     n_mm = int(is_mm.sum())  # counted on the CPU ids
     assert sum(counts) == n_mm, f"{sum(counts)} image or video tokens for {n_mm} placeholder tokens"
     starts = is_mm.nonzero().flatten().tolist()
-    spans, k = [], 0
-    for i, n in enumerate(counts):
-        assert starts[k + n - 1] == starts[k] + n - 1, f"the {n} placeholder tokens of item {i} are not one run"
+    spans, run_embeds, item_runs, grids, intervals, k = [], [], [], [], [], 0
+    for i, (item, n, x) in enumerate(zip(inp.items, counts, embeds)):
         # No key: a unique one, so that this prompt's image blocks never match another's.
-        key = inp.items[i].key or f"unshared-{inp.request_id}-{i}"
-        spans.append((starts[k], starts[k] + n, key))
-        k += n
+        key = item.key or f"unshared-{inp.request_id}-{i}"
+        t, h, w = item.grid_thw
+        # A Qwen3-VL video: a run per tubelet, each placed as an image of one tubelet (its text between them).
+        n_runs = t if item.tubelet_runs else 1
+        per_run = n // n_runs
+        item_runs.append(range(len(spans), len(spans) + n_runs))
+        for r in range(n_runs):
+            a = starts[k]
+            assert starts[k + per_run - 1] == a + per_run - 1, (
+                f"the {per_run} placeholder tokens of item {i} are not one run"
+            )
+            spans.append((a, a + per_run, key if n_runs == 1 else f"{key}#{r}"))
+            run_embeds.append(None if x is None else x[r * per_run : (r + 1) * per_run])
+            k += per_run
+        interval = None if (s := item.second_per_grid_t) is None else video_time_interval(s, tokens_per_second)
+        grids += [(1, h, w)] * t if item.tubelet_runs else [item.grid_thw]
+        intervals += [None] * t if item.tubelet_runs else [interval]
     # NOTE: after the checks above, which are the LLM side's one check of the images against the prompt
-    grids = [item.grid_thw for item in inp.items]
-    intervals = [
-        None if (s := item.second_per_grid_t) is None else video_time_interval(s, tokens_per_second)
-        for item in inp.items
-    ]
     positions, rope_delta = (
         mrope_positions(
             ids, image_token_id, grids, merge_size, video_token_id=video_token_id, time_intervals=intervals or None
@@ -206,8 +221,9 @@ def make_sequence(
         positions,
         rope_delta,
         is_mm,
-        list(embeds),
+        run_embeds,
         spans,
+        item_runs,
         p,
         stop_ids,
         make_generator(p, device),

@@ -16,7 +16,8 @@ from encoders.qwen3_vl import Qwen3VLVisionEncoder
 from llm import Qwen2LM
 from llm.model import BatchMeta, ChunkSpec, cpu_kernels, merge_image_embeds, mrope_positions
 from llm.model.model import TextConfig
-from tests.llm.reference import collect, make_engine, reference_generate, request_for
+from schemas import GenerateRequest, MediaItem, SamplingParams
+from tests.llm.reference import Case, collect, make_engine, reference_generate, request_for
 
 GRIDS = [(1, 4, 6), (1, 6, 4)]  # two images of 6 merged tokens each (merge 2)
 
@@ -157,5 +158,98 @@ def test_two_sequences_in_one_step_each_get_their_own_features(ckpt, reference):
 
     try:
         assert [ids for ids, _ in asyncio.run(both())] == expected
+    finally:
+        engine.close()
+
+
+def _video_case(ckpt, reference, vision, *, seed: int, budget_frames: int = 6):
+    """A Qwen3-VL video as the ingress lays it out: each tubelet's `<t seconds>` text, then its run in vision
+    markers, all inside the template's markers (transformers' Qwen3VLProcessor writes the same); our tower's
+    embedding of the frames (DeepStack levels beside it) for the engine, the same pixels for transformers."""
+    from transformers import AutoTokenizer
+
+    from encoders.video_processing import Qwen3VLVideoProcessing, SamplingRequest, VideoMeta
+
+    cfg, tokenizer = reference.config, AutoTokenizer.from_pretrained(ckpt)
+    proc = Qwen3VLVideoProcessing.from_pretrained(ckpt)
+    plan = proc.plan(VideoMeta(8 * budget_frames // 2, 8.0, 160, 120), SamplingRequest(), 1 << 30)
+    frames = torch.randint(
+        0,
+        256,
+        (len(plan.indices), plan.height, plan.width, 3),
+        generator=torch.Generator().manual_seed(seed),
+        dtype=torch.uint8,
+    )
+    pixel_values, grid = proc.preprocess(frames.numpy())
+    ids = [3, 4, cfg.vision_start_token_id]
+    per = plan.num_tokens // grid[0]
+    for seconds in plan.timestamps:
+        ids += tokenizer.encode(proc.timestamp_text(seconds), add_special_tokens=False)
+        ids += [cfg.vision_start_token_id] + [cfg.video_token_id] * per + [cfg.vision_end_token_id]
+    ids += [cfg.vision_end_token_id, 14, 15]
+    embeds = vision.forward([(pixel_values, grid)])
+    item = MediaItem(f"video-{seed}", grid, plan.num_tokens, plan.second_per_grid_t, tubelet_runs=True)
+    request = GenerateRequest(request_id=f"v{seed}", prompt_token_ids=ids, items=[item],
+                              sampling=SamplingParams(max_tokens=8, temperature=0.0))  # fmt: skip
+    input_ids = torch.tensor([ids])
+    ref = {"input_ids": input_ids, "pixel_values_videos": pixel_values, "video_grid_thw": torch.tensor([grid])}
+    return Case(request, embeds), ref, plan
+
+
+def _reference_video_generate(reference, ref: dict, max_new_tokens: int) -> list[int]:
+    input_ids = ref["input_ids"]
+    types = 2 * (input_ids == reference.config.video_token_id).int()
+    with torch.no_grad():
+        out = reference.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_token_type_ids=types,
+            pixel_values_videos=ref["pixel_values_videos"], video_grid_thw=ref["video_grid_thw"],
+            do_sample=False, max_new_tokens=max_new_tokens,
+        )  # fmt: skip
+    return out[0, input_ids.shape[1] :].tolist()
+
+
+def test_a_videos_positions_are_transformers(ckpt, reference):
+    """A video's tubelets each placed as an image of one tubelet, the timestamps' text between them (transformers'
+    get_rope_index splits video_grid_thw so): red with the video taken as one run of its whole grid."""
+    from llm.engine.sequence import make_sequence
+
+    case, ref, plan = _video_case(ckpt, reference, Qwen3VLVisionEncoder(ckpt), seed=5)
+    types = 2 * (ref["input_ids"] == reference.config.video_token_id).int()
+    expected, _ = reference.model.get_rope_index(ref["input_ids"], types, video_grid_thw=ref["video_grid_thw"])
+    lm = Qwen2LM.from_pretrained(ckpt).config
+    seq = make_sequence(case.request, [None], 0, max_model_len=512, image_token_id=reference.config.image_token_id,
+                        merge_size=2, lm_config=lm, device=torch.device("cpu"),
+                        video_token_id=reference.config.video_token_id)  # fmt: skip
+    assert torch.equal(seq.prompt_positions, expected[:, 0])
+    assert len(seq.image_spans) == plan.grid_thw[0] and seq.item_runs == [range(plan.grid_thw[0])]
+    # Its embedding arriving later fills the runs in order, each its tubelet's rows.
+    assert seq.num_missing == 3 and seq.num_schedulable(0) == seq.image_spans[0][0]
+    seq.set_image(0, case.embeds[0])
+    per = plan.num_tokens // 3
+    assert seq.num_missing == 0 and all(torch.equal(x, case.embeds[0][r * per : (r + 1) * per])
+                                        for r, x in enumerate(seq.image_embeds))  # fmt: skip
+
+
+@pytest.mark.parametrize("budget", [1024, 7], ids=["whole prefill", "chunks of 7: cuts inside and between runs"])
+def test_a_videos_greedy_tokens_equal_transformers_through_the_engine(ckpt, reference, budget):
+    """One video's embedding (its tubelets' rows in order, DeepStack levels beside) fills the runs between the
+    timestamps; again from the prefix cache; another video gives other tokens, still transformers'."""
+    from llm import Engine, EngineConfig
+
+    model, vision = Qwen2LM.from_pretrained(ckpt), Qwen3VLVisionEncoder(ckpt)
+    config = EngineConfig(max_model_len=512, num_blocks=64, block_size=16, max_queued=16, max_num_batched_tokens=budget)
+    engine = Engine(model, config, image_token_id=reference.config.image_token_id, merge_size=2,
+                    eos_token_ids=set(reference.generation_config.eos_token_id),
+                    video_token_id=reference.config.video_token_id)  # fmt: skip
+    try:
+        case, ref, plan = _video_case(ckpt, reference, vision, seed=5)
+        assert plan.grid_thw[0] == 3 and case.embeds[0].shape == (plan.num_tokens, 3 * 64)
+        expected = _reference_video_generate(reference, ref, 8)
+        assert asyncio.run(collect(engine, case))[0] == expected
+        assert asyncio.run(collect(engine, case.replace(request_id="again")))[0] == expected
+        assert engine.stats()["prefix_hits"] > 0
+        other, other_ref, _ = _video_case(ckpt, reference, vision, seed=6)
+        other_tokens = asyncio.run(collect(engine, other))[0]
+        assert other_tokens == _reference_video_generate(reference, other_ref, 8) and other_tokens != expected
     finally:
         engine.close()

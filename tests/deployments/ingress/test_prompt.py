@@ -29,7 +29,7 @@ def test_expands_each_image_to_its_count(checkpoint, reference):
         reference.config.vision_start_token_id,
         reference.config.vision_end_token_id,
     )
-    ids = build_prompt(tokenizer, _messages(IMAGE, {"type": "text", "text": "and"}, IMAGE), pad, [6, 2])
+    ids = build_prompt(tokenizer, _messages(IMAGE, {"type": "text", "text": "and"}, IMAGE), pad, [[pad] * 6, [pad] * 2])
     assert ids.count(pad) == 8
     first = ids.index(pad)
     assert ids[first - 1] == start and ids[first : first + 6] == [pad] * 6 and ids[first + 6] == end
@@ -52,7 +52,7 @@ def test_typed_placeholder_token_is_rejected(checkpoint, reference):
             tokenizer,
             _messages(IMAGE, {"type": "text", "text": "look <|image_pad|>"}),
             reference.config.image_token_id,
-            [4],
+            [[reference.config.image_token_id] * 4],
         )
 
 
@@ -60,13 +60,13 @@ def test_typed_placeholder_token_is_rejected(checkpoint, reference):
 def test_typed_markers_are_rejected(checkpoint, reference, typed):
     cfg, tokenizer = reference.config, load_tokenizer(checkpoint)
     messages = _messages(IMAGE, {"type": "text", "text": f"look {typed}"})
-    build_prompt(tokenizer, messages, cfg.image_token_id, [4])  # without the rule: accepted
+    build_prompt(tokenizer, messages, cfg.image_token_id, [[cfg.image_token_id] * 4])  # without the rule: accepted
     with pytest.raises(InvalidRequest, match="text must not contain that reserved token"):
         build_prompt(
             tokenizer,
             messages,
             cfg.image_token_id,
-            [4],
+            [[cfg.image_token_id] * 4],
             [cfg.vision_start_token_id, cfg.vision_end_token_id],
             [cfg.video_token_id],
         )
