@@ -23,13 +23,17 @@ CHECKPOINT_PARAMS: dict = dict(
 )  # fmt: skip
 
 
-def bench_checkpoint(root: Path, params: dict = CHECKPOINT_PARAMS) -> Path:
-    """root/ckpt-<hash of params>; built next to it and renamed, so a half-written one never looks complete."""
+def bench_checkpoint(root: Path, params: dict = CHECKPOINT_PARAMS, family: str = "qwen2_vl") -> Path:
+    """root/ckpt-<hash of family and params>, a random Qwen2-VL (or "qwen3_vl": Qwen3-VL) checkpoint; built next to
+    it and renamed, so a half-written one never looks complete."""
     from transformers.utils import logging as hf_logging
 
     from demo.build_tiny import build_checkpoint
+    from demo.tiny_qwen3_vl import build_qwen3_vl_checkpoint
 
-    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+    build = {"qwen2_vl": build_checkpoint, "qwen3_vl": build_qwen3_vl_checkpoint}[family]
+    named = params if family == "qwen2_vl" else {**params, "family": family}  # the Qwen2-VL ones keep their names
+    key = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:12]
     out = root / f"ckpt-{key}"
     if all((out / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")):
         return out
@@ -38,7 +42,7 @@ def bench_checkpoint(root: Path, params: dict = CHECKPOINT_PARAMS) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     hf_logging.disable_progress_bar()
     try:
-        build_checkpoint(staging, **params)
+        build(staging, **params)
         (staging / "bench_params.json").write_text(json.dumps(params, indent=1, sort_keys=True))
         shutil.rmtree(out, ignore_errors=True)
         staging.rename(out)

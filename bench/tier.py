@@ -67,6 +67,15 @@ TIER_CHECKPOINT = {
     "vision_mlp_ratio": 4,
     "max_pixels": 448 * 448,
 }
+# Issue 54's comparison: a Qwen3-VL of TIER_CHECKPOINT's shapes (LM 512 x 8, ViT 384 x 6, MLP 4x) with the released
+# models' three DeepStack levels, beside that Qwen2-VL: its embeddings are (1 + 3) times as wide.
+QWEN3_TIER_CHECKPOINT = {
+    "seed": 0, "hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1408,
+    "vision_hidden_size": 384, "vision_depth": 6, "vision_heads": 6, "vision_mlp_ratio": 4,
+    "deepstack_indexes": [1, 3, 5], "num_position_embeddings": 1024, "mrope_section": [12, 10, 10],
+    "init_std": 0.02, "vision_std": 0.02, "deepstack_gain": 1.0, "max_pixels": 448 * 448,
+}  # fmt: skip
+FAMILY_CHECKPOINTS = {"qwen2_vl": TIER_CHECKPOINT, "qwen3_vl": QWEN3_TIER_CHECKPOINT}
 # The scale-out's: the tests' tiny model (its LM's forward is a few hundred microseconds), images up to 224x224.
 TINY_CHECKPOINT = {"seed": 0, "max_pixels": 224 * 224}
 CPU_SIZES = [(224, 224), (160, 112), (96, 96)]
@@ -269,25 +278,20 @@ def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
 
 
+def pool_cpu(phases: list[dict]) -> dict:
+    """CPU phases (cpu_phase's, one a pass) pooled: images a second, CPU ms per image (total and by process)."""
+    cpu, images = functools.reduce(_add, (p["cpu"] for p in phases), {}), sum(p["images"] for p in phases)
+    return {
+        "images_per_s": images / sum(p["wall"] for p in phases),
+        "cpu_ms_per_image": _per(cpu, images),
+        "total_ms_per_image": sum(cpu.values()) * 1000 / images,
+        "failed": sum(p["failed"] for p in phases),
+    }
+
+
 def merge(passes: list[dict], opts) -> dict:
     """A layout's passes pooled: their requests together for the percentiles, their CPU seconds and windows summed."""
-    out: dict = {"passes": len(passes), "cpu": {}}
-    for which in ("miss", "hit"):
-        cpu, images, wall, failed = {}, 0, 0.0, 0
-        for p in passes:
-            c = p["cpu"][which]
-            cpu, images, wall, failed = (
-                _add(cpu, c["cpu"]),
-                images + c["images"],
-                wall + c["wall"],
-                failed + c["failed"],
-            )
-        out["cpu"][which] = {
-            "images_per_s": images / wall,
-            "cpu_ms_per_image": _per(cpu, images),
-            "total_ms_per_image": sum(cpu.values()) * 1000 / images,
-            "failed": failed,
-        }
+    out: dict = {"passes": len(passes), "cpu": {w: pool_cpu([p["cpu"][w] for p in passes]) for w in ("miss", "hit")}}
     unloaded = [r for p in passes for r in p["traffic"]["unloaded"]]
     span = sum(p["traffic"]["unloaded_s"] for p in passes)
     out["text_unloaded"] = aggregate(unloaded, span, opts.ttft_bound, opts.tpot_bound)
@@ -336,8 +340,11 @@ def goodput_rate(windows: list[dict], attainment: float) -> float:
     return best
 
 
-def run_layout(cluster: PinnedNodes, layout: Layout, checkpoint: Path, opts, ports: list[int], seed: int) -> dict:
-    """One pass of a layout: deployed, warmed up, its CPU per image, its traffic (raw), deleted."""
+def run_layout(
+    cluster: PinnedNodes, layout: Layout, checkpoint: Path, opts, ports: list[int], seed: int, traffic: bool = True
+) -> dict:
+    """One pass of a layout: deployed, warmed up, its CPU per image, its traffic (raw; not without `traffic`),
+    deleted."""
     from ray import serve
 
     args = {
@@ -354,7 +361,8 @@ def run_layout(cluster: PinnedNodes, layout: Layout, checkpoint: Path, opts, por
     asyncio.run(closed_loop(url, [text_body(0, 0, 8)], 1, opts.timeout))
     roots = cluster.processes()
     out = {"deploy_s": deploy_s, "cpu": cpu_phase(url, roots, opts.cpu_requests, seed, opts.timeout)}
-    out["traffic"] = traffic_phase(url, opts, roots, seed)
+    if traffic:
+        out["traffic"] = traffic_phase(url, opts, roots, seed)
     serve.delete("tier")
     return out
 
@@ -410,6 +418,44 @@ def scale_out(opts, out_dir: Path) -> dict:
             "tier_own_ms_per_image": (sum(r["cpu"].values()) - r["steps"]) * 1000 / n,
         }
     return out
+
+
+def family_phase(cluster: PinnedNodes, opts, ports: list[int], out_dir: Path) -> dict:
+    """Per family (`--families`), the tier layout's CPU per image, fresh and cached (the same phase as the layouts'),
+    its passes alternating A B, B A, ...; and the bytes of the three images' embeddings as an Encoder returns them
+    (the family's tower run here, on the CPU in float32, as the tier's replicas run it)."""
+    passes: dict[str, list[dict]] = {}
+    order = [f for r in range(opts.rounds) for f in (opts.families if r % 2 == 0 else opts.families[::-1])]
+    for k, family in enumerate(order):
+        print(f"family {family}: pass {len(passes.get(family, [])) + 1} ({k + 1}/{len(order)})", flush=True)
+        checkpoint = bench_checkpoint(out_dir, FAMILY_CHECKPOINTS[family], family)
+        seed = opts.seed + 500 + 1000 * k
+        passes.setdefault(family, []).append(run_layout(cluster, LAYOUTS["tier"], checkpoint, opts, ports, seed, False))
+    out = {}
+    for family, runs in passes.items():
+        checkpoint = bench_checkpoint(out_dir, FAMILY_CHECKPOINTS[family], family)
+        out[family] = {"cpu": {w: pool_cpu([r["cpu"][w] for r in runs]) for w in ("miss", "hit")}}
+        out[family] |= embedding_bytes(checkpoint)
+    return out
+
+
+def embedding_bytes(checkpoint: Path) -> dict:
+    """Tokens and embedding bytes per image, averaged over the CPU phase's three sizes, from the family's own tower."""
+    import torch
+    from PIL import Image
+
+    from encoders import ModelSpec
+
+    spec = ModelSpec.load(checkpoint, device="cpu", dtype="float32")
+    encoder = spec.family.encoder(checkpoint, device="cpu", dtype=torch.float32, config=spec.hf_config)
+    with torch.no_grad():
+        embeds = encoder.encode([Image.new("RGB", size) for size in CPU_SIZES])
+    n = len(CPU_SIZES)
+    return {
+        "tokens_per_image": sum(e.shape[0] for e in embeds) / n,
+        "width": embeds[0].shape[1],
+        "bytes_per_image": sum(e.nbytes for e in embeds) / n,
+    }
 
 
 QUIET = {"log_level": "WARNING", "enable_access_log": False}
@@ -565,6 +611,35 @@ def report(results: dict, scale: dict, opts, header: str) -> tuple[str, str]:
     return "\n".join(lines), last
 
 
+def family_report(families: dict) -> tuple[str, str]:
+    """The families' table (tier layout, CPU ms per image and embedding bytes per image) and its line of ratios."""
+    if not families:
+        return "", ""
+    lines = [
+        "",
+        "families, the tier layout (as above: 3 fresh images a request, then hits); tokens and embedding bytes per "
+        "image: the Encoder's output for those three sizes, float32",
+        f"{'family':10} {'pass':5} {'img/s':>6} {'total':>6} {'tokens':>6} {'width':>5} {'KB/img':>7}  by process",
+    ]
+    for name, f in families.items():
+        for which in ("miss", "hit"):
+            c = f["cpu"][which]
+            parts = ", ".join(f"{role} {ms:.1f}" for role, ms in c["cpu_ms_per_image"].items() if ms >= 0.1)
+            lines.append(
+                f"{name:10} {which:5} {c['images_per_s']:6.1f} {c['total_ms_per_image']:6.1f} "
+                f"{f['tokens_per_image']:6.1f} {f['width']:5} {f['bytes_per_image'] / 1000:7.1f}  {parts}"
+            )
+    last = ""
+    if "qwen2_vl" in families and "qwen3_vl" in families:
+        a, b = families["qwen3_vl"], families["qwen2_vl"]
+        cpu = _ratio(a["cpu"]["miss"]["total_ms_per_image"], b["cpu"]["miss"]["total_ms_per_image"])
+        last = (
+            f"families: tier cpu/image qwen3_vl/qwen2_vl {_x(cpu)}; "
+            f"bytes/image {_x(_ratio(a['bytes_per_image'], b['bytes_per_image']))}"
+        )
+    return "\n".join(lines), last
+
+
 def plot(path: Path, results: dict, scale: dict, title: str) -> None:
     """Image TTFT p99, text TPOT p99 and goodput against the image rate, one line a layout; scale-out."""
     import matplotlib
@@ -629,6 +704,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-requests", type=int, default=160)
     p.add_argument("--scale-concurrency", type=int, default=32)
     p.add_argument("--scale-image-s", type=float, default=0.125, help="the scale-out ViT's sleep for one image")
+    p.add_argument(
+        "--families", default="qwen2_vl,qwen3_vl", help="the tier's CPU and bytes per image of each ('' skips)"
+    )
     p.add_argument("--rounds", type=int, default=2, help="passes of each layout, in the order A B C, C B A, ...")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0)
@@ -636,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
     opts = p.parse_args(argv)
     opts.scale_replicas = [int(k) for k in opts.scale_replicas.split(",") if k]
     opts.rates = [float(r) for r in opts.rates.split(",") if r]
+    opts.families = [f for f in opts.families.split(",") if f]
+    if unknown := set(opts.families) - set(FAMILY_CHECKPOINTS):
+        raise SystemExit(f"--families: {sorted(unknown)}; known: {sorted(FAMILY_CHECKPOINTS)}")
     out_dir = Path(opts.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if (os.cpu_count() or 1) < 2:
@@ -643,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = bench_checkpoint(out_dir, TIER_CHECKPOINT)
     chosen = [LAYOUTS[n] for n in opts.layouts.split(",") if n]
     results: dict[str, dict] = {}
-    if chosen:
+    families: dict[str, dict] = {}
+    if chosen or opts.families:
         from ray import serve
 
         env, ports = _cluster_env()
@@ -659,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed = opts.seed + 1000 * k  # fresh images every pass: no embedding cache hit across passes
                 passes.setdefault(layout.name, []).append(run_layout(cluster, layout, checkpoint, opts, ports, seed))
             results = {name: merge(runs, opts) for name, runs in passes.items()}
+            families = family_phase(cluster, opts, ports, out_dir) if opts.families else {}
     scale = scale_out(opts, out_dir) if opts.scale_replicas else {}
     stamp = datetime.now(UTC)
     cpu = "unknown"
@@ -674,11 +757,15 @@ def main(argv: list[str] | None = None) -> int:
         + (f"; llm args {json.dumps(opts.llm_args)}" if opts.llm_args else "")
     )
     text, last = report(results, scale, opts, header)
-    print(text)
+    family_text, family_last = family_report(families)
+    print(text + family_text)
     path = out_dir / f"tier-{stamp.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"opts": vars(opts), "results": results, "scale": scale}, indent=1, default=str))
+    data = {"opts": vars(opts), "results": results, "scale": scale, "families": families}
+    path.write_text(json.dumps(data, indent=1, default=str))
     plot(path.with_suffix(".png"), results, scale, header)
     print(f"wrote {path} and {path.with_suffix('.png')}")
+    if family_last:
+        print(family_last)
     print(last)
     return 0
 

@@ -124,3 +124,38 @@ def test_goodput_is_the_rate_where_the_share_of_good_requests_crosses_the_attain
     assert tier.goodput_rate(windows(0.99, 0.95, 0.93), 0.9) == 0.6000000000000001  # never crossed: the last rate
     assert abs(tier.goodput_rate(windows(0.99, 0.95, 0.85), 0.9) - 0.5) < 1e-9  # halfway from 0.4 to 0.6
     assert tier.goodput_rate(windows(0.8, 0.95), 0.9) == 0.0  # the lowest rate misses it already
+
+
+def test_cpu_phases_pool_over_passes():
+    phases = [{"cpu": {"LLM": 1.0, "Encoder": 0.5}, "images": 30, "wall": 2.0, "failed": 0},
+              {"cpu": {"LLM": 2.0}, "images": 30, "wall": 4.0, "failed": 1}]  # fmt: skip
+    pooled = tier.pool_cpu(phases)
+    assert pooled["total_ms_per_image"] == 3500 / 60 and pooled["cpu_ms_per_image"] == {
+        "LLM": 50.0,
+        "Encoder": 25.0 / 3,
+    }
+    assert pooled["images_per_s"] == 10.0 and pooled["failed"] == 1
+
+
+def test_embedding_bytes_are_the_towers_output(checkpoint, tmp_path):
+    """Qwen3-VL's embedding carries its DeepStack levels beside the merged rows: (1 + 2) x 64 columns in the tiny
+    checkpoint, at patch 16 (fewer tokens than Qwen2-VL's patch 14 for the same image)."""
+    from demo.tiny_qwen3_vl import build_qwen3_vl_checkpoint
+
+    q2 = tier.embedding_bytes(checkpoint)
+    q3 = tier.embedding_bytes(build_qwen3_vl_checkpoint(tmp_path / "q3", max_pixels=448 * 448))
+    assert q2["width"] == 64 and q3["width"] == 3 * 64
+    for f in (q2, q3):
+        assert f["bytes_per_image"] == f["tokens_per_image"] * f["width"] * 4
+    # 224x224, 160x112 (to 168x112; to 160x128 at 32), 96x96: patch 14: 64, 24, 9 tokens; patch 16: 49, 20, 9
+    assert q2["tokens_per_image"] == (64 + 24 + 9) / 3 and q3["tokens_per_image"] == (49 + 20 + 9) / 3
+
+
+def test_the_families_line_is_qwen3_over_qwen2():
+    def fam(ms: float, nbytes: float) -> dict:
+        c = {"images_per_s": 1.0, "total_ms_per_image": ms, "cpu_ms_per_image": {"Encoder": ms}}
+        return {"cpu": {"miss": c, "hit": c}, "tokens_per_image": 10.0, "width": 64, "bytes_per_image": nbytes}
+
+    text, last = tier.family_report({"qwen2_vl": fam(10.0, 1000.0), "qwen3_vl": fam(15.0, 4000.0)})
+    assert last == "families: tier cpu/image qwen3_vl/qwen2_vl 1.50x; bytes/image 4.00x"
+    assert "qwen3_vl   miss" in text and tier.family_report({}) == ("", "")
