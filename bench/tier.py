@@ -533,9 +533,9 @@ def _at(results: dict, name: str, rate: float) -> dict | None:
     return next((r for r in results.get(name, {}).get("rates", []) if r["rate"] == rate), None)
 
 
-def report(results: dict, scale: dict, opts, header: str) -> tuple[str, str]:
-    lines = [header, ""]
-    names = [n for n in LAYOUTS if n in results]
+def _layouts_report(results: dict, names: list[str], opts) -> list[str]:
+    """The layouts' tables: CPU per image, then traffic at each rate, and goodput."""
+    lines: list[str] = []
     lines.append(
         f"Each layout {opts.rounds} passes, in the order A B C, C B A, ...; the passes pooled. CPU ms per image, all "
         "processes (by process), 3 fresh images a request, max_tokens 1, c=16; hits: the same images again:"
@@ -580,6 +580,14 @@ def report(results: dict, scale: dict, opts, header: str) -> tuple[str, str]:
         f"goodput, image requests a second with {opts.attainment:.0%} of requests good: "
         + ", ".join(f"{n} {results[n]['goodput_rate']:.2f}" for n in names)
     )
+    return lines
+
+
+def report(results: dict, scale: dict, opts, header: str) -> tuple[str, str]:
+    lines = [header, ""]
+    names = [n for n in LAYOUTS if n in results]
+    if names:
+        lines += _layouts_report(results, names, opts)
     if scale:
         lines += [
             "",
@@ -762,8 +770,9 @@ def main(argv: list[str] | None = None) -> int:
     path = out_dir / f"tier-{stamp.strftime('%Y%m%d-%H%M%S')}.json"
     data = {"opts": vars(opts), "results": results, "scale": scale, "families": families}
     path.write_text(json.dumps(data, indent=1, default=str))
-    plot(path.with_suffix(".png"), results, scale, header)
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    if results or scale:
+        plot(path.with_suffix(".png"), results, scale, header)
+    print(f"wrote {path}" + (f" and {path.with_suffix('.png')}" if results or scale else ""))
     if family_last:
         print(family_last)
     print(last)
