@@ -253,3 +253,25 @@ def test_a_videos_greedy_tokens_equal_transformers_through_the_engine(ckpt, refe
         assert other_tokens == _reference_video_generate(reference, other_ref, 8) and other_tokens != expected
     finally:
         engine.close()
+
+
+def test_the_static_decode_step_serves_qwen3(ckpt, reference):
+    """The decode step a CUDA graph captures (static shapes, run here on the CPU without the graph): Qwen3's q/k
+    norms inside it, no host sync, and greedy tokens after images (DeepStack in the prefill) equal transformers'."""
+    from llm.engine.decode_step import StaticDecode
+    from tests.llm.test_decode_step import _filled, _NoHostSync
+
+    model, vision = Qwen2LM.from_pretrained(ckpt), Qwen3VLVisionEncoder(ckpt)
+    with torch.inference_mode():
+        cache, blocks = _filled(model, [3, 10, 40], seed=1)
+        static = StaticDecode(model, cache, max_num_seqs=8, max_model_len=96, cuda_graphs=False)
+        rows = static.prepare([5, 6, 7], [3, 10, 40], blocks, [4, 11, 41])
+        with _NoHostSync():
+            static.forward(rows)
+    case, ref = request_for(ckpt, reference, vision, [(120, 80), (64, 200)], seed=1, prefix=[3, 4, 5], max_tokens=12)
+    engine = make_engine(model, reference, static_decode=True)
+    try:
+        assert engine.runner.static is not None
+        assert asyncio.run(collect(engine, case))[0] == reference_generate(reference, ref, 12)
+    finally:
+        engine.close()
