@@ -142,3 +142,20 @@ def test_too_few_bundles_for_the_ranks_is_said_plainly(monkeypatch):
     monkeypatch.setattr(tp, "get_current_placement_group", lambda: type("PG", (), {"bundle_specs": [{"CPU": 1}] * 2}))
     with pytest.raises(ValueError, match="tensor_parallel_size=4 needs 4 placement_group_bundles .* has 2"):
         tp.Ranks(4, "cpu")
+
+
+def test_qwen3_vl_over_two_ranks_gives_the_reference_tokens(ray_serve, app_args, tmp_path_factory):
+    """Qwen3-VL through the tier into an LLM replica of two gloo ranks: each rank gets the step's DeepStack levels
+    with its embeddings (llm/model/parallel.py), and the greedy tokens are transformers'."""
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from demo.tiny_qwen3_vl import build_qwen3_vl_checkpoint
+
+    # NOTE: seed 2, as the engine's Qwen3-VL tests: its DeepStack levels move the greedy tokens
+    ckpt = build_qwen3_vl_checkpoint(tmp_path_factory.mktemp("qwen3-tp") / "qwen3-vl-tiny", seed=2)
+    reference = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    args = {**app_args, "llm": {**app_args["llm"], "tensor_parallel_size": 2}}
+    with deployed(ray_serve, args, ckpt, "qwen3-tp") as client:
+        for case in ("one_image", "two_turns"):
+            assert_greedy_equals_reference(client, ckpt, reference, CASES[case])
