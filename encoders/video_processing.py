@@ -295,7 +295,9 @@ class Qwen3VLVideoProcessing(Qwen2VLVideoProcessing):
         source_fps: float,
     ) -> VideoPlan:  # fmt: skip
         n, T = len(indices), self.temporal_patch_size
-        w, h = self.frame_size(meta, n, req, total_pixels)  # the sampled count, before padding (as transformers)
+        # The sampled count, before padding, as transformers sizes it; a one-frame list (which transformers refuses)
+        # as the two copies of it that are encoded.
+        w, h = self.frame_size(meta, max(n, T), req, total_pixels)
         indices = tuple(indices) + (indices[-1],) * (-n % T)  # patchify's padding: the last frame repeated
         # transformers' Qwen3VLProcessor._calculate_timestamps: each tubelet at the mean of its first and last frame
         times = [i / source_fps for i in indices]

@@ -76,6 +76,10 @@ def test_frame_list_is_taken_at_the_requests_fps():
     assert plan.indices == (0, 1, 2, 3, 4, 4) and plan.timestamps == (0.5, 2.5, 4.0)
     default = proc.frame_list_plan(VideoMeta(4, 2.0, 90, 60), SamplingRequest(), TOTAL_PIXELS)
     assert default.timestamps == (0.25, 1.25)  # 2 frames a second
+    # One frame (transformers refuses fewer than two): sized as the two copies of it that are encoded
+    one = proc.frame_list_plan(VideoMeta(1, 2.0, 64, 48), SamplingRequest(), TOTAL_PIXELS)
+    two = proc.frame_list_plan(VideoMeta(2, 2.0, 64, 48), SamplingRequest(), TOTAL_PIXELS)
+    assert one.indices == (0, 0) and one.grid_thw == two.grid_thw == (1, 4, 4)
 
 
 def test_request_bounds_and_errors():
