@@ -16,9 +16,10 @@ Reported per configuration: p50/p99 image TTFT (all, thumbnails, large), Encoder
 most replicas, when the policy first asked for more (a replica STARTING) and when the second one started serving
 after the step: the policy's own delay apart from the replica's start; then each replica that started during the
 run, its start phase by phase as it measured them (deployments/replica.py, exported as `vlm_encoder_start_seconds`).
-With `--baseline REF` (by default main before issue 53) the same load runs first on that commit's code, in a git
-worktree of its own, with its own bench (count and cost); the last line compares the shipped cost policy now with
-the count policy then:
+With `--baseline REF` (by default main before issue 53) the same load runs on that commit's code too, in a git
+worktree of its own, with its own bench (count and cost), `--rounds` times (2), in the order A B, B A, ...: one run's
+tails move 2x on a shared 2-core VM, so each round's ratio is printed and the last line compares the means of the
+shipped cost policy now and the count policy then (the median start over every round):
 `encoder scaling: start Ss; p99 image TTFT before/now Rx; replica-seconds now/before Qx`."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -344,49 +345,83 @@ def baseline_rows(ref: str, args: argparse.Namespace) -> tuple[str, list[Row]]:
     return sha, [Row.parse(line, sha) for line in lines if line.startswith(("count ", "cost "))]
 
 
-def report(
-    runs: list[Run], load: list[Request], args: argparse.Namespace, baseline: tuple[str, list[Row]] = ("", [])
-) -> str:
+@dataclass
+class Round:
+    """One pass of the configurations now and of the baseline's, in the order A B, B A, ..."""
+
+    runs: list[Run]
+    baseline: tuple[str, list[Row]] = ("", [])
+
+
+def report(rounds: list[Round], load: list[Request], args: argparse.Namespace) -> str:
     n_large = sum(r.large for r in load)
-    sha, before = baseline
+    sha = next((rd.baseline[0] for rd in rounds if rd.baseline[0]), "")
+    several = len(rounds) > 1
+
+    def named(row: Row, k: int) -> str:
+        return (replace(row, name=f"{row.name} #{k}") if several else row).format()
+
     lines = [
         f"encoder scaling: {len(load)} requests ({n_large} large) over {args.duration:g} s at {args.rate:g}/s, "
         f"seed {args.seed}, 1-{args.max_replicas} Encoder replicas, ViT {args.large_s:g} s per 1 MP photo"
-        + (f"; baseline: main at {sha} (its own code and bench, the same load)" if sha else ""),
+        + (f"; baseline: main at {sha} (its own code and bench, the same load)" if sha else "")
+        + (f"; {len(rounds)} rounds, baseline and now in the order A B, B A, ..." if several else ""),
         "",
         HEADER,
-        *(row.format() for row in before),
-        *(Row.of(r).format() for r in runs),
+    ]
+    for k, rd in enumerate(rounds, 1):
+        lines += [named(row, k) for row in rd.baseline[1]] + [named(Row.of(r), k) for r in rd.runs]
+    lines += [
         "",
         "replicas that started during the run (seconds after the step; a start is from the policy's decision to the "
         "replica's first image, split into the phases the replica measured, the part of each after the decision):",
     ]
-    for r in runs:
-        for k, (asked, at, start) in enumerate(r.new_starts(), 2):
-            whole = f"{sum(start.phases.values()):.1f} s from its process's start"
-            if asked is None:
-                lines.append(f"  {r.name:<12} #{k}: asked -, serving {at:.1f}: {whole}")
-                continue
-            after = start.after(r.began + asked)
-            phases = ", ".join(f"{p.replace('_', ' ')} {s:.1f}" for p, s in after.items())
-            span = f"start {at - asked:.1f} s ({phases}; {whole})"
-            lines.append(f"  {r.name:<12} #{k}: asked {asked:.1f}, serving {at:.1f}: {span}")
-    by = {r.name: r for r in runs}
-    if "count" in by and "cost" in by:
-        count, cost = by["count"], by["cost"]
+    for k, rd in enumerate(rounds, 1):
+        for r in rd.runs:
+            label = f"{r.name} #{k}" if several else r.name
+            for n, (asked, at, start) in enumerate(r.new_starts(), 2):
+                whole = f"{sum(start.phases.values()):.1f} s from its process's start"
+                if asked is None:
+                    lines.append(f"  {label:<12} #{n}: asked -, serving {at:.1f}: {whole}")
+                    continue
+                after = start.after(r.began + asked)
+                phases = ", ".join(f"{p.replace('_', ' ')} {s:.1f}" for p, s in after.items())
+                span = f"start {at - asked:.1f} s ({phases}; {whole})"
+                lines.append(f"  {label:<12} #{n}: asked {asked:.1f}, serving {at:.1f}: {span}")
+    by = [{r.name: r for r in rd.runs} for rd in rounds]
+    if all("count" in b and "cost" in b for b in by):
+        ratio = [b["count"].pct(0.99) / b["cost"].pct(0.99) for b in by]
+        seconds = [b["cost"].replica_seconds() / b["count"].replica_seconds() for b in by]
         lines += [
             "",
-            f"encoder scaling: p99 image TTFT count/cost = {count.pct(0.99) / cost.pct(0.99):.2f}x, "
-            f"replica-seconds cost/count = {cost.replica_seconds() / count.replica_seconds():.2f}x",
+            f"encoder scaling: p99 image TTFT count/cost = {_spread(ratio)}, replica-seconds cost/count = "
+            f"{_spread(seconds)}",
         ]
-    then = next((row for row in before if row.name.startswith("count@")), None)
-    if "cost" in by and then is not None:
-        now, start = by["cost"], by["cost"].start_seconds()
+    thens = [next((row for row in rd.baseline[1] if row.name.startswith("count@")), None) for rd in rounds]
+    if all("cost" in b for b in by) and all(t is not None for t in thens):
+        nows = [b["cost"] for b in by]
+        spans = [at - asked for r in nows for asked, at, _ in r.new_starts() if asked is not None]
+        start = statistics.median(spans) if spans else None  # of every round's starts
+        before_p99, now_p99 = [t.p99 for t in thens], [n.pct(0.99) for n in nows]  # type: ignore[union-attr]
+        before_s, now_s = [t.replica_s for t in thens], [n.replica_seconds() for n in nows]  # type: ignore[union-attr]
+        if several:
+            lines.append(
+                "rounds, p99 image TTFT before/now: "
+                + ", ".join(f"{b / n:.2f}x ({b:.1f} / {n:.1f} s)" for b, n in zip(before_p99, now_p99, strict=True))
+            )
         lines.append(
             f"encoder scaling: start {'-' if start is None else format(start, '.1f')}s; p99 image TTFT before/now "
-            f"{then.p99 / now.pct(0.99):.2f}x; replica-seconds now/before {now.replica_seconds() / then.replica_s:.2f}x"
+            f"{statistics.mean(before_p99) / statistics.mean(now_p99):.2f}x; replica-seconds now/before "
+            f"{statistics.mean(now_s) / statistics.mean(before_s):.2f}x"
         )
     return "\n".join(lines)
+
+
+def _spread(xs: list[float]) -> str:
+    """One ratio, or a round's each and their mean."""
+    if len(xs) == 1:
+        return f"{xs[0]:.2f}x"
+    return f"{statistics.mean(xs):.2f}x (" + ", ".join(f"{x:.2f}x" for x in xs) + ")"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,17 +434,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", default=BASELINE, help="a commit to run the same load on first; 'none': skip")
+    parser.add_argument("--rounds", type=int, default=2, help="passes of the baseline and now, A B, B A, ...")
     parser.add_argument("--out", type=Path, default=Path("bench_results/encoder-scaling.txt"))
     args = parser.parse_args(argv)
     checkpoint = bench_checkpoint(Path("bench_results/checkpoints"), CHECKPOINT)
     spec = ModelSpec.load(checkpoint, device="cpu")
     args.seconds_per_gflop = args.large_s / spec.image_cost.gflop(spec.processing.grid_thw(1024, 1024))
     load = workload(args.rate, args.duration, args.large_share, args.seed)
-    baseline = baseline_rows(args.baseline, args) if args.baseline != "none" else ("", [])
-    metrics_port = free_port()
-    with ray_serve(metrics_port=metrics_port) as port:
-        runs = [measure(name, port, checkpoint, load, args, metrics_port) for name in args.configs.split(",")]
-    text = report(runs, load, args, baseline)
+
+    def now() -> list[Run]:
+        metrics_port = free_port()
+        with ray_serve(metrics_port=metrics_port) as port:
+            return [measure(name, port, checkpoint, load, args, metrics_port) for name in args.configs.split(",")]
+
+    rounds = []
+    for k in range(args.rounds):  # the baseline and now in the order A B, B A, ...: a drifting machine weighs both
+        if args.baseline == "none":
+            rounds.append(Round(now()))
+        elif k % 2 == 0:
+            baseline = baseline_rows(args.baseline, args)
+            rounds.append(Round(now(), baseline))
+        else:
+            runs = now()
+            rounds.append(Round(runs, baseline_rows(args.baseline, args)))
+    text = report(rounds, load, args)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")
