@@ -10,7 +10,9 @@ add capacity as GPUs would, on a 2-core machine. Each configuration starts at on
 - `count`: Serve's request-count policy (`target_ongoing_requests`, 4 as serve_config.yaml's comment offers) and its
   default router (power of two choices on requests in flight);
 - `cost+serve`: the cost policy (deployments/encoder/autoscaling.py) with Serve's router;
-- `cost`: the cost policy and the cost router (deployments/encoder/router.py), as shipped.
+- `cost`: the cost policy and the cost router (deployments/encoder/router.py), as shipped;
+- `cost+paced` (not in the default set): the same, the policy asking for one replica at a time
+  (`paced_cost_policy`: on one small node, replicas started together share its cores).
 The cost configurations take the target the replica measures at start (bench/slow_vit.py's sleep included).
 Reported per configuration: p50/p99 image TTFT (all, thumbnails, large), Encoder replica-seconds over the run, the
 most replicas, when the policy first asked for more (a replica STARTING) and when the second one started serving
@@ -150,7 +152,7 @@ def deploy(name: str, checkpoint: Path, max_replicas: int, seconds_per_gflop: fl
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from deployments.encoder.autoscaling import POLICY_PATH
+    from deployments.encoder.autoscaling import PACED_POLICY_PATH, POLICY_PATH
     from deployments.encoder.server import Encoder
     from deployments.ingress import Ingress
     from deployments.llm.server import LLM
@@ -158,11 +160,13 @@ def deploy(name: str, checkpoint: Path, max_replicas: int, seconds_per_gflop: fl
 
     args = {"model": str(checkpoint), "llm": {"max_model_len": 4096}, "encoder": {"cache_gib": 0}}
     policy = {"target_ongoing_requests": 4} if name == "count" else {"policy": {"policy_function": POLICY_PATH}}
+    if name == "cost+paced":
+        policy = {"policy": {"policy_function": PACED_POLICY_PATH}}
     options = {
         "autoscaling_config": {"min_replicas": 1, "max_replicas": max_replicas, **DELAYS, **policy},
         "ray_actor_options": {"num_cpus": 0.25},
     }
-    if name != "cost":
+    if name not in ("cost", "cost+paced"):
         options["request_router_config"] = RequestRouterConfig()  # Serve's default: power of two on counts
     slow = functools.partial(SlowViT, seconds_per_gflop=seconds_per_gflop)
     config = plain_config(read_config(checkpoint))  # as the app builder sends it (deployments/app.py)

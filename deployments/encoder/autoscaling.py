@@ -29,6 +29,7 @@ ARRIVING_COST = "arriving_cost"  # GFLOP arriving at a replica per target queuei
 MEAN_COST = "mean_cost"  # GFLOP of an image (or video chunk) a replica took, on average over the window
 TARGET_COST = "target_cost"  # GFLOP of pending work one replica should hold
 POLICY_PATH = "deployments.encoder.autoscaling:cost_policy"
+PACED_POLICY_PATH = "deployments.encoder.autoscaling:paced_cost_policy"  # one replica starting at a time
 # The Encoder deployment's autoscaling options (its decorator's; the KubeRay manifest raises max_replicas), tuned for
 # reaction time rather than Ray's defaults (upscale 30 s, downscale 600 s, metrics every 10 s over 30 s): replicas
 # report twice a second and a replica is asked for 0.5 s over target (seconds after a load step: a replica's
@@ -127,16 +128,30 @@ def cost_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
     return (max(decisions) if decisions else current), {}
 
 
+def paced_cost_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
+    """`cost_policy`, asking for one replica more at a time: none while one it asked for is still starting (the
+    target above the replicas running). For Encoder replicas that start on one node whose cores the load keeps busy:
+    started together they share those cores, and the first serves only when all of them could. It never lowers a
+    target it has set (a starting replica is not stopped), and scale-down is `cost_policy`'s."""
+    wanted, state = cost_policy(ctx)
+    current, running = ctx.target_num_replicas, ctx.current_num_replicas
+    if wanted > current:
+        wanted = max(current, min(wanted, running + 1))
+    return wanted, state
+
+
 __all__ = [
     "ARRIVING_COST",
     "AUTOSCALING",
     "HYSTERESIS",
     "MEAN_COST",
     "PENDING_COST",
+    "PACED_POLICY_PATH",
     "POLICY_PATH",
     "TARGET_COST",
     "ArrivalMeter",
     "cost_policy",
     "desired_replicas",
+    "paced_cost_policy",
     "newest",
 ]

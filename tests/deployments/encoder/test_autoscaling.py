@@ -18,6 +18,7 @@ from deployments.encoder.autoscaling import (
     ArrivalMeter,
     cost_policy,
     desired_replicas,
+    paced_cost_policy,
 )
 from deployments.encoder.server import DEFAULT_TARGET_COST, Encoder
 from schemas import EncoderArgs
@@ -181,3 +182,17 @@ def test_a_step_scales_on_the_newest_report_and_down_only_once_the_window_has_co
     calm = _context({REPLICAS[0]: 35.0}, 4, 4, {}, config, raw=raw(35, 35, 35, 35, 0))
     assert cost_policy(calm)[0] == 4
     assert cost_policy(_context({REPLICAS[0]: 0.0}, 4, 4, {}, config, raw=raw(35, 0)))[0] == 0  # both low
+
+
+def test_the_paced_policy_asks_for_one_replica_at_a_time():
+    """35 GFLOP pending for a 10 GFLOP target: the cost policy asks for 4 at once; the paced one for 2 while one
+    runs, no more while that one is starting (target 2, running 1), 3 once it runs; it never takes back a target
+    (3 asked, 1 running: 3 stays) and scales down as the cost policy does."""
+    config = AutoscalingConfig(min_replicas=1, max_replicas=8, policy={"policy_function": POLICY_PATH})
+    pending = {REPLICAS[0]: 35.0}
+    assert cost_policy(_context(pending, 1, 1, {}, config))[0] == 4
+    assert paced_cost_policy(_context(pending, 1, 1, {}, config))[0] == 2
+    assert paced_cost_policy(_context(pending, 1, 2, {}, config))[0] == 2
+    assert paced_cost_policy(_context(pending, 2, 2, {}, config))[0] == 3
+    assert paced_cost_policy(_context(pending, 1, 3, {}, config))[0] == 3
+    assert paced_cost_policy(_context({REPLICAS[0]: 0.0}, 3, 3, {}, config))[0] == 0
