@@ -402,22 +402,25 @@ def report(rounds: list[Round], load: list[Request], args: argparse.Namespace) -
             f"{_spread(seconds)}",
         ]
     thens = [next((row for row in rd.baseline[1] if row.name.startswith("count@")), None) for rd in rounds]
-    if all("cost" in b for b in by) and all(t is not None for t in thens):
-        nows = [b["cost"] for b in by]
-        spans = [at - asked for r in nows for asked, at, _ in r.new_starts() if asked is not None]
-        start = statistics.median(spans) if spans else None  # of every round's starts
-        before_p99, now_p99 = [t.p99 for t in thens], [n.pct(0.99) for n in nows]  # type: ignore[union-attr]
-        before_s, now_s = [t.replica_s for t in thens], [n.replica_seconds() for n in nows]  # type: ignore[union-attr]
-        if several:
+    if all(t is not None for t in thens):
+        # the paced policy's line first (when it ran), the shipped cost policy's last
+        for name in [n for n in ("cost+paced", "cost") if all(n in b for b in by)]:
+            nows = [b[name] for b in by]
+            spans = [at - asked for r in nows for asked, at, _ in r.new_starts() if asked is not None]
+            start = statistics.median(spans) if spans else None  # of every round's starts
+            before_p99, now_p99 = [t.p99 for t in thens], [n.pct(0.99) for n in nows]  # type: ignore[union-attr]
+            before_s, now_s = [t.replica_s for t in thens], [n.replica_seconds() for n in nows]  # type: ignore[union-attr]
+            if several:
+                lines.append(
+                    f"rounds, p99 image TTFT before/{name}: "
+                    + ", ".join(f"{b / n:.2f}x ({b:.1f} / {n:.1f} s)" for b, n in zip(before_p99, now_p99, strict=True))
+                )
+            label = "" if name == "cost" else f" ({name})"
             lines.append(
-                "rounds, p99 image TTFT before/now: "
-                + ", ".join(f"{b / n:.2f}x ({b:.1f} / {n:.1f} s)" for b, n in zip(before_p99, now_p99, strict=True))
+                f"encoder scaling{label}: start {'-' if start is None else format(start, '.1f')}s; p99 image TTFT "
+                f"before/now {statistics.mean(before_p99) / statistics.mean(now_p99):.2f}x; replica-seconds "
+                f"now/before {statistics.mean(now_s) / statistics.mean(before_s):.2f}x"
             )
-        lines.append(
-            f"encoder scaling: start {'-' if start is None else format(start, '.1f')}s; p99 image TTFT before/now "
-            f"{statistics.mean(before_p99) / statistics.mean(now_p99):.2f}x; replica-seconds now/before "
-            f"{statistics.mean(now_s) / statistics.mean(before_s):.2f}x"
-        )
     return "\n".join(lines)
 
 

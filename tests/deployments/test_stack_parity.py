@@ -147,9 +147,13 @@ def test_llava_full_feature_strategy_keeps_the_cls_token(ray_serve, app_args, tm
 
 def test_qwen3_vl_colocated_equals_transformers(ray_serve, app_args, tmp_path_factory):
     """Qwen3-VL with no encoder tier: the LLM replica encodes the images itself, DeepStack levels and all, and its
-    greedy tokens are transformers'."""
-    ckpt = build_qwen3_vl_checkpoint(tmp_path_factory.mktemp("qwen3-colocated") / "qwen3-vl-tiny")
+    greedy tokens are transformers', for every conversation of the table; its prefill in chunks of 16 tokens, so
+    chunk boundaries fall inside the images (each level added once, to the rows of the chunk that holds them)."""
+    # NOTE: seed 2, as the engine's Qwen3-VL tests: its DeepStack levels move the greedy tokens
+    ckpt = build_qwen3_vl_checkpoint(tmp_path_factory.mktemp("qwen3-colocated") / "qwen3-vl-tiny", seed=2)
     reference = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
-    with deployed(ray_serve, {**app_args, "encoder": {"colocated": True}}, ckpt, "qwen3-colocated") as client:
-        for case in ("one_image", "three_images"):
+    llm = {**app_args["llm"], "max_num_batched_tokens": 16}
+    args = {**app_args, "encoder": {"colocated": True}, "llm": llm}
+    with deployed(ray_serve, args, ckpt, "qwen3-colocated") as client:
+        for case in CASES:
             assert_greedy_equals_reference(client, ckpt, reference, CASES[case])
