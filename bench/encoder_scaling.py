@@ -11,7 +11,7 @@ add capacity as GPUs would, on a 2-core machine. Each configuration starts at on
   default router (power of two choices on requests in flight);
 - `cost+serve`: the cost policy (deployments/encoder/autoscaling.py) with Serve's router;
 - `cost`: the cost policy and the cost router (deployments/encoder/router.py), as shipped;
-- `cost+paced` (not in the default set): the same, the policy asking for one replica at a time
+- `cost+paced`: the same, the policy asking for one replica at a time
   (`paced_cost_policy`: on one small node, replicas started together share its cores).
 The cost configurations take the target the replica measures at start (bench/slow_vit.py's sleep included).
 Reported per configuration: p50/p99 image TTFT (all, thumbnails, large), Encoder replica-seconds over the run, the
@@ -56,7 +56,7 @@ CHECKPOINT = dict(
     vision_depth=1, vision_heads=2, init_std=0.02, max_pixels=1024 * 1024,
 )  # fmt: skip
 DELAYS = {k: v for k, v in AUTOSCALING.items() if k.endswith("_s")}  # the shipped delays and intervals
-CONFIGS = ("count", "cost+serve", "cost")
+CONFIGS = ("count", "cost+serve", "cost", "cost+paced")
 BASELINE = "9c039ac"  # main before issue 53: replicas started in 14-21 s here
 
 
