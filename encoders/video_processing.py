@@ -100,14 +100,20 @@ class Qwen2VLVideoProcessing:
         return cls(
             min_pixels=int(cfg.get("min_pixels") or size.get("shortest_edge") or d.min_pixels),
             max_pixels=int(cfg.get("max_pixels") or size.get("longest_edge") or d.max_pixels),
-            patch_size=int(cfg.get("patch_size", d.patch_size)),
-            temporal_patch_size=int(cfg.get("temporal_patch_size", d.temporal_patch_size)),
-            merge_size=int(cfg.get("merge_size", d.merge_size)),
-            fps=float(cfg.get("fps") or d.fps),
-            min_frames=int(cfg.get("min_frames", d.min_frames)),
-            max_frames=int(cfg.get("max_frames", d.max_frames)),
-            image_mean=tuple(cfg.get("image_mean", _CLIP_MEAN)),
-            image_std=tuple(cfg.get("image_std", _CLIP_STD)),
+            **d._sampling_fields(cfg),
+        )
+
+    def _sampling_fields(self, cfg: dict) -> dict:
+        """The fields both families read alike from video_preprocessor_config.json, these defaults where absent."""
+        return dict(
+            patch_size=int(cfg.get("patch_size", self.patch_size)),
+            temporal_patch_size=int(cfg.get("temporal_patch_size", self.temporal_patch_size)),
+            merge_size=int(cfg.get("merge_size", self.merge_size)),
+            fps=float(cfg.get("fps") or self.fps),
+            min_frames=int(cfg.get("min_frames", self.min_frames)),
+            max_frames=int(cfg.get("max_frames", self.max_frames)),
+            image_mean=tuple(cfg.get("image_mean", self.image_mean)),
+            image_std=tuple(cfg.get("image_std", self.image_std)),
         )
 
     def fingerprint(self) -> str:
@@ -237,14 +243,7 @@ class Qwen3VLVideoProcessing(Qwen2VLVideoProcessing):
         return cls(
             min_pixels=int(size.get("shortest_edge", d.min_pixels)),
             max_pixels=int(size.get("longest_edge", d.max_pixels)),
-            patch_size=int(cfg.get("patch_size", d.patch_size)),
-            temporal_patch_size=int(cfg.get("temporal_patch_size", d.temporal_patch_size)),
-            merge_size=int(cfg.get("merge_size", d.merge_size)),
-            fps=float(cfg.get("fps") or d.fps),
-            min_frames=int(cfg.get("min_frames", d.min_frames)),
-            max_frames=int(cfg.get("max_frames", d.max_frames)),
-            image_mean=tuple(cfg.get("image_mean", d.image_mean)),
-            image_std=tuple(cfg.get("image_std", d.image_std)),
+            **d._sampling_fields(cfg),
             cap_pixels_per_frame=bool(cfg.get("cap_pixels_per_frame") or False),
             max_video_tokens=int(cfg.get("max_video_tokens", d.max_video_tokens)),
         )
