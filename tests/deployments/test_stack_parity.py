@@ -114,6 +114,20 @@ def test_changing_one_image_changes_the_tokens_and_they_still_equal_transformers
     )
 
 
+def test_a_second_turn_hits_the_prefix_cache_and_still_equals_transformers(served):
+    """Turn 1 (an image and a question), then turn 2 re-sending it with the answer and a new question: turn 2's
+    prompt starts with turn 1's, so its first blocks (the image's rows among them; Qwen3-VL's DeepStack levels not
+    needed again) come from the prefix cache, and its tokens are still transformers'. A fresh image: no earlier
+    case warmed the cache."""
+    image = Image.new("RGB", (96, 72), (200, 40, 90))
+    first = [("user", [image, "Describe the picture in detail, please."])]
+    answer = greedy_completion(served.client, first)["choices"][0]["message"]["content"]
+    second = [*first, ("assistant", [answer]), ("user", ["And its colour?"])]
+    out = greedy_completion(served.client, second)
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # a block at least
+    assert_greedy_equals_reference(served.client, served.checkpoint, served.reference, second, generate=served.generate)
+
+
 def test_streaming_equals_non_streaming(served):
     body = {
         "messages": openai_messages(CASES["three_images"]),
