@@ -111,10 +111,9 @@ class Run:
             out.append((asked, at, start))
         return out
 
-    def start_seconds(self) -> float | None:
-        """The median time from the policy's decision to the new replica's first image."""
-        spans = [at - asked for asked, at, _ in self.new_starts() if asked is not None]
-        return statistics.median(spans) if spans else None
+    def start_spans(self) -> list[float]:
+        """Each new replica's time from the policy's decision to its first image."""
+        return [at - asked for asked, at, _ in self.new_starts() if asked is not None]
 
     def pct(self, q: float, large: bool | None = None) -> float:
         xs = sorted(s for big, s, status in self.latencies if status == 200 and large in (None, big))
@@ -406,7 +405,7 @@ def report(rounds: list[Round], load: list[Request], args: argparse.Namespace) -
         # the paced policy's line first (when it ran), the shipped cost policy's last
         for name in [n for n in ("cost+paced", "cost") if all(n in b for b in by)]:
             nows = [b[name] for b in by]
-            spans = [at - asked for r in nows for asked, at, _ in r.new_starts() if asked is not None]
+            spans = [span for r in nows for span in r.start_spans()]
             start = statistics.median(spans) if spans else None  # of every round's starts
             before_p99, now_p99 = [t.p99 for t in thens], [n.pct(0.99) for n in nows]  # type: ignore[union-attr]
             before_s, now_s = [t.replica_s for t in thens], [n.replica_seconds() for n in nows]  # type: ignore[union-attr]

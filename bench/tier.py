@@ -424,19 +424,19 @@ def family_phase(cluster: PinnedNodes, opts, ports: list[int], out_dir: Path) ->
     """Per family (`--families`), the tier layout's CPU per image, fresh and cached (the same phase as the layouts'),
     its passes alternating A B, B A, ...; and the bytes of the three images' embeddings as an Encoder returns them
     (the family's tower run here, on the CPU in float32, as the tier's replicas run it)."""
+    checkpoints = {f: bench_checkpoint(out_dir, FAMILY_CHECKPOINTS[f], f) for f in opts.families}
     passes: dict[str, list[dict]] = {}
     order = [f for r in range(opts.rounds) for f in (opts.families if r % 2 == 0 else opts.families[::-1])]
     for k, family in enumerate(order):
         print(f"family {family}: pass {len(passes.get(family, [])) + 1} ({k + 1}/{len(order)})", flush=True)
-        checkpoint = bench_checkpoint(out_dir, FAMILY_CHECKPOINTS[family], family)
         seed = opts.seed + 500 + 1000 * k
-        passes.setdefault(family, []).append(run_layout(cluster, LAYOUTS["tier"], checkpoint, opts, ports, seed, False))
-    out = {}
-    for family, runs in passes.items():
-        checkpoint = bench_checkpoint(out_dir, FAMILY_CHECKPOINTS[family], family)
-        out[family] = {"cpu": {w: pool_cpu([r["cpu"][w] for r in runs]) for w in ("miss", "hit")}}
-        out[family] |= embedding_bytes(checkpoint)
-    return out
+        layout = LAYOUTS["tier"]
+        passes.setdefault(family, []).append(run_layout(cluster, layout, checkpoints[family], opts, ports, seed, False))
+    return {
+        family: {"cpu": {w: pool_cpu([r["cpu"][w] for r in runs]) for w in ("miss", "hit")}}
+        | embedding_bytes(checkpoints[family])
+        for family, runs in passes.items()
+    }
 
 
 def embedding_bytes(checkpoint: Path) -> dict:
