@@ -10,9 +10,10 @@ add capacity as GPUs would, on a 2-core machine. Each configuration starts at on
 - `count`: Serve's request-count policy (`target_ongoing_requests`, 4 as serve_config.yaml's comment offers) and its
   default router (power of two choices on requests in flight);
 - `cost+serve`: the cost policy (deployments/encoder/autoscaling.py) with Serve's router;
-- `cost`: the cost policy and the cost router (deployments/encoder/router.py), as shipped;
-- `cost+paced`: the same, the policy asking for one replica at a time
-  (`paced_cost_policy`: on one small node, replicas started together share its cores).
+- `cost`: the cost policy and the cost router (deployments/encoder/router.py), as shipped (one replica starting at a
+  time per node: here, one);
+- `cost+together`: the same, every replica it asks for started at once (`policy_kwargs: {max_starting: N}`, as the
+  policy was before it paced them: on one small node they share its cores).
 The cost configurations take the target the replica measures at start (bench/slow_vit.py's sleep included).
 Reported per configuration: p50/p99 image TTFT (all, thumbnails, large), Encoder replica-seconds over the run, the
 most replicas, when the policy first asked for more (a replica STARTING) and when the second one started serving
@@ -56,7 +57,7 @@ CHECKPOINT = dict(
     vision_depth=1, vision_heads=2, init_std=0.02, max_pixels=1024 * 1024,
 )  # fmt: skip
 DELAYS = {k: v for k, v in AUTOSCALING.items() if k.endswith("_s")}  # the shipped delays and intervals
-CONFIGS = ("count", "cost+serve", "cost", "cost+paced")
+CONFIGS = ("count", "cost+serve", "cost", "cost+together")
 BASELINE = "9c039ac"  # main before issue 53: replicas started in 14-21 s here
 
 
@@ -151,7 +152,7 @@ def deploy(name: str, checkpoint: Path, max_replicas: int, seconds_per_gflop: fl
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from deployments.encoder.autoscaling import PACED_POLICY_PATH, POLICY_PATH
+    from deployments.encoder.autoscaling import POLICY_PATH
     from deployments.encoder.server import Encoder
     from deployments.ingress import Ingress
     from deployments.llm.server import LLM
@@ -159,13 +160,13 @@ def deploy(name: str, checkpoint: Path, max_replicas: int, seconds_per_gflop: fl
 
     args = {"model": str(checkpoint), "llm": {"max_model_len": 4096}, "encoder": {"cache_gib": 0}}
     policy = {"target_ongoing_requests": 4} if name == "count" else {"policy": {"policy_function": POLICY_PATH}}
-    if name == "cost+paced":
-        policy = {"policy": {"policy_function": PACED_POLICY_PATH}}
+    if name == "cost+together":
+        policy["policy"]["policy_kwargs"] = {"max_starting": max_replicas}
     options = {
         "autoscaling_config": {"min_replicas": 1, "max_replicas": max_replicas, **DELAYS, **policy},
         "ray_actor_options": {"num_cpus": 0.25},
     }
-    if name not in ("cost", "cost+paced"):
+    if name not in ("cost", "cost+together"):
         options["request_router_config"] = RequestRouterConfig()  # Serve's default: power of two on counts
     slow = functools.partial(SlowViT, seconds_per_gflop=seconds_per_gflop)
     config = plain_config(read_config(checkpoint))  # as the app builder sends it (deployments/app.py)
@@ -402,21 +403,19 @@ def report(rounds: list[Round], load: list[Request], args: argparse.Namespace) -
         ]
     thens = [next((row for row in rd.baseline[1] if row.name.startswith("count@")), None) for rd in rounds]
     if all(t is not None for t in thens):
-        # the paced policy's line first (when it ran), the shipped cost policy's last
-        for name in [n for n in ("cost+paced", "cost") if all(n in b for b in by)]:
-            nows = [b[name] for b in by]
+        if all("cost" in b for b in by):
+            nows = [b["cost"] for b in by]
             spans = [span for r in nows for span in r.start_spans()]
             start = statistics.median(spans) if spans else None  # of every round's starts
             before_p99, now_p99 = [t.p99 for t in thens], [n.pct(0.99) for n in nows]  # type: ignore[union-attr]
             before_s, now_s = [t.replica_s for t in thens], [n.replica_seconds() for n in nows]  # type: ignore[union-attr]
             if several:
                 lines.append(
-                    f"rounds, p99 image TTFT before/{name}: "
+                    "rounds, p99 image TTFT before/now: "
                     + ", ".join(f"{b / n:.2f}x ({b:.1f} / {n:.1f} s)" for b, n in zip(before_p99, now_p99, strict=True))
                 )
-            label = "" if name == "cost" else f" ({name})"
             lines.append(
-                f"encoder scaling{label}: start {'-' if start is None else format(start, '.1f')}s; p99 image TTFT "
+                f"encoder scaling: start {'-' if start is None else format(start, '.1f')}s; p99 image TTFT "
                 f"before/now {statistics.mean(before_p99) / statistics.mean(now_p99):.2f}x; replica-seconds "
                 f"now/before {statistics.mean(now_s) / statistics.mean(before_s):.2f}x"
             )

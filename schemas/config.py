@@ -109,10 +109,19 @@ class EncoderArgs(_Strict):
         "flight, target_ongoing_requests).",
     )
     target_queue_delay_s: float = Field(
-        0.5,
+        2.0,
         gt=0.0,
         description="The queueing delay the cost policy aims at: the default target cost per replica is this much "
-        "of its measured work, and cost arriving at this rate per replica or more asks for another replica.",
+        "of its measured work. Below one large image's encoding time it would count each image in flight as "
+        "replicas of need (0.5 s ran 4 replicas where 3 kept up; BENCHMARKS.md).",
+    )
+    target_utilization: float = Field(
+        0.7,
+        gt=0.0,
+        le=1.0,
+        description="The share of a replica's measured rate that arriving work may take: cost arriving faster than "
+        "this share of the replicas' rate asks for another replica (the headroom absorbs bursts and the work the "
+        "cost estimate leaves out).",
     )
     jpeg_draft: bool = Field(
         False, description="Decode large JPEGs at reduced size (faster; pixels differ slightly from a full decode)."

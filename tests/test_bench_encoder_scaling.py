@@ -112,23 +112,5 @@ def test_rounds_are_each_shown_and_the_last_line_pools_them():
         ["cost", "#2"],
     ]  # fmt: skip
     assert any(line.startswith("encoder scaling: p99 image TTFT count/cost = 3.75x (2.50x, 5.00x)") for line in lines)
-    assert lines[-2] == "rounds, p99 image TTFT before/cost: 3.00x (12.0 / 4.0 s), 3.00x (6.0 / 2.0 s)"
+    assert lines[-2] == "rounds, p99 image TTFT before/now: 3.00x (12.0 / 4.0 s), 3.00x (6.0 / 2.0 s)"
     assert lines[-1].startswith("encoder scaling: start 5.5s; p99 image TTFT before/now 3.00x; ")
-
-
-def test_the_paced_policy_gets_its_own_line_before_the_shipped_ones():
-    from bench.encoder_scaling import Row, Start
-
-    def run(name: str, p99: float, serving: float) -> Run:
-        r = _run(name, [(0.0, 1), (1.0, 2)], [(0.0, 1), (serving, 2)], [1.0] * 99 + [p99])
-        r.began, r.starts = 0.0, {"a": Start({"process": serving}, serving_since=serving)}
-        return r
-
-    before = Row.parse(Row.of(_run("count", [(0.0, 1)], [(0.0, 1)], [1.0] * 99 + [8.0])).format(), "abc1234")
-    rounds = [
-        Round([run("count", 9.0, 9.0), run("cost", 4.0, 9.0), run("cost+paced", 2.0, 4.0)], ("abc1234", [before]))
-    ]
-    args = argparse.Namespace(duration=60.0, rate=8.0, seed=0, max_replicas=4, large_s=1.0)
-    lines = report(rounds, [Request(0.0, False, "")], args).splitlines()
-    assert lines[-2].startswith("encoder scaling (cost+paced): start 3.0s; p99 image TTFT before/now 4.00x; ")
-    assert lines[-1].startswith("encoder scaling: start 8.0s; p99 image TTFT before/now 2.00x; ")

@@ -2,7 +2,8 @@
 
 Each Encoder replica reports, through Serve's custom autoscaling metrics (`record_autoscaling_stats`), the cost of
 the images it has queued and running (encoders/cost.py, GFLOP), the cost that arrived at it over the last window
-scaled to one target queueing delay (the leading signal: it rises with the arrival rate, before a queue builds), the
+scaled to one target queueing delay and over `encoder.target_utilization` (the leading signal: it rises with the
+arrival rate, before a queue builds; work arriving at that share of a replica's rate is one replica's worth), the
 mean cost of an image it took, and the cost one replica should hold (`encoder.target_cost_per_replica`, by default
 its measured GFLOP/s times `encoder.target_queue_delay_s`). Images the ingress could not place yet (every replica
 at `max_ongoing_requests`) are Serve's own handle metric, `total_queued_requests`; they count at the mean cost.
@@ -12,9 +13,12 @@ report, scale-down waits until the window's mean has come down too (and then Ser
 decisions hold a band of `HYSTERESIS` of a replica's target around the count they have: up once the work exceeds the
 replicas there are by that much, down once one replica fewer would still have that much to spare, so a steady load
 near a boundary does not make the count flap with each report's noise.
-Serve's controller runs `cost_policy` (it pickles this module by value: keep it free of the project's imports), then
-applies min/max_replicas and upscale/downscale_delay_s as for its own policy. AUTOSCALING names it; without
-`policy:` the Encoder scales on requests in flight, Serve's default."""
+`CostPolicy` paces what `cost_policy` decides: at most one replica starting per node of the cluster at a time (a
+replica started beside busy ones, or beside another starting one, shares their cores: three started together on one
+2-core host took 7-10 s each, one alone 3 s; BENCHMARKS.md). Serve's controller makes one per deployment (it pickles
+this module by value: keep it free of the project's imports), with `policy_kwargs`, then applies min/max_replicas and
+upscale/downscale_delay_s as for its own policy. AUTOSCALING names it; without `policy:` the Encoder scales on
+requests in flight, Serve's default."""
 
 from __future__ import annotations
 
@@ -28,8 +32,7 @@ PENDING_COST = "pending_cost"  # GFLOP of encoder work queued and running on a r
 ARRIVING_COST = "arriving_cost"  # GFLOP arriving at a replica per target queueing delay (rate x delay)
 MEAN_COST = "mean_cost"  # GFLOP of an image (or video chunk) a replica took, on average over the window
 TARGET_COST = "target_cost"  # GFLOP of pending work one replica should hold
-POLICY_PATH = "deployments.encoder.autoscaling:cost_policy"
-PACED_POLICY_PATH = "deployments.encoder.autoscaling:paced_cost_policy"  # one replica starting at a time
+POLICY_PATH = "deployments.encoder.autoscaling:CostPolicy"
 # The Encoder deployment's autoscaling options (its decorator's; the KubeRay manifest raises max_replicas), tuned for
 # reaction time rather than Ray's defaults (upscale 30 s, downscale 600 s, metrics every 10 s over 30 s): replicas
 # report twice a second and a replica is asked for 0.5 s over target (seconds after a load step: a replica's
@@ -43,6 +46,7 @@ AUTOSCALING = {
     "metrics_interval_s": 0.5,
     "look_back_period_s": 5,
 }
+NODES_EVERY_S = 10.0  # how often CostPolicy counts the cluster's nodes
 WINDOW_S = 5.0  # the arrival meter's window: long enough to see a rate, short enough to follow a step
 HYSTERESIS = 0.2  # of one replica's target: the band around the current count (module docstring)
 
@@ -128,16 +132,54 @@ def cost_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
     return (max(decisions) if decisions else current), {}
 
 
-def paced_cost_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
-    """`cost_policy`, asking for one replica more at a time: none while one it asked for is still starting (the
-    target above the replicas running). For Encoder replicas that start on one node whose cores the load keeps busy:
-    started together they share those cores, and the first serves only when all of them could. It never lowers a
-    target it has set (a starting replica is not stopped), and scale-down is `cost_policy`'s."""
-    wanted, state = cost_policy(ctx)
-    current, running = ctx.target_num_replicas, ctx.current_num_replicas
-    if wanted > current:
-        wanted = max(current, min(wanted, running + 1))
-    return wanted, state
+def paced(wanted: int, target: int, running: int, max_starting: int) -> int:
+    """`wanted`, with at most `max_starting` replicas starting (the target above the replicas running): more only as
+    starting ones come up. It never lowers a target for that (a starting replica is not stopped); down is as wanted."""
+    if wanted <= target:
+        return wanted
+    return max(target, min(wanted, running + max_starting))
+
+
+def cluster_nodes() -> int:
+    """The cluster's live nodes with CPUs: where Serve places replicas, spread over them by default."""
+    import ray  # NOTE: here, not at the top: the tests and the bench import this module without a cluster
+
+    return max(1, sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0))
+
+
+class CostPolicy:
+    """Serve's `autoscaling_config.policy` (`policy_function` this class's path; `policy_kwargs` its arguments): the
+    replicas `cost_policy` decides, at most `max_starting` of them starting at a time. By default one per node of
+    the cluster (counted every NODES_EVERY_S): on one host, a new replica starts alone on cores the load keeps busy
+    instead of sharing them with two more; on several, Serve spreads the new ones a node each and they start
+    together. Set it where one node has the cores for several starts at once (a node of eight GPUs: 8)."""
+
+    def __init__(
+        self,
+        max_starting: int | None = None,
+        count_nodes: Callable[[], int] = cluster_nodes,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if max_starting is not None and max_starting < 1:
+            raise ValueError(f"max_starting must be at least 1 (or None: one per node), got {max_starting}")
+        self.max_starting, self.count_nodes, self.clock = max_starting, count_nodes, clock
+        self._nodes, self._counted_at = 1, -math.inf
+
+    def starts(self) -> int:
+        """How many replicas may be starting at once now."""
+        if self.max_starting is not None:
+            return self.max_starting
+        if self.clock() - self._counted_at >= NODES_EVERY_S:
+            self._counted_at = self.clock()
+            try:
+                self._nodes = self.count_nodes()
+            except Exception:  # the GCS busy or restarting: keep the last count, try again next time
+                pass
+        return self._nodes
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        wanted, state = cost_policy(ctx)
+        return paced(wanted, ctx.target_num_replicas, ctx.current_num_replicas, self.starts()), state
 
 
 __all__ = [
@@ -145,13 +187,14 @@ __all__ = [
     "AUTOSCALING",
     "HYSTERESIS",
     "MEAN_COST",
+    "NODES_EVERY_S",
     "PENDING_COST",
-    "PACED_POLICY_PATH",
     "POLICY_PATH",
     "TARGET_COST",
     "ArrivalMeter",
+    "CostPolicy",
     "cost_policy",
     "desired_replicas",
-    "paced_cost_policy",
     "newest",
+    "paced",
 ]

@@ -146,9 +146,10 @@ class EncoderReplica:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics, read by the cost policy (deployments/encoder/autoscaling.py)."""
+        opts = self.args.encoder
         return {
             PENDING_COST: max(0.0, self.pending_cost),
-            ARRIVING_COST: self.arrivals.rate() * self.args.encoder.target_queue_delay_s,
+            ARRIVING_COST: self.arrivals.rate() * opts.target_queue_delay_s / opts.target_utilization,
             MEAN_COST: self.arrivals.mean(),
             TARGET_COST: self.target_cost,
         }

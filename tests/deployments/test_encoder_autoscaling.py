@@ -20,6 +20,7 @@ from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
 from encoders import ModelSpec
+from schemas import EncoderArgs
 from tests.deployments.instruments import SlowEncoder
 
 pytestmark = pytest.mark.e2e
@@ -102,8 +103,8 @@ def test_a_steady_load_at_a_boundary_does_not_flap(ray_serve, app_args, checkpoi
     spec = ModelSpec.load(checkpoint, device="cpu")
     image = image_bytes(make_image(64, 64, seed=7))
     cost = spec.image_cost.gflop(spec.processing.grid_thw(64, 64))
-    delay_s = 0.5  # encoder.target_queue_delay_s: the arriving cost is its rate times this
-    target = STEADY_RATE * cost * delay_s / 1.6  # the arriving cost is 1.6 replicas' worth
+    opts = EncoderArgs()  # the arriving cost is its rate times target_queue_delay_s over target_utilization
+    target = STEADY_RATE * cost * opts.target_queue_delay_s / opts.target_utilization / 1.6  # 1.6 replicas' worth
     args = {**app_args, "encoder": {"cache_gib": 0, "startup_check": False, "target_cost_per_replica": target}}
     slow = functools.partial(SlowEncoder, delay_s=0.02, record_dir=str(tmp_path_factory.mktemp("steady")))
     options = {"ray_actor_options": SMALL, "autoscaling_config": {**AUTOSCALING, "max_replicas": 4}}

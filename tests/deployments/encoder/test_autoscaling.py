@@ -15,10 +15,11 @@ from deployments.encoder.autoscaling import (
     PENDING_COST,
     POLICY_PATH,
     TARGET_COST,
+    NODES_EVERY_S,
     ArrivalMeter,
+    CostPolicy,
     cost_policy,
     desired_replicas,
-    paced_cost_policy,
 )
 from deployments.encoder.server import DEFAULT_TARGET_COST, Encoder
 from schemas import EncoderArgs
@@ -78,8 +79,10 @@ def test_serve_resolves_the_policy_by_path_and_applies_its_delays(monkeypatch):
     config = AutoscalingConfig(
         min_replicas=1, max_replicas=4, upscale_delay_s=2, downscale_delay_s=5, policy={"policy_function": POLICY_PATH}
     )
-    assert config.policy.get_policy()(_context({REPLICAS[0]: 35.0}, 1, 1, {}, config))[0] == 4  # by value, unpickled
-    policy = serve_policy._apply_autoscaling_config(cost_policy)  # what Serve's controller runs (Ray 2.60)
+    # By value, unpickled; a class is made once with `policy_kwargs`, then called on each tick (Ray 2.60's controller)
+    made = config.policy.get_policy()(**config.policy.policy_kwargs, count_nodes=lambda: 4)
+    assert made(_context({REPLICAS[0]: 35.0}, 1, 1, {}, config))[0] == 4
+    policy = serve_policy._apply_autoscaling_config(made)  # what Serve's controller runs
     now = [1000.0]
     monkeypatch.setattr(serve_policy.time, "time", lambda: now[0])
 
@@ -184,15 +187,48 @@ def test_a_step_scales_on_the_newest_report_and_down_only_once_the_window_has_co
     assert cost_policy(_context({REPLICAS[0]: 0.0}, 4, 4, {}, config, raw=raw(35, 0)))[0] == 0  # both low
 
 
-def test_the_paced_policy_asks_for_one_replica_at_a_time():
-    """35 GFLOP pending for a 10 GFLOP target: the cost policy asks for 4 at once; the paced one for 2 while one
-    runs, no more while that one is starting (target 2, running 1), 3 once it runs; it never takes back a target
-    (3 asked, 1 running: 3 stays) and scales down as the cost policy does."""
+def test_the_policy_starts_one_replica_at_a_time_on_one_node():
+    """35 GFLOP pending for a 10 GFLOP target: `cost_policy` asks for 4 at once; on one node the shipped policy asks
+    for 2 while one runs, no more while that one is starting (target 2, running 1), 3 once it runs; it never takes
+    back a target (3 asked, 1 running: 3 stays) and scales down as `cost_policy` does."""
     config = AutoscalingConfig(min_replicas=1, max_replicas=8, policy={"policy_function": POLICY_PATH})
     pending = {REPLICAS[0]: 35.0}
+    policy = CostPolicy(count_nodes=lambda: 1)
     assert cost_policy(_context(pending, 1, 1, {}, config))[0] == 4
-    assert paced_cost_policy(_context(pending, 1, 1, {}, config))[0] == 2
-    assert paced_cost_policy(_context(pending, 1, 2, {}, config))[0] == 2
-    assert paced_cost_policy(_context(pending, 2, 2, {}, config))[0] == 3
-    assert paced_cost_policy(_context(pending, 1, 3, {}, config))[0] == 3
-    assert paced_cost_policy(_context({REPLICAS[0]: 0.0}, 3, 3, {}, config))[0] == 0
+    assert policy(_context(pending, 1, 1, {}, config))[0] == 2
+    assert policy(_context(pending, 1, 2, {}, config))[0] == 2
+    assert policy(_context(pending, 2, 2, {}, config))[0] == 3
+    assert policy(_context(pending, 1, 3, {}, config))[0] == 3
+    assert policy(_context({REPLICAS[0]: 0.0}, 3, 3, {}, config))[0] == 0
+
+
+def test_the_policy_starts_one_replica_per_node_at_a_time_or_as_many_as_set():
+    """Three nodes: three start together (1 running, 4 asked); `max_starting: 2` set: two, on any number of nodes."""
+    config = AutoscalingConfig(min_replicas=1, max_replicas=8, policy={"policy_function": POLICY_PATH})
+    pending = {REPLICAS[0]: 55.0}  # 6 replicas' worth
+    assert CostPolicy(count_nodes=lambda: 3)(_context(pending, 1, 1, {}, config))[0] == 4
+    assert CostPolicy(count_nodes=lambda: 3)(_context(pending, 3, 4, {}, config))[0] == 6
+    assert CostPolicy(max_starting=2, count_nodes=lambda: 9)(_context(pending, 1, 1, {}, config))[0] == 3
+    with pytest.raises(ValueError, match="max_starting"):
+        CostPolicy(max_starting=0)
+
+
+def test_the_policy_counts_the_nodes_every_few_seconds_and_keeps_the_last_count_when_it_cannot():
+    now, counts = [0.0], iter([1, 2, RuntimeError("the GCS is restarting"), 3])
+
+    def count() -> int:
+        got = next(counts)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    policy = CostPolicy(count_nodes=count, clock=lambda: now[0])
+    assert policy.starts() == 1
+    now[0] += NODES_EVERY_S / 2
+    assert policy.starts() == 1  # not counted again yet
+    now[0] += NODES_EVERY_S
+    assert policy.starts() == 2  # a node joined
+    now[0] += NODES_EVERY_S
+    assert policy.starts() == 2  # the count failed: the last one
+    now[0] += NODES_EVERY_S
+    assert policy.starts() == 3

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from demo.inputs import image_bytes, make_image
+from deployments.encoder.autoscaling import ARRIVING_COST, MEAN_COST, PENDING_COST, TARGET_COST, WINDOW_S
 from deployments.encoder.server import Encoder
 from deployments.transfer import _from_numpy, _to_numpy
 from encoders import Qwen2VLVisionEncoder
@@ -31,6 +32,20 @@ def test_a_call_returns_each_images_embedding_and_a_bad_one_as_its_error(checkpo
     assert first.shape[0] < last.shape[0]
     assert isinstance(bad, InvalidRequest) and "could not be decoded" in bad.message
     assert encoder.pending_cost == 0  # the call's cost counted while it ran, not after
+
+
+def test_the_replica_reports_the_costs_the_policy_reads(checkpoint):
+    """After a call of cost 5: nothing pending; what arrived over the meter's window, per target delay, over the
+    target utilization (arriving at that share of a replica's rate is one replica's worth); its mean; the target."""
+    opts = {"startup_check": False, "target_cost_per_replica": 3.0, "target_queue_delay_s": 2.0, "target_utilization": 0.5}
+    encoder = Encoder.func_or_class({"model": str(checkpoint), "encoder": opts})
+
+    async def run():
+        await encoder.encode([image_bytes(make_image(70, 50, seed=3))], cost=5.0)
+        return await encoder.record_autoscaling_stats()
+
+    arriving = 5.0 / WINDOW_S * 2.0 / 0.5
+    assert asyncio.run(run()) == {PENDING_COST: 0.0, ARRIVING_COST: arriving, MEAN_COST: 5.0, TARGET_COST: 3.0}
 
 
 class _Threads(Qwen2VLVisionEncoder):
