@@ -12,10 +12,10 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from deployments.encoder.autoscaling import (
     ARRIVING_COST,
     MEAN_COST,
+    NODES_EVERY_S,
     PENDING_COST,
     POLICY_PATH,
     TARGET_COST,
-    NODES_EVERY_S,
     ArrivalMeter,
     CostPolicy,
     cost_policy,

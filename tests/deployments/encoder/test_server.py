@@ -37,7 +37,8 @@ def test_a_call_returns_each_images_embedding_and_a_bad_one_as_its_error(checkpo
 def test_the_replica_reports_the_costs_the_policy_reads(checkpoint):
     """After a call of cost 5: nothing pending; what arrived over the meter's window, per target delay, over the
     target utilization (arriving at that share of a replica's rate is one replica's worth); its mean; the target."""
-    opts = {"startup_check": False, "target_cost_per_replica": 3.0, "target_queue_delay_s": 2.0, "target_utilization": 0.5}
+    opts = {"startup_check": False, "target_cost_per_replica": 3.0, "target_queue_delay_s": 2.0}
+    opts["target_utilization"] = 0.5
     encoder = Encoder.func_or_class({"model": str(checkpoint), "encoder": opts})
 
     async def run():
