@@ -35,15 +35,16 @@ TARGET_COST = "target_cost"  # GFLOP of pending work one replica should hold
 POLICY_PATH = "deployments.encoder.autoscaling:CostPolicy"
 # The Encoder deployment's autoscaling options (its decorator's; the KubeRay manifest raises max_replicas), tuned for
 # reaction time rather than Ray's defaults (upscale 30 s, downscale 600 s, metrics every 10 s over 30 s): replicas
-# report twice a second and a replica is asked for 0.5 s over target (seconds after a load step: a replica's
-# start is the rest of the wait), and one goes 30 s after the load is gone.
+# report four times a second and a replica is asked for once the reports are over target for 0.25 s (a load step is
+# seen 3-4 s after it on the bench's load, most of it the arrival meter's window; a replica's start, about 3 s, is the
+# rest of the wait), and one goes 30 s after the load is gone.
 AUTOSCALING = {
     "min_replicas": 1,
     "max_replicas": 2,
     "policy": {"policy_function": POLICY_PATH},
-    "upscale_delay_s": 0.5,
+    "upscale_delay_s": 0.25,
     "downscale_delay_s": 30,
-    "metrics_interval_s": 0.5,
+    "metrics_interval_s": 0.25,
     "look_back_period_s": 5,
 }
 NODES_EVERY_S = 10.0  # how often CostPolicy counts the cluster's nodes

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from deployments.encoder.autoscaling import AUTOSCALING
+from deployments.encoder.autoscaling import AUTOSCALING, POLICY_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = Path(__file__).with_name("rayservice.yaml")
@@ -31,6 +31,9 @@ ACTOR_OPTIONS = {
     "LLM": {"num_cpus": 4, "num_gpus": 1, "resources": {"llm_slot": 1}},
 }
 ENCODER_MAX_REPLICAS = 8  # one per GPU of the encoder group at its largest
+# Each Encoder replica gets a node of its own (a GPU pod of the encoder group), so starts do not share cores: the
+# policy starts as many at once as it asks for, and the Ray autoscaler provisions their pods together.
+ENCODER_POLICY = {"policy_function": POLICY_PATH, "policy_kwargs": {"max_starting": ENCODER_MAX_REPLICAS}}
 
 
 def cluster_config(local: dict) -> dict:
@@ -45,7 +48,11 @@ def cluster_config(local: dict) -> dict:
         if deployment["name"] in ACTOR_OPTIONS:
             deployment["ray_actor_options"] = dict(ACTOR_OPTIONS[deployment["name"]])
         if deployment["name"] == "Encoder":  # the code's policy and delays, named (an entry's replaces them whole)
-            deployment["autoscaling_config"] = {**copy.deepcopy(AUTOSCALING), "max_replicas": ENCODER_MAX_REPLICAS}
+            deployment["autoscaling_config"] = {
+                **copy.deepcopy(AUTOSCALING),
+                "max_replicas": ENCODER_MAX_REPLICAS,
+                "policy": ENCODER_POLICY,
+            }
     return config
 
 

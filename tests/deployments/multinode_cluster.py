@@ -25,6 +25,7 @@ from ray.cluster_utils import Cluster
 
 from demo.inputs import data_url, make_image
 from demo.local import free_port
+from deployments.encoder.autoscaling import CostPolicy
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
@@ -164,6 +165,7 @@ def main(checkpoint: str, hold: Path) -> dict:
         summary["s_cluster_and_app_up"] = round(time.monotonic() - t0, 1)
         summary["nodes"] = {"head": cluster.head_node.node_id, "encoder": encoder_node.node_id, "llm": llm_node.node_id}
         summary["placement"] = replica_nodes()
+        summary["policy_starts"] = CostPolicy().starts()  # the Encoder policy's starts at once: one per node
 
         base_url = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=base_url, timeout=REQUEST_TIMEOUT_S) as client:

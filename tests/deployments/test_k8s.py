@@ -36,7 +36,12 @@ def test_the_manifest_is_serve_config_with_the_cluster_overrides_only():
     assert encoder == {
         "name": "Encoder",
         "ray_actor_options": render.ACTOR_OPTIONS["Encoder"],
-        "autoscaling_config": {**AUTOSCALING, "max_replicas": render.ENCODER_MAX_REPLICAS},  # the code's, named
+        # the code's, named; every replica asked for started at once (a node each: no cores shared)
+        "autoscaling_config": {
+            **AUTOSCALING,
+            "max_replicas": render.ENCODER_MAX_REPLICAS,
+            "policy": render.ENCODER_POLICY,
+        },
     }
     assert encoder["autoscaling_config"]["upscale_delay_s"] < 30  # tuned for reaction time, not Ray's defaults
     names = [d["name"] for d in local["applications"][0]["deployments"]]

@@ -75,6 +75,8 @@ def test_encoder_node_loss_gives_503s_then_recovers_on_a_new_node(summary):
 
     # Placement by custom resources: the ingress on the head, encoder and LLM each on a node of their own.
     assert s["placement"] == {"Ingress": [nodes["head"]], "Encoder": [nodes["encoder"]], "LLM": [nodes["llm"]]}, context
+    # The Encoder's policy may start a replica on each of the three nodes at once (each has CPUs).
+    assert s["policy_starts"] == 3, context
     # Every answer needed embeddings made on the encoder's node, too large to travel inline: the object store.
     assert s["embedding_bytes"] > s["inline_limit_bytes"], context
     assert s["before"]["statuses"] == [200] * 4, context
