@@ -26,7 +26,7 @@ from deployments.ingress.grounding import GroundingTokens, pixel_boxes
 from deployments.ingress.http import error_response, head_only, parse, read_json, route_path
 from deployments.ingress.info import InfoRoutes
 from deployments.ingress.messages_api import MESSAGES, anthropic_error
-from deployments.ingress.prepare import Prepared, Preparer
+from deployments.ingress.prepare import Prepared, Preparer, sampling_params
 from deployments.ingress.responses import (
     ChoiceState,
     Rendering,
@@ -38,7 +38,6 @@ from deployments.ingress.responses import (
     with_deadline,
 )
 from deployments.ingress.responses_api import RESPONSES
-from deployments.ingress.sampling import sampling_params
 from deployments.ingress.text_completions import text_completion, text_sse_stream
 from deployments.ingress.tokens import TokenRoutes
 from deployments.ingress.tools import parses_tools

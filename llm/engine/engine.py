@@ -17,26 +17,27 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llm.engine.arrivals import Arrival, on_arrival, split_pending, take_arrival
 from llm.engine.block_pool import BlockPool
-from llm.engine.config import EngineConfig
 from llm.engine.delivery import Delivery, Sink, coalesced
 from llm.engine.grammar import Grammars, OffGrammar
 from llm.engine.model_runner import Launched, ModelRunner, Sampled
 from llm.engine.scheduler import Chunk, Scheduler
 from llm.engine.sequence import Sequence, make_sequence
 from llm.engine.threads import StepThreads
-from llm.engine.trace import StepTrace
+from llm.model import cpu_kernels
 from llm.model.parallel import RankFailure
 from schemas import GenerateRequest, InvalidRequest, Overloaded, TokenChunk
 
@@ -44,6 +45,56 @@ if TYPE_CHECKING:
     from llm.model import Qwen2LM
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """The engine's settings (the LLM deployment fills them from `llm.*`, schemas/config.py)."""
+
+    max_model_len: int
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_queued: int = 64
+    enable_prefix_caching: bool = True
+    stream_interval_s: float = 0.02
+    cpu_threads: int | None = None  # CPU: torch threads of the worker thread alone (threads.py); None: leave as is
+    cpu_threads_max: int | None = None  # above cpu_threads: the worker takes up to this many while the node is idle
+    cpu_threads_max_rows: int = 256  # ...for steps of at least this many rows (prefill chunks); smaller on cpu_threads
+    static_decode: bool | None = None  # decode-only steps through decode_step.py; None: on cuda with one rank
+    cuda_graphs: bool | None = None  # replay them as CUDA graphs; None: on cuda with one rank
+    compile_decode: bool = False  # the static step through torch.compile (decode_step.py)
+    async_decode: bool | None = None  # launch a static step before the last one's tokens are in; None: on cuda
+    cpu_packed_weights: bool = True  # CPU, one rank: GEMMs on packed copies, ours or oneDNN's (layers.pack_linears)
+    cpu_helper_thread: bool = True  # CPU, one rank, 2+ CPUs: decode attention and GEMMs share tasks with a helper
+
+    def __post_init__(self) -> None:
+        assert self.num_blocks * self.block_size >= self.max_model_len, "the cache must hold one full sequence"
+
+
+class StepTrace:
+    """A per-step trace for diagnosis: with VLM_STEP_TRACE=<path> in a replica's environment, the engine appends one
+    line per step to <path>.<pid>: its start (time.monotonic, s), its duration (ms), its decode rows, its prefill
+    tokens, the worker's torch threads, and the helper thread's counts so far (offered calls, tasks it computed, tasks
+    taken over from it: cpu_kernels.helper_stats). Where a served step's time goes (a step against the gaps between
+    steps, a prefill beside the decodes, the helper's share) is then a matter of reading the file; off (the default)
+    it costs one `is None` a step."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(f"{path}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115 (lines: a killed replica loses none)
+
+    @classmethod
+    def from_env(cls) -> StepTrace | None:
+        path = os.environ.get("VLM_STEP_TRACE")
+        return cls(path) if path else None
+
+    def record(self, started: float, chunks: list) -> None:
+        ms = (time.monotonic() - started) * 1e3
+        decode = sum(c.n == 1 for c in chunks)
+        prefill = sum(c.n for c in chunks if c.n != 1)
+        helper = " ".join(map(str, cpu_kernels.helper_stats())) if cpu_kernels.available() else "- - -"
+        self.file.write(f"{started:.4f} {ms:.2f} {decode} {prefill} {torch.get_num_threads()} {helper}\n")
 
 
 class Engine:

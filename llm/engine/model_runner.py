@@ -21,7 +21,7 @@ from llm.engine.sequence import Sequence
 from llm.model import cpu_kernels
 from llm.model.attention import BatchMeta, ChunkSpec
 from llm.model.layers import pack_linears
-from llm.model.merge import merge_image_embeds
+from llm.model.model import merge_image_embeds
 from schemas import TokenLogprob
 
 logger = logging.getLogger(__name__)

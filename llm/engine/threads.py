@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from llm.engine.config import EngineConfig
+    from llm.engine.engine import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,7 @@ and C++ kernels), the KV cache tensors, tensor parallelism, the image merge and 
 
 from llm.model.attention import BatchMeta, ChunkSpec, paged_attention
 from llm.model.kv_cache import KVCache, num_kv_blocks
-from llm.model.merge import merge_image_embeds
-from llm.model.model import Qwen2LM, TextConfig
+from llm.model.model import Qwen2LM, TextConfig, merge_image_embeds
 from llm.model.positions import linear_positions, mrope_positions
 
 __all__ = [

@@ -4,6 +4,7 @@ The module names match the checkpoint's (`layers.0.self_attn.o_proj`, ...), so w
 gate/up are fused at load (llm/model/layers.py says how).
 With `mrope_section=None` the same code is a plain 1-D RoPE decoder; Llama differs from Qwen2 only in which
 projections have biases (Qwen2: q/k/v; Llama: `attention_bias` for q/k/v/o, `mlp_bias` for the MLP).
+Its input, the prompt's embeddings, takes the images in `merge_image_embeds`: the one merge.
 """
 
 from __future__ import annotations
@@ -229,4 +230,22 @@ def fuse_projections(state: dict[str, torch.Tensor], num_layers: int, head_dim: 
     return out
 
 
-__all__ = ["Qwen2LM", "TextConfig", "fuse_projections"]
+def merge_image_embeds(
+    inputs_embeds: torch.Tensor, is_multimodal: torch.Tensor, image_embeds: torch.Tensor
+) -> torch.Tensor:
+    """The one merge: image embeddings into the text embeddings at the placeholder positions.
+    inputs_embeds (T, D), is_multimodal (T,) bool on the CPU, image_embeds (N, D) -> (T, D)."""
+    n_placeholders = int(is_multimodal.sum())  # counted on the CPU ids: no device sync
+    if image_embeds.shape[0] != n_placeholders:
+        raise ValueError(f"{image_embeds.shape[0]} image embeddings for {n_placeholders} placeholder tokens")
+    if n_placeholders == 0:
+        return inputs_embeds
+    if image_embeds.shape[1] != inputs_embeds.shape[1]:
+        raise ValueError(
+            f"image embeddings have width {image_embeds.shape[1]}, the LM hidden size is {inputs_embeds.shape[1]}"
+        )
+    mask = is_multimodal.to(inputs_embeds.device, non_blocking=True).unsqueeze(-1)  # (T, 1)
+    return inputs_embeds.masked_scatter(mask, image_embeds.to(inputs_embeds.device, inputs_embeds.dtype))
+
+
+__all__ = ["Qwen2LM", "TextConfig", "fuse_projections", "merge_image_embeds"]

@@ -27,8 +27,8 @@ def engine(model, reference, checkpoint):
 
 
 def _params(max_tokens: int) -> st.SearchStrategy[SamplingParams]:
-    """Every SamplingParams the ingress can make (deployments/ingress/sampling.py): the API's ranges, temperatures
-    below 1e-5 already greedy."""
+    """Every SamplingParams the ingress can make (deployments/ingress/prepare.py `sampling_params`): the API's
+    ranges, temperatures below 1e-5 already greedy."""
     ids = st.integers(0, VOCAB - 1)
     return st.builds(
         SamplingParams,

@@ -10,8 +10,7 @@ import shutil
 import pytest
 
 from deployments.ingress.http import parse
-from deployments.ingress.prepare import Preparer
-from deployments.ingress.sampling import sampling_params
+from deployments.ingress.prepare import Preparer, sampling_params
 from encoders import ModelSpec
 from schemas import AppArgs, InvalidRequest
 from schemas.openai import ChatCompletionRequest
