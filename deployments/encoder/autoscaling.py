@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 PENDING_COST = "pending_cost"  # GFLOP of encoder work queued and running on a replica
-ARRIVING_COST = "arriving_cost"  # GFLOP arriving at a replica per target queueing delay (rate x delay)
+ARRIVING_COST = "arriving_cost"  # GFLOP arriving at a replica per target delay, over the target utilization
 MEAN_COST = "mean_cost"  # GFLOP of an image (or video chunk) a replica took, on average over the window
 TARGET_COST = "target_cost"  # GFLOP of pending work one replica should hold
 POLICY_PATH = "deployments.encoder.autoscaling:CostPolicy"
