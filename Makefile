@@ -45,7 +45,9 @@ INGRESS_ENV = $(if $(filter $(INGRESS),proxy direct haproxy),$(INGRESS_ENV_$(ING
 
 # Ray starts its workers (every replica) at nice 15, below the GCS, the raylet and whatever else the machine runs; on a
 # node that is there to serve, the engine then yields its core to all of them (docs/operations.md, BENCHMARKS.md).
-WORKER_ENV := RAY_worker_niceness=0
+# Every worker imports torch before it takes work, idle ones included: an Encoder replica leaves one warm for the next
+# (encoder.warm_workers), which then starts without torch's imports.
+WORKER_ENV := RAY_worker_niceness=0 RAY_preload_python_modules=torch
 
 serve: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(WORKER_ENV) $(INGRESS_ENV) $(VENV)/bin/serve run serve_config.yaml

@@ -81,8 +81,7 @@ def ray_serve(num_cpus: int = 4, ingress: str = "proxy", metrics_port: int | Non
     os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
     port = free_port()
     client_port, door_env, _ = ingress_ports(ingress, port)
-    if ingress != "proxy":
-        os.environ.update(serve_env(ingress) | door_env)  # NOTE: before ray.init: every process Ray starts reads them
+    os.environ.update(serve_env(ingress) | door_env)  # NOTE: before ray.init: every process Ray starts reads them
     metrics = {} if metrics_port is None else {"_metrics_export_port": metrics_port}
     ray.init(
         address="local",

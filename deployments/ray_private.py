@@ -5,14 +5,19 @@ Ray has no public API for any of them:
   cache) and hand to another call. Serve resolves a DeploymentResponse passed as an argument, but only at the top
   level of the arguments, and nothing then holds the result;
 - `assigned`: wait until a replica took a streaming call, before its first item (the ingress's routing timeout);
-- `OwnCallMixin`: the request routers' hook that hands a chosen replica to its own call.
+- `OwnCallMixin`: the request routers' hook that hands a chosen replica to its own call;
+- `prestart_workers`: ask this node's raylet for idle worker processes, kept alive, that the next actor started here
+  takes instead of a new process (the raylet's `PrestartWorkers` RPC; Ray calls it itself only for tasks waiting);
+  `idle_workers` counts them (by the title Ray gives an idle worker's process).
 """
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
+import ray
 from ray import ObjectRef
 from ray.serve.handle import DeploymentResponse, DeploymentResponseGenerator
 from ray.serve.request_router import PendingRequest, RunningReplica
@@ -56,3 +61,38 @@ class OwnCallMixin:
                 self.on_chosen(pending, replica)
                 return
         super()._fulfill_next_pending_request(replica, request_metadata)
+
+
+def prestart_workers(count: int, keep_alive_s: int) -> None:
+    """Starts `count` idle Python workers on this process's node, kept for `keep_alive_s` seconds above the
+    raylet's idle limit: the next actors placed here (a Serve replica of any job whose runtime_env is the cluster's
+    default) take them, ready in about 0.1 s instead of a new process's 1-3 s, with the cluster's
+    `RAY_preload_python_modules` imported (Makefile `WORKER_ENV`). Each call starts `count` more; nothing counts the
+    idle ones. Raises on an RPC error (grpc.RpcError)."""
+    from ray._private.grpc_utils import init_grpc_channel  # the cluster's TLS and token authentication
+    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+
+    here = ray.get_runtime_context().get_node_id()
+    node = next(n for n in ray.nodes() if n["NodeID"] == here)
+    channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+    try:
+        request = node_manager_pb2.PrestartWorkersRequest(
+            language=common_pb2.PYTHON, num_workers=count, keep_alive_duration_secs=keep_alive_s
+        )
+        node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
+    finally:
+        channel.close()
+
+
+IDLE_TITLE = b"ray::IDLE"  # the process title Ray sets on a worker while it waits for work
+
+
+def idle_workers(proc: Path = Path("/proc")) -> int:
+    """Ray worker processes on this machine that wait for work (0 where there is no /proc to read)."""
+    count = 0
+    for cmdline in proc.glob("[0-9]*/cmdline"):
+        try:
+            count += cmdline.read_bytes().startswith(IDLE_TITLE)
+        except OSError:  # the process ended meanwhile
+            pass
+    return count

@@ -35,10 +35,10 @@ def process_started_at() -> float:
 
 # The phases of a replica's start, each named by the event that ends it: `process` (from its process's start to its
 # deployment's module beginning to import: Ray's worker and Serve's replica set-up), `imports` (the module's imports),
-# `waiting` (imported, to the replica's constructor: the rest of Serve's set-up; a process that had imported the code
-# before its replica was asked for would show its idle time here), `model` (the tower built and its weights read),
-# `check` (the start-up check, or reusing its result), `first_image` (ready, to the first image it served: the routers
-# learning of it, and the first call).
+# `waiting` (imported, to the replica's constructor: the rest of Serve's set-up), `model` (the tower built and its
+# weights read), `check` (the start-up check, or reusing its result), `first_image` (ready, to the first image it
+# served: the routers learning of it, and the first call). A replica started in a warm process (encoder.warm_workers)
+# counts that process's idle wait in `process`; its start is the part after the decision.
 START_PHASES = ("process", "imports", "waiting", "model", "check", "first_image")
 
 

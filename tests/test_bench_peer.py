@@ -84,7 +84,8 @@ def test_ours_config_is_serve_configs_with_checkpoint_and_port_only(tmp_path):
 
 
 def test_front_doors_are_the_makefiles():
-    assert serve_env("proxy") == {"RAY_worker_niceness": "0"} and ingress_of(serve_env("proxy")) == "proxy"
+    workers = {"RAY_worker_niceness": "0", "RAY_preload_python_modules": "torch"}  # nice 0; torch in idle workers
+    assert serve_env("proxy") == workers and ingress_of(serve_env("proxy")) == "proxy"
     assert all(serve_env(door)["RAY_worker_niceness"] == "0" for door in ("direct", "haproxy"))  # replicas at nice 0
     assert serve_env("direct")["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1" and ingress_of(serve_env("direct")) == "direct"
     assert serve_env("haproxy")["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and ingress_of(serve_env("haproxy")) == "haproxy"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,8 @@ from deployments.encoder.autoscaling import (
 from deployments.encoder.router import CostRouter
 from deployments.errors import quiet_client_errors
 from deployments.metrics import EncoderMetrics, heap_census
-from deployments.replica import DRAIN_POLL_S, StartTimeline
+from deployments.ray_private import idle_workers, prestart_workers
+from deployments.replica import DRAIN_POLL_S, StartTimeline, this_replica
 from deployments.transfer import send_tensors_out_of_band
 from encoders import EncoderRunner, ModelSpec, VisionEncoder
 from encoders.checkpoint_config import ConfigView
@@ -39,6 +41,7 @@ from schemas import AppArgs, EncoderArgs, InvalidRequest
 logger = logging.getLogger("ray.serve")
 GAUGE_EVERY_S = 10.0
 DEFAULT_TARGET_COST = 10.0  # GFLOP: about 0.4 s of a 2-core CPU replica on the demo model
+WARM_KEEP_ALIVE_S = 3600  # how long the raylet keeps a warm worker above its idle limit (then it may reap it)
 
 
 class EncoderReplica:
@@ -81,6 +84,21 @@ class EncoderReplica:
         self.target_cost = self._target_cost(self.args.encoder, self.runner.gflops)
         threads = torch.get_num_threads()
         logger.info("encoder ready: %s on %s (%s), %d CPU threads", self.args.model, spec.device, spec.dtype, threads)
+        if self.args.encoder.warm_workers and this_replica() is not None:  # a replica, not a test's bare class
+            threading.Thread(target=self._leave_warm_workers, name="warm-workers", daemon=True).start()
+
+    def _leave_warm_workers(self) -> None:
+        """Tops this node up to `encoder.warm_workers` idle worker processes for the next replicas to start in (this
+        one took one, if one was there): their start is then Serve's and this module's work, not a new interpreter's
+        and torch's imports. Two, so that a second start soon after this one finds one that has finished its own
+        imports (one left under load took 4-5 s to). Best effort: a replica serves without."""
+        try:
+            count = self.args.encoder.warm_workers - idle_workers()
+            if count > 0:
+                prestart_workers(count, WARM_KEEP_ALIVE_S)
+                logger.info("encoder replica left %d more warm worker process(es) on its node", count)
+        except Exception as e:  # the raylet busy or an older Ray: the next start is a cold one
+            logger.warning("encoder replica could not leave warm worker processes (%s: %s)", type(e).__name__, e)
 
     @staticmethod
     def _target_cost(opts: EncoderArgs, gflops: float | None) -> float:

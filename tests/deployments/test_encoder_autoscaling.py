@@ -1,7 +1,7 @@
-"""The Encoder deployment scales on cost in the running app: a few large images in flight (fewer than Serve's
-request-count policy scales on) bring a second replica, exactly as many as their cost asks for, and it goes once
-they are done; a steady load right at a boundary between two counts, with the shipped delays, settles on one count
-and keeps it (issue 53: no flapping)."""
+"""The Encoder deployment scales on cost in the running app: a few large images in flight (fewer than Serve's request-
+count policy scales on) bring a second replica, exactly as many as their cost asks for, started in a process the
+first left warm, and it goes once they are done; a steady load right at a boundary between two counts, with the
+shipped delays, settles on one count and keeps it (issue 53: no flapping)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from deployments.ingress import Ingress
 from deployments.llm.server import LLM
 from encoders import ModelSpec
 from schemas import EncoderArgs
-from tests.deployments.instruments import SlowEncoder
+from tests.deployments.instruments import SlowEncoder, forwards, idle_worker_pids
 
 pytestmark = pytest.mark.e2e
 SMALL = {"num_cpus": 0.1}  # these apps share the session's logical CPUs with the others
@@ -45,12 +45,13 @@ def scaling(ray_serve, app_args, checkpoint, tmp_path_factory):
         "metrics_interval_s": 0.5,
         "look_back_period_s": 2,
     }
-    slow = functools.partial(SlowEncoder, delay_s=1.0, record_dir=str(tmp_path_factory.mktemp("forwards")))
+    record_dir = str(tmp_path_factory.mktemp("forwards"))
+    slow = functools.partial(SlowEncoder, delay_s=1.0, record_dir=record_dir)
     encoder = Encoder.options(ray_actor_options=SMALL, autoscaling_config=autoscaling).bind(args, model_factory=slow)
     llm = LLM.options(ray_actor_options=SMALL).bind(args)
     app = Ingress.options(ray_actor_options=SMALL).bind(encoder, llm, args)
     serve.run(app, name="costscaling", route_prefix="/costscaling")
-    yield f"{ray_serve}/costscaling"
+    yield f"{ray_serve}/costscaling", record_dir
     serve.delete("costscaling")
 
 
@@ -59,7 +60,11 @@ def _states() -> dict[str, int]:
 
 
 def test_a_few_large_images_scale_the_encoders_up_and_back_down(scaling):
+    url, record_dir = scaling
     assert _states() == {"RUNNING": 1}
+    deadline = time.monotonic() + 60  # the replica leaves warm processes once ready (encoder.warm_workers)
+    while not (warm := idle_worker_pids()) and time.monotonic() < deadline:
+        time.sleep(0.2)
     peak, stop_at = 0, time.monotonic() + 90  # a cap: the load goes on until two replicas run, however slow
 
     async def client_loop(client: httpx.AsyncClient, worker: int) -> list[int]:
@@ -73,7 +78,7 @@ def test_a_few_large_images_scale_the_encoders_up_and_back_down(scaling):
 
     async def load() -> list[int]:
         nonlocal peak, stop_at
-        async with httpx.AsyncClient(base_url=scaling, timeout=90) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=90) as client:
             tasks = [asyncio.create_task(client_loop(client, w)) for w in range(IN_FLIGHT)]
             while not all(t.done() for t in tasks):
                 running = _states().get("RUNNING", 0)
@@ -86,6 +91,8 @@ def test_a_few_large_images_scale_the_encoders_up_and_back_down(scaling):
     statuses = asyncio.run(load())
     assert statuses and set(statuses) == {200}, statuses
     assert peak == 2, f"peak {peak} replicas for {IN_FLIGHT} large images in flight"
+    served_by = {pid for pid, _, _ in forwards(record_dir)}
+    assert len(served_by) == 2 and len(served_by & warm) == 1, f"replicas {served_by}, warm before {warm}"
     deadline = time.monotonic() + 60
     while _states() != {"RUNNING": 1}:
         assert time.monotonic() < deadline, f"did not scale back down: {_states()}"

@@ -1,19 +1,23 @@
 """What deployments/ray_private.py relies on in Ray Serve's private API, one test each: a Ray upgrade that renames or
 reshapes one fails here, naming it. (What each does is tested through the app: the embedding cache and the fan-out
 hold `object_ref`s, the routing timeout waits on `assigned`, the n=3 request and the encoder calls of one request
-each reach the replica chosen for them through `OwnCallMixin`.)"""
+each reach the replica chosen for them through `OwnCallMixin`; an Encoder replica's start in a warm process,
+tests/deployments/test_encoder_autoscaling.py.)"""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
+import time
 
 from ray.serve.handle import DeploymentResponse, DeploymentResponseGenerator
 from ray.serve.request_router import PendingRequest, RequestRouter
 
 from deployments.encoder.router import CostRouter
 from deployments.llm.router import PrefixAffinityRouter
-from deployments.ray_private import OwnCallMixin
+from deployments.ray_private import IDLE_TITLE, OwnCallMixin, idle_workers, prestart_workers
+from tests.deployments.instruments import idle_worker_pids
 
 
 def _params(function) -> list[str]:
@@ -56,3 +60,49 @@ def test_the_routers_probe_timeout_is_worded_as_the_ingress_log_filter_expects()
     from deployments.errors import PROBE_TIMEOUT
 
     assert f'f"{PROBE_TIMEOUT}{{replica.replica_id}} "' in inspect.getsource(Base._probe_queue_lens)
+
+
+def test_idle_workers_are_the_processes_titled_as_ray_titles_an_idle_worker(tmp_path):
+    for pid, title in [(1, IDLE_TITLE + b"\0"), (2, b"ray::Encoder\0"), (3, IDLE_TITLE), (4, b"python\0-m\0")]:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(title)
+    (tmp_path / "self").mkdir()
+    assert idle_workers(tmp_path) == 2
+    assert idle_workers(tmp_path / "absent") == 0
+
+
+def test_a_prestarted_worker_is_where_the_next_actor_starts(ray_serve):
+    """The raylet's PrestartWorkers RPC (token authentication on, as Ray 2.60 has it by default) starts an idle
+    worker that Ray keeps above its idle limit, and a detached actor created next by another actor (as Serve's
+    controller creates replicas) starts in it, not in a new process."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Pid:
+        def pid(self) -> int:
+            return os.getpid()
+
+    @ray.remote(num_cpus=0)
+    class Creator:
+        def create(self) -> int:
+            actor = Pid.options(lifetime="detached").remote()
+            try:
+                return ray.get(actor.pid.remote())
+            finally:
+                ray.kill(actor)
+
+    creator = Creator.remote()
+    try:
+        ray.get(creator.__ray_ready__.remote(), timeout=60)
+        before = idle_worker_pids()
+        prestart_workers(1, 60)
+        deadline = time.monotonic() + 60
+        while not (idle_worker_pids() - before) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        warm = idle_worker_pids() - before
+        assert warm, "no idle worker came up"
+        time.sleep(2)  # longer than the raylet's idle-worker reaping (1 s): the keep-alive holds it
+        assert warm <= idle_worker_pids()
+        assert ray.get(creator.create.remote(), timeout=60) in warm
+    finally:
+        ray.kill(creator)

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import time
 
 import pytest
 import torch
 
 from demo.inputs import image_bytes, make_image
+from deployments.encoder import server
 from deployments.encoder.autoscaling import ARRIVING_COST, MEAN_COST, PENDING_COST, TARGET_COST, WINDOW_S
-from deployments.encoder.server import Encoder
+from deployments.encoder.server import WARM_KEEP_ALIVE_S, Encoder
 from deployments.transfer import _from_numpy, _to_numpy
 from encoders import Qwen2VLVisionEncoder
 from schemas import InvalidRequest
@@ -47,6 +49,37 @@ def test_the_replica_reports_the_costs_the_policy_reads(checkpoint):
 
     arriving = 5.0 / WINDOW_S * 2.0 / 0.5
     assert asyncio.run(run()) == {PENDING_COST: 0.0, ARRIVING_COST: arriving, MEAN_COST: 5.0, TARGET_COST: 3.0}
+
+
+@pytest.mark.parametrize(("warm", "idle", "started"), [(2, 0, 2), (2, 1, 1), (2, 3, None), (0, 0, None)])
+def test_a_replica_tops_its_node_up_to_its_warm_workers(checkpoint, monkeypatch, warm, idle, started):
+    """Once ready, a replica leaves `warm_workers` idle processes on its node, less those already idle there."""
+    calls = []
+    monkeypatch.setattr(server, "this_replica", lambda: "replica-1")
+    monkeypatch.setattr(server, "idle_workers", lambda: idle)
+    monkeypatch.setattr(server, "prestart_workers", lambda count, keep_s: calls.append((count, keep_s)))
+    Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False, "warm_workers": warm}})
+    deadline = time.monotonic() + 10
+    while started and not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert calls == ([(started, WARM_KEEP_ALIVE_S)] if started else [])
+
+
+def test_a_replica_that_cannot_leave_warm_workers_serves_all_the_same(checkpoint, monkeypatch, caplog):
+    def fails(count, keep_s):
+        raise RuntimeError("raylet unavailable")
+
+    monkeypatch.setattr(server, "this_replica", lambda: "replica-1")
+    monkeypatch.setattr(server, "idle_workers", lambda: 0)
+    monkeypatch.setattr(server, "prestart_workers", fails)
+    encoder = Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False}})
+    deadline = time.monotonic() + 10
+    while "could not leave warm worker" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "could not leave warm worker processes (RuntimeError: raylet unavailable)" in caplog.text
+    out = asyncio.run(encoder.encode([image_bytes(make_image(70, 50, seed=3))]))
+    assert isinstance(out[0], torch.Tensor)
 
 
 class _Threads(Qwen2VLVisionEncoder):
