@@ -42,6 +42,7 @@ logger = logging.getLogger("ray.serve")
 GAUGE_EVERY_S = 10.0
 DEFAULT_TARGET_COST = 10.0  # GFLOP: about 0.4 s of a 2-core CPU replica on the demo model
 WARM_KEEP_ALIVE_S = 3600  # how long the raylet keeps a warm worker above its idle limit (then it may reap it)
+WARM_EVERY_S = 5.0  # how often a replica tops its node's warm workers up
 
 
 class EncoderReplica:
@@ -85,20 +86,26 @@ class EncoderReplica:
         threads = torch.get_num_threads()
         logger.info("encoder ready: %s on %s (%s), %d CPU threads", self.args.model, spec.device, spec.dtype, threads)
         if self.args.encoder.warm_workers and this_replica() is not None:  # a replica, not a test's bare class
-            threading.Thread(target=self._leave_warm_workers, name="warm-workers", daemon=True).start()
+            threading.Thread(target=self._keep_warm_workers, name="warm-workers", daemon=True).start()
 
-    def _leave_warm_workers(self) -> None:
-        """Tops this node up to `encoder.warm_workers` idle worker processes for the next replicas to start in (this
-        one took one, if one was there): their start is then Serve's and this module's work, not a new interpreter's
-        and torch's imports. Two, so that a second start soon after this one finds one that has finished its own
-        imports (one left under load took 4-5 s to). Best effort: a replica serves without."""
-        try:
-            count = self.args.encoder.warm_workers - idle_workers()
-            if count > 0:
-                prestart_workers(count, WARM_KEEP_ALIVE_S)
-                logger.info("encoder replica left %d more warm worker process(es) on its node", count)
-        except Exception as e:  # the raylet busy or an older Ray: the next start is a cold one
-            logger.warning("encoder replica could not leave warm worker processes (%s: %s)", type(e).__name__, e)
+    def _keep_warm_workers(self) -> None:
+        """Keeps this node topped up to `encoder.warm_workers` idle worker processes for the next replicas to start
+        in, from its start on and every WARM_EVERY_S (a start there, of any deployment, takes one): their start is
+        then Serve's and this module's work, not a new interpreter's and torch's imports. Two, so that a second start
+        soon after one finds a process that has finished its own imports (one left under load took 4-5 s to). Best
+        effort: a replica serves without."""
+        warned = False
+        while this_replica() is not None:  # as long as this process is a replica (a test's bare class: while patched)
+            try:
+                count = self.args.encoder.warm_workers - idle_workers()
+                if count > 0:
+                    prestart_workers(count, WARM_KEEP_ALIVE_S)
+                    logger.info("encoder replica started %d warm worker process(es) on its node", count)
+            except Exception as e:  # the raylet busy or another Ray: the next start is a cold one
+                log = logger.debug if warned else logger.warning
+                log("encoder replica could not leave warm worker processes (%s: %s)", type(e).__name__, e)
+                warned = True
+            time.sleep(WARM_EVERY_S)
 
     @staticmethod
     def _target_cost(opts: EncoderArgs, gflops: float | None) -> float:
