@@ -90,14 +90,15 @@ class EncoderReplica:
 
     def _keep_warm_workers(self) -> None:
         """Keeps this node topped up to `encoder.warm_workers` idle worker processes for the next replicas to start
-        in, from its start on and every WARM_EVERY_S (a start there, of any deployment, takes one): their start is
-        then Serve's and this module's work, not a new interpreter's and torch's imports. Two, so that a second start
-        soon after one finds a process that has finished its own imports (one left under load took 4-5 s to). Best
-        effort: a replica serves without."""
+        in, from its start on and every WARM_EVERY_S while it has no image to encode (a start there, of any
+        deployment, takes one): their start is then Serve's and this module's work, not a new interpreter's and
+        torch's imports. Not while it encodes: a new process's imports take ~2 CPU-s from the images (kept topped up
+        under the bench's load step, the 2-core VM ran a fourth replica in three runs of four). Two, so that the
+        second and third replicas of a step both start warm. Best effort: a replica serves without."""
         warned = False
         while this_replica() is not None:  # as long as this process is a replica (a test's bare class: while patched)
             try:
-                count = self.args.encoder.warm_workers - idle_workers()
+                count = self.args.encoder.warm_workers - idle_workers() if self.pending_cost <= 0 else 0
                 if count > 0:
                     prestart_workers(count, WARM_KEEP_ALIVE_S)
                     logger.info("encoder replica started %d warm worker process(es) on its node", count)

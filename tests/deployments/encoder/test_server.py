@@ -80,6 +80,24 @@ def test_a_replica_tops_its_node_up_again_once_a_start_took_its_warm_workers(che
     assert calls == [2]  # the third look found none: two more, and none again while two wait
 
 
+def test_a_replica_tops_up_only_while_it_has_no_image_to_encode(checkpoint, monkeypatch):
+    calls = []
+    monkeypatch.setattr(server, "WARM_EVERY_S", 0.01)
+    monkeypatch.setattr(server, "this_replica", lambda: "replica-1")
+    monkeypatch.setattr(server, "idle_workers", lambda: 2)
+    monkeypatch.setattr(server, "prestart_workers", lambda count, keep_s: calls.append(count))
+    encoder = Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False, "warm_workers": 2}})
+    encoder.pending_cost = 5.0  # images queued here
+    monkeypatch.setattr(server, "idle_workers", lambda: 0)  # a start took both
+    time.sleep(0.2)
+    assert calls == []
+    encoder.pending_cost = 0.0
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls[:1] == [2]
+
+
 def test_a_replica_that_cannot_leave_warm_workers_serves_all_the_same(checkpoint, monkeypatch, caplog):
     tries = []
 
