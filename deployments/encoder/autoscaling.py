@@ -36,8 +36,8 @@ POLICY_PATH = "deployments.encoder.autoscaling:CostPolicy"
 # The Encoder deployment's autoscaling options (its decorator's; the KubeRay manifest raises max_replicas), tuned for
 # reaction time rather than Ray's defaults (upscale 30 s, downscale 600 s, metrics every 10 s over 30 s): replicas
 # report four times a second and a replica is asked for once the reports are over target for 0.25 s (a load step is
-# seen 3-4 s after it on the bench's load, most of it the arrival meter's window; a replica's start, about 3 s, is the
-# rest of the wait), and one goes 30 s after the load is gone.
+# seen 3-4 s after it on the bench's load: its second large photo comes 1.8 s in; a replica's start, 1-2 s in a warm
+# process and 3-5 s in a new one, is the rest of the wait), and one goes 30 s after the load is gone.
 AUTOSCALING = {
     "min_replicas": 1,
     "max_replicas": 2,

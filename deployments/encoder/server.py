@@ -85,10 +85,10 @@ class EncoderReplica:
         self.target_cost = self._target_cost(self.args.encoder, self.runner.gflops)
         threads = torch.get_num_threads()
         logger.info("encoder ready: %s on %s (%s), %d CPU threads", self.args.model, spec.device, spec.dtype, threads)
-        if self.args.encoder.warm_workers and this_replica() is not None:  # a replica, not a test's bare class
-            threading.Thread(target=self._keep_warm_workers, name="warm-workers", daemon=True).start()
+        if self.args.encoder.warm_workers and (replica := this_replica()) is not None:  # not a test's bare class
+            threading.Thread(target=self._keep_warm_workers, args=(replica,), name="warm-workers", daemon=True).start()
 
-    def _keep_warm_workers(self) -> None:
+    def _keep_warm_workers(self, replica: str) -> None:
         """Keeps this node topped up to `encoder.warm_workers` idle worker processes for the next replicas to start
         in, from its start on and every WARM_EVERY_S while it has no image to encode (a start there, of any
         deployment, takes one): their start is then Serve's and this module's work, not a new interpreter's and
@@ -96,7 +96,7 @@ class EncoderReplica:
         under the bench's load step, the 2-core VM ran a fourth replica in three runs of four). Two, so that the
         second and third replicas of a step both start warm. Best effort: a replica serves without."""
         warned = False
-        while this_replica() is not None:  # as long as this process is a replica (a test's bare class: while patched)
+        while this_replica() == replica:  # as long as this process is this replica (a test's bare class: its test)
             try:
                 count = self.args.encoder.warm_workers - idle_workers() if self.pending_cost <= 0 else 0
                 if count > 0:

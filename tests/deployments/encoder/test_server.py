@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import time
+import uuid
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def test_the_replica_reports_the_costs_the_policy_reads(checkpoint):
 def test_a_replica_tops_its_node_up_to_its_warm_workers(checkpoint, monkeypatch, warm, idle, started):
     """Once ready, a replica leaves `warm_workers` idle processes on its node, less those already idle there."""
     calls = []
-    monkeypatch.setattr(server, "this_replica", lambda: "replica-1")
+    monkeypatch.setattr(server, "this_replica", _a_replica())
     monkeypatch.setattr(server, "idle_workers", lambda: idle)
     monkeypatch.setattr(server, "prestart_workers", lambda count, keep_s: calls.append((count, keep_s)))
     Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False, "warm_workers": warm}})
@@ -69,7 +70,7 @@ def test_a_replica_tops_its_node_up_to_its_warm_workers(checkpoint, monkeypatch,
 def test_a_replica_tops_its_node_up_again_once_a_start_took_its_warm_workers(checkpoint, monkeypatch):
     calls, idle = [], iter([2, 2, 0])
     monkeypatch.setattr(server, "WARM_EVERY_S", 0.01)
-    monkeypatch.setattr(server, "this_replica", lambda: "replica-1")
+    monkeypatch.setattr(server, "this_replica", _a_replica())
     monkeypatch.setattr(server, "idle_workers", lambda: next(idle, 2))
     monkeypatch.setattr(server, "prestart_workers", lambda count, keep_s: calls.append(count))
     Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False, "warm_workers": 2}})
@@ -83,7 +84,7 @@ def test_a_replica_tops_its_node_up_again_once_a_start_took_its_warm_workers(che
 def test_a_replica_tops_up_only_while_it_has_no_image_to_encode(checkpoint, monkeypatch):
     calls = []
     monkeypatch.setattr(server, "WARM_EVERY_S", 0.01)
-    monkeypatch.setattr(server, "this_replica", lambda: "replica-1")
+    monkeypatch.setattr(server, "this_replica", _a_replica())
     monkeypatch.setattr(server, "idle_workers", lambda: 2)
     monkeypatch.setattr(server, "prestart_workers", lambda count, keep_s: calls.append(count))
     encoder = Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False, "warm_workers": 2}})
@@ -106,7 +107,7 @@ def test_a_replica_that_cannot_leave_warm_workers_serves_all_the_same(checkpoint
         raise RuntimeError("raylet unavailable")
 
     monkeypatch.setattr(server, "WARM_EVERY_S", 0.01)
-    monkeypatch.setattr(server, "this_replica", lambda: "replica-1")
+    monkeypatch.setattr(server, "this_replica", _a_replica())
     monkeypatch.setattr(server, "idle_workers", lambda: 0)
     monkeypatch.setattr(server, "prestart_workers", fails)
     encoder = Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False}})
@@ -118,6 +119,13 @@ def test_a_replica_that_cannot_leave_warm_workers_serves_all_the_same(checkpoint
     assert "could not leave warm worker processes (RuntimeError: raylet unavailable)" in warnings[0].getMessage()
     out = asyncio.run(encoder.encode([image_bytes(make_image(70, 50, seed=3))]))
     assert isinstance(out[0], torch.Tensor)
+
+
+def _a_replica():
+    """`this_replica` as in a replica of its own: a replica's warm-worker thread runs while it is that replica, so
+    one a test left behind stops at the next test's."""
+    name = f"replica-{uuid.uuid4().hex[:8]}"
+    return lambda: name
 
 
 class _Threads(Qwen2VLVisionEncoder):
