@@ -127,10 +127,10 @@ class EncoderArgs(_Strict):
         2,
         ge=0,
         le=8,
-        description="Idle Ray worker processes an Encoder replica tops its node up to once it is ready, for the next "
-        "replicas there to start in instead of new processes (with the cluster's RAY_preload_python_modules "
-        "imported: `make serve` sets torch): a start then takes ~1 s, not ~3. 0: none. Each holds ~250 MB of host "
-        "memory while it waits (an hour at most above Ray's idle limit).",
+        description="Idle Ray worker processes an Encoder replica keeps on its node (topped up every 5 s while it has "
+        "no image to encode) for the next replicas there to start in instead of new processes, with the cluster's "
+        "RAY_preload_python_modules imported (`make serve` sets torch): a start then takes 1-2 s, not 3-5. 0: none. "
+        "Each holds ~270 MB of resident memory while it waits (an hour at most above Ray's idle limit).",
     )
     jpeg_draft: bool = Field(
         False, description="Decode large JPEGs at reduced size (faster; pixels differ slightly from a full decode)."
