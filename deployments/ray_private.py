@@ -8,7 +8,7 @@ Ray has no public API for any of them:
 - `OwnCallMixin`: the request routers' hook that hands a chosen replica to its own call;
 - `prestart_workers`: ask this node's raylet for idle worker processes, kept alive, that the next actor started here
   takes instead of a new process (the raylet's `PrestartWorkers` RPC; Ray calls it itself only for tasks waiting);
-  `idle_workers` counts them (by the title Ray gives an idle worker's process).
+  `idle_workers` lists them (by the title Ray gives an idle worker's process).
 """
 
 from __future__ import annotations
@@ -87,12 +87,13 @@ def prestart_workers(count: int, keep_alive_s: int) -> None:
 IDLE_TITLE = b"ray::IDLE"  # the process title Ray sets on a worker while it waits for work
 
 
-def idle_workers(proc: Path = Path("/proc")) -> int:
-    """Ray worker processes on this machine that wait for work (0 where there is no /proc to read)."""
-    count = 0
+def idle_workers(proc: Path = Path("/proc")) -> set[int]:
+    """The PIDs of the Ray worker processes on this machine that wait for work (none where there is no /proc)."""
+    out = set()
     for cmdline in proc.glob("[0-9]*/cmdline"):
         try:
-            count += cmdline.read_bytes().startswith(IDLE_TITLE)
+            if cmdline.read_bytes().startswith(IDLE_TITLE):
+                out.add(int(cmdline.parent.name))
         except OSError:  # the process ended meanwhile
             pass
-    return count
+    return out

@@ -98,7 +98,7 @@ class EncoderReplica:
         warned = False
         while this_replica() == replica:  # as long as this process is this replica (a test's bare class: its test)
             try:
-                count = self.args.encoder.warm_workers - idle_workers() if self.pending_cost <= 0 else 0
+                count = self.args.encoder.warm_workers - len(idle_workers()) if self.pending_cost <= 0 else 0
                 if count > 0:
                     prestart_workers(count, WARM_KEEP_ALIVE_S)
                     logger.info("encoder replica started %d warm worker process(es) on its node", count)

@@ -115,20 +115,6 @@ def per_replica(port: int, app: str, name: str, deployment: str = "LLM", **label
     return out
 
 
-def idle_worker_pids() -> set[int]:
-    """The Ray worker processes on this machine that wait for work (deployments/ray_private.py's IDLE_TITLE)."""
-    from deployments.ray_private import IDLE_TITLE
-
-    out = set()
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if cmdline.read_bytes().startswith(IDLE_TITLE):
-                out.add(int(cmdline.parent.name))
-        except OSError:  # ended meanwhile
-            pass
-    return out
-
-
 def forwards(record_dir: str | Path) -> list[tuple[int, float, int]]:
     """(pid, unix time, images) of every forward a SlowEncoder ran, in time order."""
     rows = [line.split() for f in Path(record_dir).glob("*.log") for line in f.read_text().splitlines()]

@@ -19,9 +19,10 @@ from deployments.encoder.autoscaling import AUTOSCALING, POLICY_PATH
 from deployments.encoder.server import Encoder
 from deployments.ingress import Ingress
 from deployments.llm.server import LLM
+from deployments.ray_private import idle_workers
 from encoders import ModelSpec
 from schemas import EncoderArgs
-from tests.deployments.instruments import SlowEncoder, forwards, idle_worker_pids
+from tests.deployments.instruments import SlowEncoder, forwards
 
 pytestmark = pytest.mark.e2e
 SMALL = {"num_cpus": 0.1}  # these apps share the session's logical CPUs with the others
@@ -63,7 +64,7 @@ def test_a_few_large_images_scale_the_encoders_up_and_back_down(scaling):
     url, record_dir = scaling
     assert _states() == {"RUNNING": 1}
     deadline = time.monotonic() + 60  # the replica leaves warm processes once ready (encoder.warm_workers)
-    while not (warm := idle_worker_pids()) and time.monotonic() < deadline:
+    while not (warm := idle_workers()) and time.monotonic() < deadline:
         time.sleep(0.2)
     peak, stop_at = 0, time.monotonic() + 90  # a cap: the load goes on until two replicas run, however slow
 

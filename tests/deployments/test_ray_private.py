@@ -17,7 +17,6 @@ from ray.serve.request_router import PendingRequest, RequestRouter
 from deployments.encoder.router import CostRouter
 from deployments.llm.router import PrefixAffinityRouter
 from deployments.ray_private import IDLE_TITLE, OwnCallMixin, idle_workers, prestart_workers
-from tests.deployments.instruments import idle_worker_pids
 
 
 def _params(function) -> list[str]:
@@ -67,8 +66,8 @@ def test_idle_workers_are_the_processes_titled_as_ray_titles_an_idle_worker(tmp_
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "cmdline").write_bytes(title)
     (tmp_path / "self").mkdir()
-    assert idle_workers(tmp_path) == 2
-    assert idle_workers(tmp_path / "absent") == 0
+    assert idle_workers(tmp_path) == {1, 3}
+    assert idle_workers(tmp_path / "absent") == set()
 
 
 def test_a_prestarted_worker_is_where_the_next_actor_starts(ray_serve):
@@ -95,15 +94,15 @@ def test_a_prestarted_worker_is_where_the_next_actor_starts(ray_serve):
     creator = Creator.remote()
     try:
         ray.get(creator.__ray_ready__.remote(), timeout=60)
-        before = idle_worker_pids()
+        before = idle_workers()
         prestart_workers(1, 60)
         deadline = time.monotonic() + 60
-        while not (idle_worker_pids() - before) and time.monotonic() < deadline:
+        while not (idle_workers() - before) and time.monotonic() < deadline:
             time.sleep(0.2)
-        warm = idle_worker_pids() - before
+        warm = idle_workers() - before
         assert warm, "no idle worker came up"
         time.sleep(2)  # longer than the raylet's idle-worker reaping (1 s): the keep-alive holds it
-        idle = idle_worker_pids()
+        idle = idle_workers()
         assert warm <= idle
         assert ray.get(creator.create.remote(), timeout=60) in idle  # an idle process: ours, or one left before it
     finally:

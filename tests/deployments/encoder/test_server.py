@@ -57,7 +57,7 @@ def test_a_replica_tops_its_node_up_to_its_warm_workers(checkpoint, monkeypatch,
     """Once ready, a replica leaves `warm_workers` idle processes on its node, less those already idle there."""
     calls = []
     monkeypatch.setattr(server, "this_replica", _a_replica())
-    monkeypatch.setattr(server, "idle_workers", lambda: idle)
+    monkeypatch.setattr(server, "idle_workers", lambda: set(range(idle)))
     monkeypatch.setattr(server, "prestart_workers", lambda count, keep_s: calls.append((count, keep_s)))
     Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False, "warm_workers": warm}})
     deadline = time.monotonic() + 10
@@ -71,7 +71,7 @@ def test_a_replica_tops_its_node_up_again_once_a_start_took_its_warm_workers(che
     calls, idle = [], iter([2, 2, 0])
     monkeypatch.setattr(server, "WARM_EVERY_S", 0.01)
     monkeypatch.setattr(server, "this_replica", _a_replica())
-    monkeypatch.setattr(server, "idle_workers", lambda: next(idle, 2))
+    monkeypatch.setattr(server, "idle_workers", lambda: set(range(next(idle, 2))))
     monkeypatch.setattr(server, "prestart_workers", lambda count, keep_s: calls.append(count))
     Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False, "warm_workers": 2}})
     deadline = time.monotonic() + 10
@@ -85,11 +85,11 @@ def test_a_replica_tops_up_only_while_it_has_no_image_to_encode(checkpoint, monk
     calls = []
     monkeypatch.setattr(server, "WARM_EVERY_S", 0.01)
     monkeypatch.setattr(server, "this_replica", _a_replica())
-    monkeypatch.setattr(server, "idle_workers", lambda: 2)
+    monkeypatch.setattr(server, "idle_workers", lambda: {1, 2})
     monkeypatch.setattr(server, "prestart_workers", lambda count, keep_s: calls.append(count))
     encoder = Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False, "warm_workers": 2}})
     encoder.pending_cost = 5.0  # images queued here
-    monkeypatch.setattr(server, "idle_workers", lambda: 0)  # a start took both
+    monkeypatch.setattr(server, "idle_workers", set)  # a start took both
     time.sleep(0.2)
     assert calls == []
     encoder.pending_cost = 0.0
@@ -108,7 +108,7 @@ def test_a_replica_that_cannot_leave_warm_workers_serves_all_the_same(checkpoint
 
     monkeypatch.setattr(server, "WARM_EVERY_S", 0.01)
     monkeypatch.setattr(server, "this_replica", _a_replica())
-    monkeypatch.setattr(server, "idle_workers", lambda: 0)
+    monkeypatch.setattr(server, "idle_workers", set)
     monkeypatch.setattr(server, "prestart_workers", fails)
     encoder = Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False}})
     deadline = time.monotonic() + 10
