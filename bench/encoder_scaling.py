@@ -20,9 +20,10 @@ most replicas, when the policy first asked for more (a replica STARTING) and whe
 after the step: the policy's own delay apart from the replica's start; then each replica that started during the
 run, its start phase by phase as it measured them (deployments/replica.py, exported as `vlm_encoder_start_seconds`).
 With `--baseline REF` (by default main before issue 53) the same load runs on that commit's code too, in a git
-worktree of its own, with its own bench (count and cost), `--rounds` times (2), in the order A B, B A, ...: one run's
-tails move 2x on a shared 2-core VM, so each round's ratio is printed and the last line compares the means of the
-shipped cost policy now and the count policy then (the median start over every round):
+worktree of its own, with its own bench (count and cost), `--rounds` times (4), in the order A B, B A, ...: one run's
+tails move 2x and its replica-seconds 15% on a shared 2-core VM, so each round's rows and ratios are printed, then
+each configuration's mean over the rounds, and the last line compares the means of the shipped cost policy now and
+the count policy then (the median start over every round):
 `encoder scaling: start Ss; p99 image TTFT before/now Rx; replica-seconds now/before Qx`."""
 
 from __future__ import annotations
@@ -313,6 +314,19 @@ class Row:
         f = [num(c) for c in cells]
         return cls(f"{name}@{suffix}", *f[:5], int(f[5]), f[6], f[7], int(f[8]), f[9])  # type: ignore[arg-type]
 
+    @classmethod
+    def mean(cls, rows: list[Row]) -> Row:
+        """The rows' mean, named `<name> mean` (a time the policy never reached in a round is left out of its mean)."""
+
+        def avg(xs: list[float | None]) -> float | None:
+            known = [x for x in xs if x is not None]
+            return statistics.mean(known) if known else None
+
+        cells = {f: avg([getattr(r, f) for r in rows]) for f in ("p50", "p99", "p99_thumb", "p99_large", "replica_s")}
+        times = {f: avg([getattr(r, f) for r in rows]) for f in ("asked", "second", "target")}
+        most, errors = max(r.most for r in rows), sum(r.errors for r in rows)
+        return cls(f"{rows[0].name} mean", **cells, most=most, errors=errors, **times)  # type: ignore[arg-type]
+
     def format(self) -> str:
         def cell(t: float | None, width: int, digits: int = 1) -> str:
             return f"{'-' if t is None else format(t, f'.{digits}f'):>{width}}"
@@ -342,6 +356,8 @@ def baseline_rows(ref: str, args: argparse.Namespace) -> tuple[str, list[Row]]:
     out = "baseline-encoder-scaling.txt"  # in the worktree
     options = [f"--rate={args.rate}", f"--duration={args.duration}", f"--large-share={args.large_share}"]
     options += [f"--max-replicas={args.max_replicas}", f"--large-s={args.large_s}", f"--seed={args.seed}"]
+    if "--rounds" in (tree / "bench" / "encoder_scaling.py").read_text():  # a bench with baselines of its own
+        options += ["--baseline=none", "--rounds=1"]
     env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
     command = [sys.executable, "-m", "bench.encoder_scaling", "--configs=count,cost", f"--out={out}", *options]
     subprocess.run(command, cwd=tree, env=env, check=True)
@@ -375,6 +391,12 @@ def report(rounds: list[Round], load: list[Request], args: argparse.Namespace) -
     ]
     for k, rd in enumerate(rounds, 1):
         lines += [named(row, k) for row in rd.baseline[1]] + [named(Row.of(r), k) for r in rd.runs]
+    if several:  # each configuration's rows averaged over the rounds: what one round's noise does not decide
+        by_name: dict[str, list[Row]] = {}
+        for rd in rounds:
+            for row in [*rd.baseline[1], *(Row.of(r) for r in rd.runs)]:
+                by_name.setdefault(row.name, []).append(row)
+        lines += [""] + [Row.mean(rows).format() for rows in by_name.values()]
     lines += [
         "",
         "replicas that started during the run (seconds after the step; a start is from the policy's decision to the "
@@ -439,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", default=BASELINE, help="a commit to run the same load on first; 'none': skip")
-    parser.add_argument("--rounds", type=int, default=2, help="passes of the baseline and now, A B, B A, ...")
+    parser.add_argument("--rounds", type=int, default=4, help="passes of the baseline and now, A B, B A, ...")
     parser.add_argument("--out", type=Path, default=Path("bench_results/encoder-scaling.txt"))
     args = parser.parse_args(argv)
     checkpoint = bench_checkpoint(Path("bench_results/checkpoints"), CHECKPOINT)

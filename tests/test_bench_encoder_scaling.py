@@ -109,8 +109,13 @@ def test_rounds_are_each_shown_and_the_last_line_pools_them():
     lines = report(rounds, [Request(0.0, False, "")], args).splitlines()
     assert [line.split()[:2] for line in lines if line.startswith(("count", "cost "))] == [
         ["count@abc1234", "#1"], ["count", "#1"], ["cost", "#1"], ["count@abc1234", "#2"], ["count", "#2"],
-        ["cost", "#2"],
+        ["cost", "#2"], ["count@abc1234", "mean"], ["count", "mean"], ["cost", "mean"],
     ]  # fmt: skip
     assert any(line.startswith("encoder scaling: p99 image TTFT count/cost = 3.75x (2.50x, 5.00x)") for line in lines)
     assert lines[-2] == "rounds, p99 image TTFT before/now: 3.00x (12.0 / 4.0 s), 3.00x (6.0 / 2.0 s)"
+    means = {line.split()[0]: line.split()[2:] for line in lines if " mean " in line}
+    assert list(means) == ["count@abc1234", "count", "cost"]  # a row per configuration, the baseline's too
+    assert means["count@abc1234"][1] == "9.00" and means["cost"][1] == "3.00"  # p99: (12 + 6) / 2, (4 + 2) / 2
+    assert means["cost"][6:8] == ["1.0", "6.5"]  # asked at, 2nd at: (5 + 8) / 2
+    assert means["count@abc1234"][6:8] == ["-", "-"]  # never asked in any round
     assert lines[-1].startswith("encoder scaling: start 5.5s; p99 image TTFT before/now 3.00x; ")
