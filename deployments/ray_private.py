@@ -8,12 +8,14 @@ Ray has no public API for any of them:
 - `OwnCallMixin`: the request routers' hook that hands a chosen replica to its own call;
 - `prestart_workers`: ask this node's raylet for idle worker processes, kept alive, that the next actor started here
   takes instead of a new process (the raylet's `PrestartWorkers` RPC; Ray calls it itself only for tasks waiting);
-  `idle_workers` lists them (by the title Ray gives an idle worker's process).
+  `idle_workers` lists them (by the title Ray gives an idle worker's process), those of one node by their parent,
+  its raylet (`my_raylet`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
@@ -87,13 +89,32 @@ def prestart_workers(count: int, keep_alive_s: int) -> None:
 IDLE_TITLE = b"ray::IDLE"  # the process title Ray sets on a worker while it waits for work
 
 
-def idle_workers(proc: Path = Path("/proc")) -> set[int]:
-    """The PIDs of the Ray worker processes on this machine that wait for work (none where there is no /proc)."""
+RAYLET = b"raylet"  # the raylet's process name (/proc/PID/comm): it starts its node's worker processes
+
+
+def idle_workers(proc: Path = Path("/proc"), raylet: int | None = None) -> set[int]:
+    """The PIDs of the Ray worker processes that wait for work, on this machine (none where there is no /proc); with
+    `raylet`, only those that raylet started (its node's, where one machine runs several nodes)."""
     out = set()
     for cmdline in proc.glob("[0-9]*/cmdline"):
         try:
-            if cmdline.read_bytes().startswith(IDLE_TITLE):
+            if cmdline.read_bytes().startswith(IDLE_TITLE) and (raylet is None or _parent(cmdline.parent) == raylet):
                 out.add(int(cmdline.parent.name))
         except OSError:  # the process ended meanwhile
             pass
     return out
+
+
+def my_raylet(proc: Path = Path("/proc"), pid: int | None = None) -> int | None:
+    """The PID of the raylet that started this worker process (`pid`'s parent), or None where the parent is not a
+    raylet (then `idle_workers` counts the machine's)."""
+    try:
+        parent = _parent(proc / str(pid if pid is not None else os.getpid()))
+        return parent if (proc / str(parent) / "comm").read_bytes().strip() == RAYLET else None
+    except (OSError, ValueError, IndexError):  # no /proc, or not Linux's
+        return None
+
+
+def _parent(process: Path) -> int:
+    """A process's parent PID, from /proc/PID/stat (after its name in parentheses, which may hold any character)."""
+    return int((process / "stat").read_bytes().rpartition(b")")[2].split()[1])

@@ -29,7 +29,7 @@ from deployments.encoder.autoscaling import (
 from deployments.encoder.router import CostRouter
 from deployments.errors import quiet_client_errors
 from deployments.metrics import EncoderMetrics, heap_census
-from deployments.ray_private import idle_workers, prestart_workers
+from deployments.ray_private import idle_workers, my_raylet, prestart_workers
 from deployments.replica import DRAIN_POLL_S, StartTimeline, this_replica
 from deployments.transfer import send_tensors_out_of_band
 from encoders import EncoderRunner, ModelSpec, VisionEncoder
@@ -95,10 +95,11 @@ class EncoderReplica:
         torch's imports. Not while it encodes: a new process's imports take ~2 CPU-s from the images (kept topped up
         under the bench's load step, the 2-core VM ran a fourth replica in three runs of four). Two, so that the
         second and third replicas of a step both start warm. Best effort: a replica serves without."""
-        warned = False
+        warned, raylet = False, my_raylet()
         while this_replica() == replica:  # as long as this process is this replica (a test's bare class: its test)
             try:
-                count = self.args.encoder.warm_workers - len(idle_workers()) if self.pending_cost <= 0 else 0
+                idle = len(idle_workers(raylet=raylet)) if self.pending_cost <= 0 else self.args.encoder.warm_workers
+                count = self.args.encoder.warm_workers - idle
                 if count > 0:
                     prestart_workers(count, WARM_KEEP_ALIVE_S)
                     logger.info("encoder replica started %d warm worker process(es) on its node", count)

@@ -10,13 +10,14 @@ import dataclasses
 import inspect
 import os
 import time
+from pathlib import Path
 
 from ray.serve.handle import DeploymentResponse, DeploymentResponseGenerator
 from ray.serve.request_router import PendingRequest, RequestRouter
 
 from deployments.encoder.router import CostRouter
 from deployments.llm.router import PrefixAffinityRouter
-from deployments.ray_private import IDLE_TITLE, OwnCallMixin, idle_workers, prestart_workers
+from deployments.ray_private import IDLE_TITLE, OwnCallMixin, idle_workers, my_raylet, prestart_workers
 
 
 def _params(function) -> list[str]:
@@ -68,6 +69,39 @@ def test_idle_workers_are_the_processes_titled_as_ray_titles_an_idle_worker(tmp_
     (tmp_path / "self").mkdir()
     assert idle_workers(tmp_path) == {1, 3}
     assert idle_workers(tmp_path / "absent") == set()
+
+
+def test_a_nodes_idle_workers_are_those_its_raylet_started(tmp_path):
+    """Where one machine runs several nodes (the tests' and the bench's clusters), each raylet's idle workers are
+    its children; a worker finds its raylet as its parent, when that is a raylet."""
+    processes = [
+        (10, 1, b"raylet", b"raylet"), (20, 1, b"raylet", b"raylet"), (11, 10, b"ray::IDLE", IDLE_TITLE),
+        (12, 10, b"ray::Enc oder) x", b"ray::Encoder\0"), (21, 20, b"ray::IDLE", IDLE_TITLE),
+        (22, 20, b"ray::IDLE", IDLE_TITLE), (30, 1, b"python", b"python\0"), (31, 30, b"python", b"x\0"),
+    ]  # fmt: skip
+    for pid, parent, comm, title in processes:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(title)
+        (tmp_path / str(pid) / "comm").write_bytes(comm + b"\n")
+        (tmp_path / str(pid) / "stat").write_bytes(b"%d (%s) S %d 0 0" % (pid, comm, parent))
+    assert idle_workers(tmp_path, raylet=10) == {11}
+    assert idle_workers(tmp_path, raylet=20) == {21, 22}
+    assert idle_workers(tmp_path) == {11, 21, 22}
+    assert my_raylet(tmp_path, pid=12) == 10 and my_raylet(tmp_path, pid=22) == 20
+    assert my_raylet(tmp_path, pid=31) is None  # not started by a raylet: the machine's count
+    assert my_raylet(tmp_path / "absent", pid=12) is None
+
+
+def test_a_worker_finds_its_raylet(ray_serve):
+    """In the running cluster: a worker process's parent is its node's raylet."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def raylet() -> int | None:
+        return my_raylet()
+
+    pid = ray.get(raylet.remote())
+    assert pid is not None and Path(f"/proc/{pid}/comm").read_text().strip() == "raylet"
 
 
 def test_a_prestarted_worker_is_where_the_next_actor_starts(ray_serve):

@@ -54,10 +54,12 @@ def test_the_replica_reports_the_costs_the_policy_reads(checkpoint):
 
 @pytest.mark.parametrize(("warm", "idle", "started"), [(2, 0, 2), (2, 1, 1), (2, 3, None), (0, 0, None)])
 def test_a_replica_tops_its_node_up_to_its_warm_workers(checkpoint, monkeypatch, warm, idle, started):
-    """Once ready, a replica leaves `warm_workers` idle processes on its node, less those already idle there."""
-    calls = []
+    """Once ready, a replica leaves `warm_workers` idle processes on its node, less those already idle there (those
+    its raylet started: one machine may run several nodes)."""
+    calls, counted = [], []
     monkeypatch.setattr(server, "this_replica", _a_replica())
-    monkeypatch.setattr(server, "idle_workers", lambda: set(range(idle)))
+    monkeypatch.setattr(server, "my_raylet", lambda: 4242)
+    monkeypatch.setattr(server, "idle_workers", lambda raylet: counted.append(raylet) or set(range(idle)))
     monkeypatch.setattr(server, "prestart_workers", lambda count, keep_s: calls.append((count, keep_s)))
     Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False, "warm_workers": warm}})
     deadline = time.monotonic() + 10
@@ -65,13 +67,14 @@ def test_a_replica_tops_its_node_up_to_its_warm_workers(checkpoint, monkeypatch,
         time.sleep(0.01)
     time.sleep(0.1)
     assert calls == ([(started, WARM_KEEP_ALIVE_S)] if started else [])
+    assert set(counted) <= {4242}
 
 
 def test_a_replica_tops_its_node_up_again_once_a_start_took_its_warm_workers(checkpoint, monkeypatch):
     calls, idle = [], iter([2, 2, 0])
     monkeypatch.setattr(server, "WARM_EVERY_S", 0.01)
     monkeypatch.setattr(server, "this_replica", _a_replica())
-    monkeypatch.setattr(server, "idle_workers", lambda: set(range(next(idle, 2))))
+    monkeypatch.setattr(server, "idle_workers", lambda raylet: set(range(next(idle, 2))))
     monkeypatch.setattr(server, "prestart_workers", lambda count, keep_s: calls.append(count))
     Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False, "warm_workers": 2}})
     deadline = time.monotonic() + 10
@@ -85,11 +88,11 @@ def test_a_replica_tops_up_only_while_it_has_no_image_to_encode(checkpoint, monk
     calls = []
     monkeypatch.setattr(server, "WARM_EVERY_S", 0.01)
     monkeypatch.setattr(server, "this_replica", _a_replica())
-    monkeypatch.setattr(server, "idle_workers", lambda: {1, 2})
+    monkeypatch.setattr(server, "idle_workers", lambda raylet: {1, 2})
     monkeypatch.setattr(server, "prestart_workers", lambda count, keep_s: calls.append(count))
     encoder = Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False, "warm_workers": 2}})
     encoder.pending_cost = 5.0  # images queued here
-    monkeypatch.setattr(server, "idle_workers", set)  # a start took both
+    monkeypatch.setattr(server, "idle_workers", lambda raylet: set())  # a start took both
     time.sleep(0.2)
     assert calls == []
     encoder.pending_cost = 0.0
@@ -108,7 +111,7 @@ def test_a_replica_that_cannot_leave_warm_workers_serves_all_the_same(checkpoint
 
     monkeypatch.setattr(server, "WARM_EVERY_S", 0.01)
     monkeypatch.setattr(server, "this_replica", _a_replica())
-    monkeypatch.setattr(server, "idle_workers", set)
+    monkeypatch.setattr(server, "idle_workers", lambda raylet: set())
     monkeypatch.setattr(server, "prestart_workers", fails)
     encoder = Encoder.func_or_class({"model": str(checkpoint), "encoder": {"startup_check": False}})
     deadline = time.monotonic() + 10
