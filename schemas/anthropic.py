@@ -1,5 +1,5 @@
 """POST /v1/messages, Anthropic's Messages API, as its wire format: the request, and its translation into the chat
-request every route runs as (`MessagesRequest.chat_body`, then `ChatCompletionRequest`'s own validation), as
+request every route runs as (`MessagesRequest.chat_form`, then `ChatCompletionRequest`'s own validation), as
 schemas/responses.py does for OpenAI's Responses API: one pipeline for the three.
 
 Blocks taken: `text`; `image` with a base64 source (a data: URL inside) or a url source (the server's URL rules);
@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from schemas.errors import InvalidRequest
-from schemas.requests import Strict
+from schemas.requests import ChatForm, Strict
 
 
 class MessagesRequest(Strict):
@@ -32,11 +32,15 @@ class MessagesRequest(Strict):
     tools: list[dict[str, Any]] = Field(default_factory=list, max_length=128)
     tool_choice: dict[str, Any] | None = None
 
-    def chat_body(self) -> dict[str, Any]:
-        """The same request as chat's JSON body (for `ChatCompletionRequest`'s validation)."""
+    def chat_form(self) -> ChatForm:
+        """The same request as chat's JSON body (for `ChatCompletionRequest`'s validation), and which of this
+        request's fields each of chat's came from."""
+        messages, origins = _messages(self.system, self.messages)
+        origins += [("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"),
+                    ("tool_choice.function", "tool_choice"), ("parallel_tool_calls", "tool_choice")]  # fmt: skip
         body: dict[str, Any] = {
             "model": self.model,
-            "messages": _messages(self.system, self.messages),
+            "messages": messages,
             "max_completion_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -45,10 +49,13 @@ class MessagesRequest(Strict):
         }
         if self.tools:
             body["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
+            for i in range(len(self.tools)):
+                origins += [(f"tools[{i}].function", f"tools[{i}]"), (f"tools[{i}].function.parameters",
+                            f"tools[{i}].input_schema")]  # fmt: skip
         if self.tool_choice is not None:
             body["tool_choice"], parallel = _tool_choice(self.tool_choice)
             body["parallel_tool_calls"] = parallel
-        return {k: v for k, v in body.items() if v is not None}
+        return ChatForm({k: v for k, v in body.items() if v is not None}, tuple(origins))
 
 
 def _text(blocks: str | list[dict[str, Any]], where: str) -> str:
@@ -60,28 +67,47 @@ def _text(blocks: str | list[dict[str, Any]], where: str) -> str:
     return "".join(block.get("text", "") for block in blocks)
 
 
-def _messages(system: str | list[dict[str, Any]] | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _messages(
+    system: str | list[dict[str, Any]] | None, messages: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """System and messages as chat messages: a message's text and image blocks as its parts, its tool_use blocks as
+    its tool_calls, each tool_result block as a tool message before it; and where each came from (ChatForm.origins:
+    a part's index in chat's message is not its block's)."""
     out = [{"role": "system", "content": _text(system, "system")}] if system else []
+    origins = [("messages[0]", "system"), ("messages[0].content", "system")] if system else []
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
         if role not in ("user", "assistant"):
             raise InvalidRequest(f"messages[{i}].role {role!r} is not user or assistant", param=f"messages[{i}].role")
         if isinstance(content, str):
+            origins.append((f"messages[{len(out)}]", f"messages[{i}]"))
             out.append({"role": role, "content": content})
             continue
-        parts, calls = [], []
+        parts, calls, blocks = [], [], []  # blocks: (chat's path in this message, the block's own path)
         for k, block in enumerate(content or []):
             where, kind = f"messages[{i}].content[{k}]", block.get("type")
             if kind == "text":
+                blocks.append((f"content[{len(parts)}]", where))
                 parts.append({"type": "text", "text": block.get("text", "")})
             elif kind == "image":
+                at = f"content[{len(parts)}]"
+                blocks += [
+                    (at, where),
+                    (f"{at}.image_url", f"{where}.source"),
+                    (f"{at}.image_url.url", f"{where}.source"),
+                ]
                 parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source") or {}, where)}})
             elif kind == "tool_use" and role == "assistant":
+                at = f"tool_calls[{len(calls)}]"
+                blocks += [(at, where), (f"{at}.function", where), (f"{at}.function.arguments", f"{where}.input")]
                 arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
                 calls.append({"id": block.get("id"), "type": "function",
                               "function": {"name": block.get("name"), "arguments": arguments}})  # fmt: skip
             elif kind == "tool_result" and role == "user":
                 result = block.get("content") or ""
+                here = f"messages[{len(out)}]"
+                origins += [(here, where), (f"{here}.tool_call_id", f"{where}.tool_use_id"),
+                            (f"{here}.content", f"{where}.content")]  # fmt: skip
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                             "content": _text(result, f"{where}.content")})  # fmt: skip
             else:
@@ -89,8 +115,10 @@ def _messages(system: str | list[dict[str, Any]] | None, messages: list[dict[str
                     f"{where}: {kind!r} blocks are not taken in a {role} message", param=f"{where}.type"
                 )
         if parts or calls:
+            here = f"messages[{len(out)}]"
+            origins += [(here, f"messages[{i}]"), *((f"{here}.{chat}", own) for chat, own in blocks)]
             out.append({"role": role, "content": parts or None, **({"tool_calls": calls} if calls else {})})
-    return out
+    return out, origins
 
 
 def _image_url(source: dict[str, Any], where: str) -> str:

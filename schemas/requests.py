@@ -4,11 +4,13 @@ request may carry at all: every other one is a 400 `unsupported_parameter`, neve
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from schemas.errors import InvalidRequest
 from schemas.messages import _Tolerant
 from schemas.sampling import SamplingFields
 
@@ -122,8 +124,32 @@ class GenerationRequest(Strict, SamplingFields):
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class ChatForm:
+    """A request of another API (Responses, Messages) as chat's JSON body, with where each of chat's fields came from
+    in the client's request, so that a 4xx from chat's checks names the field the client sent."""
+
+    body: dict[str, Any]
+    origins: tuple[tuple[str, str], ...] = ()  # (chat's path, the client's): what is below a path maps along with it
+
+    def own(self, error: InvalidRequest) -> None:
+        """Rewrites `error`'s param, and the message that begins with it, in the client's terms (in place: its class,
+        code and status stay); the longest of `origins` that holds the param wins."""
+        param = error.param
+        if param is None:
+            return
+        for chat, own in sorted(self.origins, key=lambda o: -len(o[0])):
+            if param == chat or param.startswith((f"{chat}.", f"{chat}[")):
+                error.param = own + param[len(chat) :]
+                if error.message.startswith(param):
+                    error.message = error.param + error.message[len(param) :]
+                    error.args = (error.message,)
+                return
+
+
 __all__ = [
     "NO_EFFECT",
+    "ChatForm",
     "GenerationRequest",
     "Strict",
     "JsonSchemaSpec",

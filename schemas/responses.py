@@ -1,5 +1,5 @@
 """POST /v1/responses, OpenAI's Responses API, as its wire format: the request, and its translation into the chat
-request every route runs as (`ResponsesRequest.chat_body`, then `ChatCompletionRequest`'s own validation), so that
+request every route runs as (`ResponsesRequest.chat_form`, then `ChatCompletionRequest`'s own validation), so that
 limits, images, grammars, tools, cancellation and metrics are chat's, with no second pipeline.
 
 Video, which OpenAI's API does not take, comes as an `input_video` part (`video_url`: chat's video URL rules).
@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from schemas.errors import InvalidRequest
-from schemas.requests import NO_EFFECT, Strict, unsupported
+from schemas.requests import NO_EFFECT, ChatForm, Strict, unsupported
 
 
 class ResponsesRequest(Strict):
@@ -54,11 +54,16 @@ class ResponsesRequest(Strict):
     def text_format(self) -> dict[str, Any]:
         return (self.text or {}).get("format") or {"type": "text"}
 
-    def chat_body(self) -> dict[str, Any]:
-        """The same request as chat's JSON body (for `ChatCompletionRequest`'s validation)."""
+    def chat_form(self) -> ChatForm:
+        """The same request as chat's JSON body (for `ChatCompletionRequest`'s validation), and which of this
+        request's fields each of chat's came from."""
+        messages, origins = _messages(self.instructions, self.input)
+        origins += [("messages", "input"), ("max_completion_tokens", "max_output_tokens"), ("tool_choice.function",
+                    "tool_choice"), ("context_overflow", "truncation"), ("response_format.json_schema", "text.format"),
+                    ("response_format", "text.format")]  # fmt: skip
         body: dict[str, Any] = {
             "model": self.model,
-            "messages": _messages(self.instructions, self.input),
+            "messages": messages,
             "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -69,6 +74,7 @@ class ResponsesRequest(Strict):
         }
         if self.tools:
             body["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
+            origins += [(f"tools[{i}].function", f"tools[{i}]") for i in range(len(self.tools))]
         if self.tool_choice is not None:
             body["tool_choice"] = _tool_choice(self.tool_choice)
         fmt = self.text_format
@@ -79,17 +85,24 @@ class ResponsesRequest(Strict):
             body["response_format"] = {"type": "json_object"}
         elif fmt.get("type") != "text":
             raise InvalidRequest(f"text.format type {fmt.get('type')!r} is not supported", param="text.format")
-        return {k: v for k, v in body.items() if v is not None}
+        return ChatForm({k: v for k, v in body.items() if v is not None}, tuple(origins))
 
 
-def _messages(instructions: str | None, items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _messages(
+    instructions: str | None, items: str | list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
     """Instructions and input items as chat messages: messages as they are (their parts renamed), each run of
-    function calls as one assistant message's tool_calls, each call's output as a tool message."""
+    function calls as one assistant message's tool_calls, each call's output as a tool message; and where each
+    message came from (ChatForm.origins)."""
     out: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    origins = [("messages[0]", "instructions"), ("messages[0].content", "instructions")] if instructions else []
     if isinstance(items, str):
-        return [*out, {"role": "user", "content": items}]
+        n = len(out)
+        return [*out, {"role": "user", "content": items}], [*origins, (f"messages[{n}]", "input"),
+                                                            (f"messages[{n}].content", "input")]  # fmt: skip
     for i, item in enumerate(items):
         kind = item.get("type", "message" if "role" in item else None)
+        here = f"messages[{len(out)}]"  # the chat message this item starts (or, a parallel call, joins: below)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -97,23 +110,34 @@ def _messages(instructions: str | None, items: str | list[dict[str, Any]]) -> li
             content = item.get("content")
             parts = content if isinstance(content, str) else [_part(i, k, p) for k, p in enumerate(content or [])]
             out.append({"role": role, "content": parts})
+            origins.append((here, f"input[{i}]"))
+            for k, part in enumerate(parts if isinstance(parts, list) else []):
+                for field in ("image_url", "video_url"):  # chat's {url} where this API has the URL itself
+                    if field in part:
+                        origins.append((f"{here}.content[{k}].{field}.url", f"input[{i}].content[{k}].{field}"))
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function"}
             call["function"] = {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not out[-1].get("content"):
+                here = f"messages[{len(out) - 1}]"
                 out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append((here, f"input[{i}]"))
+            at = f"{here}.tool_calls[{len(out[-1]['tool_calls']) - 1}]"
+            origins += [(at, f"input[{i}]"), (f"{at}.function", f"input[{i}]"), (f"{at}.id", f"input[{i}].call_id")]
         elif kind == "function_call_output":
             output = item.get("output")
             text = output if isinstance(output, str) else "".join(p.get("text", "") for p in output or [])
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+            origins += [(here, f"input[{i}]"), (f"{here}.tool_call_id", f"input[{i}].call_id"),
+                        (f"{here}.content", f"input[{i}].output")]  # fmt: skip
         else:
             raise InvalidRequest(
                 f"input[{i}]: items of type {kind!r} are not supported (message, function_call, function_call_output)",
                 param=f"input[{i}].type",
             )
-    return out
+    return out, origins
 
 
 def _part(i: int, k: int, part: dict[str, Any]) -> dict[str, Any]:

@@ -237,12 +237,18 @@ class Ingress:
         return await self._translated(request, request_id, MessagesRequest, MESSAGES)
 
     async def _translated(self, request: Request, request_id: str, wire: type, api: Rendering) -> Response:
-        """A route whose request is chat's in another wire format (`wire.chat_body()`): run as chat, one choice,
-        answered in its own format (`api`: a body, or its events when streamed)."""
+        """A route whose request is chat's in another wire format (`wire.chat_form()`): run as chat, one choice,
+        answered in its own format (`api`: a body, or its events when streamed); a 4xx of chat's checks names the
+        client's field, not chat's."""
         started = time.monotonic()
         wreq = parse(wire, await read_json(request, self.args.limits.max_request_bytes))
-        req = parse(ChatCompletionRequest, wreq.chat_body())
-        [p], _, events, log = await self._run(req, self._chat_prepare(req, request), request_id, started)
+        chat = wreq.chat_form()
+        try:
+            req = parse(ChatCompletionRequest, chat.body)
+            [p], _, events, log = await self._run(req, self._chat_prepare(req, request), request_id, started)
+        except InvalidRequest as e:
+            chat.own(e)
+            raise
         state = api.state(wreq, req, request_id, self.args.model_name, len(p.prompt))
         tools = parses_tools(req)
         if wreq.stream:

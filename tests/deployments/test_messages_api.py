@@ -117,16 +117,22 @@ def test_bodies_and_events_are_anthropics_documented_shapes(base_url):
 
 def test_the_chat_rules_hold_a_bad_image_and_a_forbidden_url(base_url):
     """The same 4xx as chat for an image that does not decode and for a URL the server may not fetch (the app
-    allows 127.0.0.1 only): each check is chat's own."""
+    allows 127.0.0.1 only): each check is chat's own, and names the field as the client sent it."""
     bad = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}}
     private = {"type": "image", "source": {"type": "url", "url": "http://10.0.0.1/cat.png"}}
     for image in (bad, private):
-        body = {"model": "qwen2-vl-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [image]}]}
+        content = [{"type": "text", "text": "what is it?"}, image]
+        body = {"model": "qwen2-vl-tiny", "max_tokens": 4, "system": "Be brief.",
+                "messages": [{"role": "user", "content": content}]}  # fmt: skip
         r = httpx.post(f"{base_url}/v1/messages", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
-        parts = [{"type": "input_image", "image_url": _image_url(image)}]
-        r = httpx.post(f"{base_url}/v1/responses", json={"input": [{"role": "user", "content": parts}]}, timeout=60)
+        assert r.json()["error"]["message"].startswith("messages[0].content[1].source: "), r.text
+        parts = [{"type": "input_text", "text": "what is it?"}, {"type": "input_image", "image_url": _image_url(image)}]
+        body = {"instructions": "Be brief.", "input": [{"role": "user", "content": parts}]}
+        r = httpx.post(f"{base_url}/v1/responses", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert r.json()["error"]["param"] == "input[0].content[1].image_url", r.text
+        assert r.json()["error"]["message"].startswith("input[0].content[1].image_url: "), r.text
 
 
 def _image_url(image: dict) -> str:

@@ -12,7 +12,7 @@ from schemas.openai import ChatCompletionRequest
 
 
 def _chat(body: dict) -> dict:
-    out = parse(MessagesRequest, {"max_tokens": 16, **body}).chat_body()
+    out = parse(MessagesRequest, {"max_tokens": 16, **body}).chat_form().body
     parse(ChatCompletionRequest, out)  # chat's own validation takes it
     return out
 
@@ -83,3 +83,35 @@ def test_what_is_not_taken_is_a_400_naming_it(body, param):
 def test_max_tokens_is_required():
     with pytest.raises(InvalidRequest, match="max_tokens"):
         parse(MessagesRequest, {"messages": [{"role": "user", "content": "hi"}]})
+
+
+@pytest.mark.parametrize(
+    ("chat_param", "param"),
+    [
+        ("messages[0].content", "system"),
+        ("messages[1].content[0].image_url", "messages[0].content[0].source"),
+        ("messages[2].tool_calls[0].function.arguments", "messages[1].content[1].input"),
+        ("messages[2].content[0].text", "messages[1].content[0].text"),
+        ("messages[3].tool_call_id", "messages[2].content[0].tool_use_id"),  # a tool_result: a tool message before
+        ("messages[4].content[1].image_url.url", "messages[2].content[2].source"),  # ... its text and image parts
+        ("messages[4].content[0]", "messages[2].content[1]"),
+        ("max_completion_tokens", "max_tokens"),
+        ("stop", "stop_sequences"),
+        ("tools[0].function.parameters", "tools[0].input_schema"),
+    ],
+)
+def test_chats_400s_name_the_field_the_client_sent(chat_param, param):
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    messages = [
+        {"role": "user", "content": [image]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me see."},
+                                          {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "one"},
+                                     {"type": "text", "text": "and"}, image]},
+    ]  # fmt: skip
+    body = {"max_tokens": 16, "system": "Be brief.", "messages": messages, "tools": [{"name": "f", "input_schema": {}}]}
+    form = parse(MessagesRequest, body).chat_form()
+    parse(ChatCompletionRequest, form.body)
+    error = InvalidRequest(f"{chat_param}: the image could not be decoded", param=chat_param)
+    form.own(error)
+    assert error.param == param and error.message == f"{param}: the image could not be decoded"

@@ -13,7 +13,7 @@ from schemas.responses import ResponsesRequest
 
 
 def _chat(body: dict) -> dict:
-    out = parse(ResponsesRequest, body).chat_body()
+    out = parse(ResponsesRequest, body).chat_form().body
     parse(ChatCompletionRequest, out)  # chat's own validation takes it
     return out
 
@@ -94,3 +94,53 @@ def test_a_video_is_an_input_video_part_as_chats_video_url():
 
 def test_store_false_and_metadata_are_accepted():
     assert _chat({"input": "hi", "store": False, "metadata": {"k": "v"}, "user": "u"})["messages"]
+
+
+def _own(body: dict, chat_param: str) -> InvalidRequest:
+    """The 400 one of chat's checks gives with `chat_param` (worded as they word it), in this request's terms."""
+    error = InvalidRequest(f"{chat_param}: the image could not be decoded", param=chat_param, code="bad_image")
+    parse(ResponsesRequest, body).chat_form().own(error)
+    return error
+
+
+HISTORY = [
+    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+    {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "c1", "output": "one"},
+    {"role": "user", "content": [{"type": "input_text", "text": "and"},
+                                 {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("chat_param", "param"),
+    [
+        ("messages[0].content", "instructions"),
+        ("messages[3].content[1].image_url", "input[3].content[1].image_url"),  # after a turn of two calls
+        ("messages[3].content[1].image_url.url", "input[3].content[1].image_url"),
+        ("messages[1].tool_calls[1].function.arguments", "input[1].arguments"),  # the second call, joined to one turn
+        ("messages[1].tool_calls[0].id", "input[0].call_id"),
+        ("messages[2].tool_call_id", "input[2].call_id"),
+        ("messages", "input"),  # the whole conversation (over the context)
+        ("max_completion_tokens", "max_output_tokens"),
+        ("response_format.json_schema.schema", "text.format.schema"),
+        ("tools[0].function.parameters", "tools[0].parameters"),
+        ("temperature", "temperature"),
+    ],
+)
+def test_chats_400s_name_the_field_the_client_sent(chat_param, param):
+    tool = {"type": "function", "name": "f", "parameters": {}}
+    error = _own({"instructions": "Be brief.", "input": HISTORY, "tools": [tool]}, chat_param)
+    assert error.param == param and str(error) == error.message == f"{param}: the image could not be decoded"
+    assert (error.code, error.status) == ("bad_image", 400)
+
+
+def test_chats_validation_names_the_field_the_client_sent():
+    """A value only chat's own validation refuses (a text part that is not text), in the client's terms."""
+    form = parse(ResponsesRequest, {"input": [*HISTORY[:3], {"role": "user", "content": [
+        {"type": "input_text", "text": 7}]}]}).chat_form()  # fmt: skip
+    with pytest.raises(InvalidRequest) as e:
+        parse(ChatCompletionRequest, form.body)
+    form.own(e.value)
+    assert e.value.param == "input[3].content[0].text" and e.value.message.startswith("input[3].content[0].text: ")
+    assert _own({"input": "hi"}, "messages[0].content").param == "input"
