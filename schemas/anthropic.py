@@ -36,8 +36,8 @@ class MessagesRequest(Strict):
         """The same request as chat's JSON body (for `ChatCompletionRequest`'s validation), and which of this
         request's fields each of chat's came from."""
         messages, origins = _messages(self.system, self.messages)
-        origins += [("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"),
-                    ("tool_choice.function", "tool_choice"), ("parallel_tool_calls", "tool_choice")]  # fmt: skip
+        origins += [("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"), ("tool_choice.function",
+                    "tool_choice"), ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use")]  # fmt: skip
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,

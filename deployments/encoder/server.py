@@ -98,9 +98,8 @@ class EncoderReplica:
         warned, raylet = False, my_raylet()
         while this_replica() == replica:  # as long as this process is this replica (a test's bare class: its test)
             try:
-                idle = len(idle_workers(raylet=raylet)) if self.pending_cost <= 0 else self.args.encoder.warm_workers
-                count = self.args.encoder.warm_workers - idle
-                if count > 0:
+                wanted = self.args.encoder.warm_workers
+                if self.pending_cost <= 0 and (count := wanted - len(idle_workers(raylet=raylet))) > 0:
                     prestart_workers(count, WARM_KEEP_ALIVE_S)
                     logger.info("encoder replica started %d warm worker process(es) on its node", count)
             except Exception as e:  # the raylet busy or another Ray: the next start is a cold one

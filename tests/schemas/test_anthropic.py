@@ -98,6 +98,7 @@ def test_max_tokens_is_required():
         ("max_completion_tokens", "max_tokens"),
         ("stop", "stop_sequences"),
         ("tools[0].function.parameters", "tools[0].input_schema"),
+        ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use"),
     ],
 )
 def test_chats_400s_name_the_field_the_client_sent(chat_param, param):
