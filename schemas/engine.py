@@ -32,6 +32,11 @@ class SamplingParams:
     # Structured outputs: an xgrammar EBNF grammar the output must match (the ingress makes it from response_format
     # or a tool choice; the LLM replica compiles it, once per grammar). None: free text.
     grammar: str | None = None
+    # The text's rules, which the ingress's detokenizer applies to the tokens that come back (as vLLM's): stop strings
+    # cut the text (after min_tokens tokens), or end it with the string kept (include_stop_str_in_output).
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 1, self.max_tokens
@@ -90,7 +95,8 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class TokenChunk:
-    """Token ids generated since the last chunk; `finish_reason` is set on the last one."""
+    """Token ids generated since the last chunk; `finish_reason` is set on the last one. The engine makes them; the
+    ingress's detokenizer gives each one its `text` (a choice's delta: deployments/ingress/detokenize.py)."""
 
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -98,6 +104,7 @@ class TokenChunk:
     num_cached_tokens: int | None = None  # on the first chunk: prompt tokens whose KV came from the prefix cache
     # On the first chunk, when the request asked (SamplingParams.prompt_logprobs): one per prompt token but the first.
     prompt_logprobs: list[TokenLogprob] | None = None
+    text: str = ""  # the text of its tokens that can no longer change, stop strings cut (ingress only)
 
     def merge(self, later: TokenChunk) -> None:
         """Append a later chunk of the same sequence (coalescing several steps into one message)."""

@@ -4,11 +4,10 @@ with `include_stop_str_in_output`), special tokens skipped or not (`skip_special
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from schemas import FinishReason, TokenChunk, TokenLogprob
+from schemas import SamplingParams, TokenChunk
 
 
 def decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> Callable[[list[int]], str]:
@@ -105,36 +104,21 @@ class StopMatcher:
         return out
 
 
-@dataclass(slots=True)
-class TextDelta:
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None
-    logprobs: list[TokenLogprob] | None
-    num_cached_tokens: int | None = None  # on a choice's first delta: its prompt tokens from the prefix cache
-    prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first delta, when asked (TokenChunk's)
-
-
 class OutputProcessor:
     """One choice's token chunks -> text deltas: incremental text, stop strings, the finish reason. As vLLM's:
     stop strings end the text only after `min_tokens` tokens; the text of the stop token that ended a choice (EOS,
-    a stop_token_ids token) is left out, and the stop string cut off, unless `include_stop` (vLLM's
-    include_stop_str_in_output)."""
+    a stop_token_ids token) is left out, and the stop string cut off, unless include_stop_str_in_output."""
 
-    def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        stops: list[str],
-        *,
-        min_tokens: int = 0,
-        include_stop: bool = False,
-        skip_special_tokens: bool = True,
-    ):
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self.stop = StopMatcher(stops, include_stop)
-        self.min_tokens, self.include_stop, self.num_tokens = min_tokens, include_stop, 0
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams):
+        """`params`: the choice's (its text's rules: stop, min_tokens, include_stop_str_in_output,
+        skip_special_tokens)."""
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self.include_stop = params.include_stop_str_in_output
+        self.stop = StopMatcher(list(params.stop), self.include_stop)
+        self.min_tokens, self.num_tokens = params.min_tokens, 0
 
-    def feed(self, chunk: TokenChunk) -> TextDelta:
+    def feed(self, chunk: TokenChunk) -> TokenChunk:
+        """The chunk as the client sees it: its text, its tokens up to a stop string's, "stop" when one hit."""
         ids, logprobs = chunk.token_ids, chunk.logprobs
         # The engine's "stop" is a stop token, the chunk's last one: its text is not the answer's (vLLM's rule).
         n_text = len(ids) - 1 if chunk.finish_reason == "stop" and ids and not self.include_stop else len(ids)
@@ -156,26 +140,7 @@ class OutputProcessor:
             text += self.stop.feed(self.detok.flush(), self.num_tokens > self.min_tokens)
             text += self.stop.flush()
         finish = "stop" if self.stop.stopped else chunk.finish_reason
-        return TextDelta(text, ids, finish, logprobs, chunk.num_cached_tokens, chunk.prompt_logprobs)
+        return TokenChunk(ids, finish, logprobs, chunk.num_cached_tokens, chunk.prompt_logprobs, text)
 
 
-@dataclass(frozen=True, slots=True)
-class TextRules:
-    """How one request's choices turn tokens into text: OutputProcessor's settings, taken from the request."""
-
-    stops: list[str] = field(default_factory=list)
-    min_tokens: int = 0
-    include_stop: bool = False
-    skip_special_tokens: bool = True
-
-    def processor(self, tokenizer: PreTrainedTokenizerBase) -> OutputProcessor:
-        return OutputProcessor(
-            tokenizer,
-            self.stops,
-            min_tokens=self.min_tokens,
-            include_stop=self.include_stop,
-            skip_special_tokens=self.skip_special_tokens,
-        )
-
-
-__all__ = ["IncrementalDetokenizer", "OutputProcessor", "StopMatcher", "TextDelta", "TextRules", "decoder"]
+__all__ = ["IncrementalDetokenizer", "OutputProcessor", "StopMatcher", "decoder"]

@@ -17,16 +17,25 @@ from transformers import PreTrainedTokenizerBase
 
 from deployments.errors import LLM_GONE, root_cause
 from deployments.ingress.channel import ROUTE_TIMEOUT_S, ChannelHub, TokenStream
-from deployments.ingress.detokenize import TextDelta, TextRules
+from deployments.ingress.detokenize import OutputProcessor
 from deployments.ingress.embedding_cache import EmbeddingRefs
 from deployments.ingress.items import EncoderJob, Prepared
 from deployments.metrics import IngressMetrics
 from deployments.ray_private import object_ref
-from schemas import AppArgs, EncoderUnavailable, GenerateRequest, MediaItem, Overloaded, SamplingParams, observe
+from schemas import (
+    AppArgs,
+    EncoderUnavailable,
+    GenerateRequest,
+    MediaItem,
+    Overloaded,
+    SamplingParams,
+    TokenChunk,
+    observe,
+)
 
 logger = logging.getLogger("ray.serve")
 
-Started = tuple[list[AsyncIterator[TextDelta]], list[TextDelta]]  # each choice's deltas, and its first delta
+Started = tuple[list[AsyncIterator[TokenChunk]], list[TokenChunk]]  # each choice's text deltas, and its first
 Job = tuple[int, int]  # (item, job): a prompt's item's encoder job (an image, or a chunk of a video)
 
 
@@ -50,18 +59,16 @@ class Generator:
         self.cache = EmbeddingRefs(budget) if encoder is not None and budget > 0 else None
         self.row_bytes, self.metrics = embedding_row_bytes, metrics
 
-    async def start(
-        self, p: Prepared, params: list[SamplingParams], text: TextRules, request_id: str, first: int = 0
-    ) -> Started:
+    async def start(self, p: Prepared, params: list[SamplingParams], request_id: str, first: int = 0) -> Started:
         """Encode `p`'s images and start one generation per `params` (choices `first`, `first` + 1, ...), up to
         their first deltas, so that an early error still gets its own status."""
         if self.encoder is None or not p.items:  # colocated: the LLM replica gets the bytes and encodes them
             media = [item.data for item in p.items]
-            return await self._generate(p, params, text, [item.media for item in p.items], media, request_id, first)
+            return await self._generate(p, params, [item.media for item in p.items], media, request_id, first)
         calls: list[DeploymentResponse] = []
         made: list[Any] = []  # the refs of this request's own calls
         try:
-            return await self._encode_and_generate(p, params, text, request_id, first, calls, made)
+            return await self._encode_and_generate(p, params, request_id, first, calls, made)
         except BaseException:  # client gone, deadline, or an error: images still queued are not encoded
             for call in calls:
                 call.cancel()
@@ -69,16 +76,14 @@ class Generator:
                 self.cache.discard(made)
             raise
 
-    async def start_all(
-        self, prompts: list[Prepared], params: list[list[SamplingParams]], text: TextRules, request_id: str
-    ) -> Started:
+    async def start_all(self, prompts: list[Prepared], params: list[list[SamplingParams]], request_id: str) -> Started:
         """`start` for each prompt at once, its choices numbered after the earlier prompts'. If one fails (or the
         request ends), the others are cancelled and the streams already started closed, cancelling them."""
         if len(prompts) == 1:
-            return await self.start(prompts[0], params[0], text, request_id)
+            return await self.start(prompts[0], params[0], request_id)
         firsts = [sum(len(ps) for ps in params[:k]) for k in range(len(prompts))]
         tasks = [
-            asyncio.ensure_future(self.start(p, ps, text, request_id, f))
+            asyncio.ensure_future(self.start(p, ps, request_id, f))
             for p, ps, f in zip(prompts, params, firsts, strict=True)
         ]
         try:
@@ -141,7 +146,7 @@ class Generator:
                 self.cache.put([job.key for _, job in group], ref, rows * self.row_bytes)
         return where
 
-    async def _encode_and_generate(self, p, params, text, request_id, first, calls, made) -> Started:
+    async def _encode_and_generate(self, p, params, request_id, first, calls, made) -> Started:
         """The generations start as soon as every image is on an encoder replica (or in the cache): the LLM fetches
         each embedding as it is made and prefills up to the first not there yet (deployments/llm/images.py). An
         image lost on the way (its replica went away) fails the generations; it is encoded once more, each image at
@@ -151,7 +156,7 @@ class Generator:
         while True:
             items, refs = _layout(p, where)
             try:
-                return await self._generate(p, params, text, items, refs, request_id, first)
+                return await self._generate(p, params, items, refs, request_id, first)
             except Exception as e:
                 cause = root_cause(e)
                 if not isinstance(cause, EncoderUnavailable):
@@ -175,7 +180,6 @@ class Generator:
         self,
         p: Prepared,
         params: list[SamplingParams],
-        text: TextRules,
         items: list[MediaItem],
         media: list[Any],
         request_id: str,
@@ -201,7 +205,7 @@ class Generator:
         for attempt in (1, 2):
             call = self.llm.options(stream=True).generate.remote
             streams = [
-                self._events(TokenStream(self.hub, call(r, media), r.request_id, ROUTE_TIMEOUT_S), text)
+                self._events(TokenStream(self.hub, call(r, media), r.request_id, ROUTE_TIMEOUT_S), r.sampling)
                 for r in requests
             ]
             try:
@@ -214,9 +218,9 @@ class Generator:
                 self.counts["llm_retries"] += 1
         raise AssertionError("unreachable")
 
-    async def _events(self, gen: TokenStream, text: TextRules) -> AsyncIterator[TextDelta]:
+    async def _events(self, gen: TokenStream, params: SamplingParams) -> AsyncIterator[TokenChunk]:
         """One choice's token chunks -> text deltas; a stop string ends it (and cancels its generation)."""
-        out, engine_done = text.processor(self.tokenizer), False
+        out, engine_done = OutputProcessor(self.tokenizer, params), False
         try:
             async for chunk in gen:
                 engine_done = chunk.finish_reason is not None

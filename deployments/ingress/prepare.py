@@ -315,6 +315,9 @@ def sampling_params(
         # NOTE: a prompt's first choice alone computes them (they bypass the prefix cache); its n choices share them.
         prompt_logprobs=req.num_prompt_logprobs if choice == 0 else None,
         grammar=grammar,
+        stop=tuple(req.stop),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
     )
 
 

@@ -10,12 +10,12 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from deployments.ingress.detokenize import TextDelta, decoder
+from deployments.ingress.detokenize import decoder
 from deployments.ingress.http import error_body, json_text, sse
 from deployments.ingress.tool_parser import ToolCallParser, split_delta
 from deployments.ingress.tool_parser import parse as parse_calls
 from deployments.ingress.tools import max_calls
-from schemas import AppArgs, FinishReason, InvalidRequest, TokenLogprob
+from schemas import AppArgs, FinishReason, InvalidRequest, TokenChunk, TokenLogprob
 from schemas.openai import (
     Box,
     ChatCompletion,
@@ -92,7 +92,7 @@ def system_fingerprint(args: AppArgs, model_id: str) -> str:
     return "fp_" + hashlib.blake2b(f"{model_id}\n{config}".encode(), digest_size=5).hexdigest()
 
 
-async def interleave(firsts: list[TextDelta], streams: list[AsyncIterator[TextDelta]]):
+async def interleave(firsts: list[TokenChunk], streams: list[AsyncIterator[TokenChunk]]):
     """(choice index, delta) as each choice produces them, starting with the deltas already received."""
     for i, first in enumerate(firsts):
         yield i, first
@@ -149,7 +149,7 @@ class ChoiceState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
 
-    def add(self, delta: TextDelta) -> None:
+    def add(self, delta: TokenChunk) -> None:
         self.text += delta.text
         self.prompt_logprobs = self.prompt_logprobs if delta.prompt_logprobs is None else delta.prompt_logprobs
         self.num_cached_tokens = delta.num_cached_tokens or self.num_cached_tokens

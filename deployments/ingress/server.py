@@ -19,7 +19,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from deployments.errors import quiet_client_errors, quiet_probe_timeouts
 from deployments.ingress.auth import Gate
 from deployments.ingress.channel import ChannelHub
-from deployments.ingress.detokenize import TextRules
 from deployments.ingress.fetch import MediaFetcher
 from deployments.ingress.generate import Generator
 from deployments.ingress.grounding import GroundingTokens, pixel_boxes
@@ -170,8 +169,7 @@ class Ingress:
                 params = [
                     [sampling_params(req, p.max_tokens, i, p.grammar, defaults) for i in range(req.n)] for p in prompts
                 ]
-                text = TextRules(req.stop, req.min_tokens, req.include_stop_str_in_output, req.skip_special_tokens)
-                streams, firsts = await self.gen.start_all(prompts, params, text, request_id)
+                streams, firsts = await self.gen.start_all(prompts, params, request_id)
         except TimeoutError:
             if not budget.expired():
                 raise

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from deployments.ingress.detokenize import TextDelta
 from deployments.ingress.prompt import load_tokenizer
 from deployments.ingress.responses import ContentChunks, logprob_items, sse_stream
-from schemas import TokenLogprob
+from schemas import TokenChunk, TokenLogprob
 from schemas.openai import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -143,7 +142,7 @@ def test_the_streams_content_chunks_are_what_pydantic_writes(tokenizer, fields):
         ids = tokenizer.encode(text, add_special_tokens=False)
         for k, t in enumerate(ids):
             lp = [TokenLogprob(-0.5, [(t, -0.5), (t + 1, -1.5)])] if req.logprobs else None
-            deltas.append((i, TextDelta(tokenizer.decode([t]), [t], "stop" if k == len(ids) - 1 else None, lp)))
+            deltas.append((i, TokenChunk([t], "stop" if k == len(ids) - 1 else None, lp, text=tokenizer.decode([t]))))
 
     async def collect():
         async def events():

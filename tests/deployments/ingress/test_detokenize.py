@@ -8,7 +8,7 @@ import pytest
 
 from deployments.ingress.detokenize import IncrementalDetokenizer, OutputProcessor, StopMatcher, decoder
 from deployments.ingress.prompt import load_tokenizer
-from schemas import TokenChunk, TokenLogprob
+from schemas import SamplingParams, TokenChunk, TokenLogprob
 
 TEXTS = ["Hello, world!", "你好，世界", "emoji 🙂👍🏽 and (12,34)", "mixed ünïcödé ✓ text\nwith lines"]
 
@@ -142,7 +142,7 @@ def test_a_stop_string_ends_the_tokens_at_the_one_that_completed_it(checkpoint, 
     head, stop_token, tail = ids[0], ids[1], ids[2]
     assert len(stop_token) == 1
     answer = head + stop_token + tail
-    out, deltas = OutputProcessor(tokenizer, ["("]), []
+    out, deltas = OutputProcessor(tokenizer, SamplingParams(99, stop=("(",))), []
     for i in range(0, len(answer), step):
         part = answer[i : i + step]
         logprobs = [TokenLogprob(-float(t), []) for t in part]  # each names its token
@@ -208,7 +208,9 @@ def test_stop_strings_wait_for_min_tokens(checkpoint, step):
     n_before = len(ids[0]) + 1  # up to and including the first "("
 
     def run(min_tokens: int) -> str:
-        out = OutputProcessor(tokenizer, ["(", "zzzzz"], min_tokens=min_tokens)  # a long stop: a long tail held
+        out = OutputProcessor(
+            tokenizer, SamplingParams(99, stop=("(", "zzzzz"), min_tokens=min_tokens)
+        )  # a long stop: a long tail held
         text = ""
         for i in range(0, len(flat), step):
             delta = out.feed(TokenChunk(flat[i : i + step], "length" if i + step >= len(flat) else None))
@@ -232,13 +234,16 @@ def test_the_stop_tokens_text_is_left_out_unless_included(checkpoint):
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def text(ids, **kw) -> str:
-        out = OutputProcessor(tokenizer, [], **kw)
+        out = OutputProcessor(tokenizer, SamplingParams(99, **kw))
         return "".join(out.feed(TokenChunk([t], "stop" if n == len(ids) - 1 else None)).text for n, t in enumerate(ids))
 
-    assert text(say) == "ok" and text(say, include_stop=True) == "ok."
+    assert text(say) == "ok" and text(say, include_stop_str_in_output=True) == "ok."
     assert text([*say[:-1], box, eos]) == "ok"
     assert text([*say[:-1], box, eos], skip_special_tokens=False) == "ok<|box_start|>"
-    assert text([*say[:-1], box, eos], skip_special_tokens=False, include_stop=True) == "ok<|box_start|><|im_end|>"
+    assert (
+        text([*say[:-1], box, eos], skip_special_tokens=False, include_stop_str_in_output=True)
+        == "ok<|box_start|><|im_end|>"
+    )
     # a finish that is no stop token (max_tokens) keeps the last token's text
-    out = OutputProcessor(tokenizer, [])
+    out = OutputProcessor(tokenizer, SamplingParams(99))
     assert "".join(out.feed(TokenChunk([t], "length" if t == say[-1] else None)).text for t in say) == "ok."

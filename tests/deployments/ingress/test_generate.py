@@ -102,11 +102,11 @@ class FakeLLM:
         return self.calls[-1]
 
 
-class _Text:
-    """TextRules' stand-in: each chunk is its own delta."""
+class _Tokenizer:
+    """A tokenizer whose text of a token is its id, and a space."""
 
-    def processor(self, tokenizer):
-        return SimpleNamespace(feed=lambda chunk: chunk)
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(f"{i} " for i in ids)
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +123,7 @@ def _generator(encoder=None, llm=None, cache_gib: float = 0.0, max_batch_patches
         llm={"token_channel": channel},
     )
     llm = llm or FakeLLM()
-    return Generator(encoder, llm, ChannelHub(llm, "ing"), args, None, embedding_row_bytes=ROW_BYTES), llm
+    return Generator(encoder, llm, ChannelHub(llm, "ing"), args, _Tokenizer(), embedding_row_bytes=ROW_BYTES), llm
 
 
 def _image(name: str, patches: int = 40, tokens: int = 10) -> Item:
@@ -138,7 +138,7 @@ def _video(name: str, chunks: int) -> Item:
 
 def _start(gen: Generator, items: list[Item], n: int = 1):
     async def run():
-        streams, firsts = await gen.start(Prepared(prompt=[1], items=items), [SamplingParams(1)] * n, _Text(), "r")
+        streams, firsts = await gen.start(Prepared(prompt=[1], items=items), [SamplingParams(1)] * n, "r")
         await asyncio.gather(*(s.aclose() for s in streams))
         return firsts
 
@@ -247,7 +247,7 @@ def test_a_request_cancelled_as_its_images_are_assigned_stays_cancelled(turns):
         encoder.encode = SimpleNamespace(remote=lambda *a, **k: _Assigned(ref))
         gen, llm = _generator(encoder)
         p = Prepared(prompt=[1], items=[_image("a"), _image("b")])
-        waiting = asyncio.ensure_future(gen.start(p, [SamplingParams(1)], _Text(), "r"))
+        waiting = asyncio.ensure_future(gen.start(p, [SamplingParams(1)], "r"))
         await asyncio.sleep(0.01)
         ref.set_result("ref")
         for _ in range(turns):
@@ -269,11 +269,31 @@ def test_choices_are_numbered_prompt_by_prompt():
 
     async def run():
         prompts = [Prepared(prompt=[k]) for k in range(3)]
-        streams, firsts = await gen.start_all(prompts, [[SamplingParams(1)] * 2] * 3, _Text(), "r")
+        streams, firsts = await gen.start_all(prompts, [[SamplingParams(1)] * 2] * 3, "r")
         await asyncio.gather(*(s.aclose() for s in streams))
         return firsts
 
     assert [d.token_ids for d in asyncio.run(run())] == [[0], [1], [2], [3], [4], [5]]
+
+
+def test_each_choice_s_text_follows_its_sampling_params():
+    """The text rules travel in SamplingParams: a stop string ends the choice at the token that completed it (the
+    rest of its chunk dropped, the generation cancelled); min_tokens defers it; a choice without one runs on."""
+    llm = FakeLLM(lambda request, media: [TokenChunk([1, 2]), TokenChunk([3, 4, 5]), TokenChunk([6], "length")])
+    gen, _ = _generator(llm=llm)
+    params = [SamplingParams(9, stop=("3",)), SamplingParams(9, stop=("3",), min_tokens=4), SamplingParams(9)]
+
+    async def run():
+        streams, firsts = await gen.start(Prepared(prompt=[1]), params, "r")
+        rest = [[d async for d in s] for s in streams]
+        return [[first, *more] for first, more in zip(firsts, rest, strict=True)]
+
+    choices = asyncio.run(run())
+    texts = [["".join(d.text for d in c), [t for d in c for t in d.token_ids], c[-1].finish_reason] for c in choices]
+    assert texts[0] == ["1 2 ", [1, 2, 3], "stop"]
+    assert texts[1] == ["1 2 3 4 5 6 ", [1, 2, 3, 4, 5, 6], "length"]  # "3" came before min_tokens
+    assert texts[2] == ["1 2 3 4 5 6 ", [1, 2, 3, 4, 5, 6], "length"]
+    assert llm.calls[0].cancelled and not llm.calls[2].cancelled
 
 
 @pytest.mark.parametrize("slow", [None, 0, 2])
@@ -288,9 +308,7 @@ def test_one_failing_prompt_closes_what_the_others_started(slow):
 
     gen, llm = _generator(llm=FakeLLM(answer))
     with pytest.raises(InvalidRequest, match="prompt 1 is bad"):
-        asyncio.run(
-            gen.start_all([Prepared(prompt=[k]) for k in range(3)], [[SamplingParams(1)] * 2] * 3, _Text(), "r")
-        )
+        asyncio.run(gen.start_all([Prepared(prompt=[k]) for k in range(3)], [[SamplingParams(1)] * 2] * 3, "r"))
     assert len(llm.calls) == 6 and all(call.cancelled for call in llm.calls)
 
 
@@ -319,7 +337,7 @@ def test_a_generation_whose_token_channel_is_lost_before_its_first_token_goes_on
         gen, _ = _generator(llm=llm, channel=True)
         gen.hub.open("r1")
         first = calls[0]
-        started = asyncio.ensure_future(gen.start(Prepared(prompt=[1]), [SamplingParams(4)], _Text(), "r"))
+        started = asyncio.ensure_future(gen.start(Prepared(prompt=[1]), [SamplingParams(4)], "r"))
         while not gen.hub.attached.get("r1"):  # the generation is on r1's channel, waiting for its first token
             await asyncio.sleep(0.01)
         channel.gone.set()

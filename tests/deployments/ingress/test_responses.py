@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 from ray.serve.exceptions import BackPressureError
 
-from deployments.ingress.detokenize import TextDelta
 from deployments.ingress.grounding import GroundingTokens, pixel_boxes
 from deployments.ingress.http import error_response
 from deployments.ingress.prompt import load_tokenizer
 from deployments.ingress.responses import completion, sse_stream, with_deadline
-from schemas import InvalidRequest, Overloaded, TokenLogprob
+from schemas import InvalidRequest, Overloaded, TokenChunk, TokenLogprob
 from schemas.openai import ChatCompletionRequest
 from tests.api_schema import assert_valid
 
@@ -35,7 +34,7 @@ def _request(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
 
 
-def _deltas(tokenizer, logprobs: bool) -> list[tuple[int, TextDelta]]:
+def _deltas(tokenizer, logprobs: bool) -> list[tuple[int, TokenChunk]]:
     """Choice 0 grounds (a box), choice 1 runs out of tokens; each token its own delta, as the engine sends them."""
     out = []
     for i, (text, finish) in enumerate([(ANSWER, "stop"), ("a red circle", "length")]):
@@ -45,12 +44,12 @@ def _deltas(tokenizer, logprobs: bool) -> list[tuple[int, TextDelta]]:
             out.append(
                 (
                     i,
-                    TextDelta(
-                        tokenizer.decode([t]),
+                    TokenChunk(
                         [t],
                         finish if k == len(ids) - 1 else None,
                         lp,
                         num_cached_tokens=2 if k == 0 else None,
+                        text=tokenizer.decode([t]),
                     ),
                 )
             )
@@ -127,7 +126,7 @@ def test_an_error_after_the_first_token_is_an_error_event_that_validates(tokeniz
     """The deadline passes mid-stream: the 200 is already out, so the 408 goes as an event."""
 
     async def hangs():
-        yield 0, TextDelta("It", [40], None, None)
+        yield 0, TokenChunk([40], text="It")
         await asyncio.Event().wait()  # nothing more comes
 
     async def collect():
