@@ -69,6 +69,7 @@ class InProcess:
                 f"{hashlib.sha256(png).hexdigest()}:{im.width}x{im.height}",
                 self.processing.grid_thw(im.width, im.height),
                 self.processing.num_image_tokens(im.width, im.height),
+                self.image_token_id,
             )
             for png, im in zip(req.images, images, strict=True)
         ]

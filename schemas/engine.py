@@ -3,8 +3,8 @@ streams back (plain dataclasses: hot path)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length"]
 
@@ -49,22 +49,58 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class MediaItem:
-    """One image or video of a prompt, as the ingress planned it and the engine lays it out: one record from the
-    ingress to the engine (its bytes travel apart, to an encoder, and its embedding apart again, by reference)."""
+    """One image or video of a prompt, one record from the ingress, which reads its header and plans it, to the
+    engine, which places its embedding: its key, grid, token count, placeholder, timing, cost and encoder work. The
+    ingress keeps its bytes in it; the LLM is sent it without them (`for_engine`): they go to an encoder, and its
+    embedding comes back apart, by reference."""
 
     key: str  # content key: the embedding cache's and the prefix cache's for its tokens ("": never shared)
     grid_thw: tuple[int, int, int]  # its patch grid; with M-RoPE its tokens are t*h*w / merge_size**2
     num_tokens: int  # its placeholder tokens in the prompt, as the ingress counted them
+    placeholder_id: int  # the token its run in the prompt is made of
     # A video's seconds per tubelet (its temporal_patch_size / sampled fps): Qwen2.5-VL's temporal positions step by
     # tokens_per_second times it. None: an image.
     second_per_grid_t: float | None = None
-    # Encoder tier: where its embedding comes from, piece by piece (a video encoded in chunks: the chunks, in order),
-    # each (encoder call, position): the call's ObjectRef among those sent with the request, and the place in the
-    # list that call returned; the LLM concatenates the pieces. Empty when the LLM replica encodes it (colocated).
-    pieces: tuple[tuple[int, int], ...] = ()
     # Qwen3-VL's video: its tokens are one run per tubelet, each after its timestamp's text, and each run is placed
     # as an image of one tubelet (transformers' get_rope_index splits video_grid_thw so). False: one run.
     tubelet_runs: bool = False
+    # Encoder tier: where its embedding comes from, piece by piece (one per job, in order), each (encoder call,
+    # position): the call's ObjectRef among those sent with the request, and the place in the list that call
+    # returned; the LLM concatenates the pieces. Empty when the LLM replica encodes it (colocated).
+    pieces: tuple[tuple[int, int], ...] = ()
+
+    # The ingress's: where it is in the request, and the encoder work it takes.
+    message: int = 0  # the message it is in
+    number: int = -1  # its index among the request's images; -1: a video
+    size: tuple[int, int] = (0, 0)  # (width, height)
+    cost: float = 0.0  # GFLOP (encoders/cost.py): what the Encoder's router and autoscaling weigh
+    patches: int = 0  # ViT patches: a call takes as many jobs as one forward does (encoder.max_batch_patches)
+    data: Any = None  # its bytes, or a video's decoded frames (encoders.Video); None in what the LLM is sent
+    # A video over one forward's patches, encoded in chunks of tubelets: each chunk its own record (key, grid,
+    # tokens, cost, data), in order. Empty: the item is its own one job.
+    chunks: tuple[MediaItem, ...] = ()
+    probe_s: float = 0.0  # a video's container read
+    # The ids its placeholder becomes in the prompt: `placeholder_id` num_tokens times, or (Qwen3-VL's video) each
+    # tubelet's timestamp and run in its own vision markers. None: the plain run.
+    run: list[int] | None = None
+
+    @property
+    def jobs(self) -> tuple[MediaItem, ...]:
+        """Its encoder work, each job an embedding's worth: itself, or its chunks."""
+        return self.chunks or (self,)
+
+    @property
+    def is_video(self) -> bool:
+        return self.number < 0
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.run if self.run is not None else [self.placeholder_id] * self.num_tokens
+
+    def for_engine(self, pieces: tuple[tuple[int, int], ...] = ()) -> MediaItem:
+        """The record as the LLM is sent it: no bytes (an encoder has them, or colocated, they go as their own
+        argument), no chunks or run (its pieces say where its embedding is)."""
+        return replace(self, data=None, chunks=(), run=None, pieces=pieces)
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from urllib.parse import unquote, urljoin
 
 import httpx
 
-from deployments.ingress.items import image_params
+from deployments.ingress.prepare import image_params
 from deployments.ingress.urls import Resolver, URLPolicy, url_error
 from deployments.ingress.videos import video_urls
 from schemas import ImageURLArgs, InvalidRequest

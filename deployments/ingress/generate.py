@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
@@ -19,7 +18,7 @@ from deployments.errors import LLM_GONE, root_cause
 from deployments.ingress.channel import ROUTE_TIMEOUT_S, ChannelHub, TokenStream
 from deployments.ingress.detokenize import OutputProcessor
 from deployments.ingress.embedding_cache import EmbeddingRefs
-from deployments.ingress.items import EncoderJob, Prepared
+from deployments.ingress.prepare import Prepared
 from deployments.metrics import IngressMetrics
 from deployments.ray_private import object_ref
 from schemas import (
@@ -64,7 +63,7 @@ class Generator:
         their first deltas, so that an early error still gets its own status."""
         if self.encoder is None or not p.items:  # colocated: the LLM replica gets the bytes and encodes them
             media = [item.data for item in p.items]
-            return await self._generate(p, params, [item.media for item in p.items], media, request_id, first)
+            return await self._generate(p, params, [item.for_engine() for item in p.items], media, request_id, first)
         calls: list[DeploymentResponse] = []
         made: list[Any] = []  # the refs of this request's own calls
         try:
@@ -244,14 +243,14 @@ def _layout(p: Prepared, where: dict[Job, tuple[Any, int]]) -> tuple[list[MediaI
     items = []
     for i, item in enumerate(p.items):
         pieces = tuple((index[where[(i, j)][0]], where[(i, j)][1]) for j in range(len(item.jobs)))
-        items.append(replace(item.media, pieces=pieces))
+        items.append(item.for_engine(pieces))
     return items, refs
 
 
-def _pack(jobs: list[tuple[Job, EncoderJob]], max_patches: int) -> list[list[tuple[Job, EncoderJob]]]:
+def _pack(jobs: list[tuple[Job, MediaItem]], max_patches: int) -> list[list[tuple[Job, MediaItem]]]:
     """Jobs, in order, into calls of at most `max_patches` patches each (one bigger alone): what one ViT forward
     of the Encoder's batcher takes, so that a call is one forward's worth and costs one call's overhead."""
-    groups: list[list[tuple[Job, EncoderJob]]] = []
+    groups: list[list[tuple[Job, MediaItem]]] = []
     patches = 0
     for pair in jobs:
         if not groups or patches + pair[1].patches > max_patches:

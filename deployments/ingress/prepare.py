@@ -1,22 +1,22 @@
-"""Request -> prompt for the ingress: limits, image and video headers, prompt ids, the context-overflow policy, and
-each choice's sampling parameters. CPU only."""
+"""Request -> prompt for the ingress: limits, image and video headers (each item's record, MediaItem, from here to the
+engine), prompt ids, the context-overflow policy, and each choice's sampling parameters. What it gives: a Prepared.
+CPU only."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from deployments.ingress.grammar_cost import check_cost
-from deployments.ingress.items import (
-    EncoderJob,
-    Item,
-    Prepared,
-    first_turn_key,
-    image_params,
-    in_prompt_order,
-    scoped_key,
+from deployments.ingress.prompt import (
+    build_prompt,
+    check_reserved,
+    load_tokenizer,
+    needs_typed_content,
+    template_messages,
 )
-from deployments.ingress.prompt import build_prompt, check_reserved, load_tokenizer, needs_typed_content
 from deployments.ingress.structured import response_grammar
 from deployments.ingress.tools import check_tools, renders_tools, template_tools, tool_grammar, tools_as_text
 from deployments.ingress.videos import VideoPreparer, video_params
@@ -24,8 +24,67 @@ from encoders import ModelSpec, data_url_format, decode_data_url, embedding_key,
 from encoders.video_processing import VideoPlan
 from schemas import AppArgs, InvalidRequest, MediaItem, SamplingParams
 from schemas.completions import CompletionRequest
-from schemas.openai import ChatCompletionRequest, Message
+from schemas.openai import ChatCompletionRequest, ImagePart, Message, TextPart
 from schemas.requests import GenerationRequest
+
+
+@dataclass(slots=True)
+class Prepared:
+    prompt: list[int] = field(default_factory=list)
+    items: list[MediaItem] = field(default_factory=list)  # the images and videos the prompt keeps, in prompt order
+    video_stats: list[tuple[int, int, float]] = field(default_factory=list)  # (frames, tokens, probe s) received
+    max_tokens: int = 0
+    dropped_messages: int = 0
+    routing_key: str = ""  # the conversation's first turn: which LLM replica holds its prefix (deployments/llm/)
+    grammar: str | None = None  # structured outputs: the grammar every choice must match (ingress/structured.py)
+    text: str = ""  # a text completion's prompt as text, for echo
+    cache_scope: str = ""  # the tenant's scope of the embedding and prefix caches (encoders.cache_scope)
+
+    @property
+    def images(self) -> list[MediaItem]:
+        """The images kept (grounding boxes are in pixels of the images)."""
+        return [item for item in self.items if not item.is_video]
+
+
+def image_params(req: ChatCompletionRequest) -> list[tuple[int, str, str]]:
+    """(message index, JSON path, url) of every image in the request, in order."""
+    return [
+        (i, f"messages[{i}].content[{j}].image_url", part.image_url.url)
+        for i, m in enumerate(req.messages)
+        if isinstance(m.content, list)
+        for j, part in enumerate(m.content)
+        if isinstance(part, ImagePart)
+    ]
+
+
+def scoped_key(key: str, scope: str) -> str:
+    """A video's (or chunk's) cache key within a tenant's scope (encoders.cache_scope; "": the shared cache), as
+    embedding_key scopes an image's."""
+    return key if not scope else hashlib.blake2b(f"{scope}|{key}".encode(), digest_size=16).hexdigest()
+
+
+def first_turn_key(first_turn: list[Message], image_keys: list[str]) -> str:
+    """A hash of the system messages and the first user turn, with its images' content keys: the same for every
+    later turn of the conversation (their prompts start with that turn's tokens), different for another one.
+
+    NOTE: hashing the messages stands for hashing the prefix's token ids (the chat template turns the same messages
+    into the same tokens in all families), without templating the first turn a second time."""
+    h = hashlib.blake2b(json.dumps(template_messages(first_turn), sort_keys=True).encode(), digest_size=16)
+    for key in image_keys:
+        h.update(key.encode())
+    return h.hexdigest()
+
+
+def in_prompt_order(req: ChatCompletionRequest, images: list[MediaItem], videos: list[MediaItem]) -> list[MediaItem]:
+    """Images and videos merged in the order their parts appear in the messages."""
+    it_images, it_videos = iter(images), iter(videos)
+    return [
+        next(it_images) if isinstance(part, ImagePart) else next(it_videos)
+        for m in req.messages
+        if isinstance(m.content, list)
+        for part in m.content
+        if not isinstance(part, TextPart)
+    ]
 
 
 class Preparer:
@@ -95,7 +154,9 @@ class Preparer:
             raise InvalidRequest(f"more than {self.max_images} images in one request", param=params[self.max_images][1])
         self.videos.check(req)
 
-    def _image(self, number: int, message: int, param: str, url: str, fetched: dict[str, bytes], scope: str) -> Item:
+    def _image(
+        self, number: int, message: int, param: str, url: str, fetched: dict[str, bytes], scope: str
+    ) -> MediaItem:
         try:
             if param in fetched:
                 data, declared = fetched[param], None
@@ -116,27 +177,54 @@ class Preparer:
         )
         grid = self.processing.grid_thw(info.width, info.height)
         num_tokens = self.processing.num_image_tokens(info.width, info.height)
-        job = EncoderJob(data, key, self.image_cost.gflop(grid), _patches(grid), num_tokens)
-        media = MediaItem(key, grid, num_tokens)
-        return Item(message, number, (info.width, info.height), data, media, self.image_token_id, [job])
+        return MediaItem(
+            key,
+            grid,
+            num_tokens,
+            self.image_token_id,
+            message=message,
+            number=number,
+            size=(info.width, info.height),
+            cost=self.image_cost.gflop(grid),
+            patches=_patches(grid),
+            data=data,
+        )
 
-    def _video(self, message: int, param: str, part, req: ChatCompletionRequest, fetched: dict, scope: str) -> Item:
+    def _video(
+        self, message: int, param: str, part, req: ChatCompletionRequest, fetched: dict, scope: str
+    ) -> MediaItem:
         v = self.videos.prepare(param, part, req, fetched)
         plan = v.video.plan
-        share = self.image_cost.gflop(plan.grid_thw) / len(v.chunks)  # a video's chunks: equal shares of its tubelets
-        jobs = [
-            EncoderJob(data, scoped_key(key, scope), share, _patches(data.plan.grid_thw), data.plan.num_tokens)
+        cost = self.image_cost.gflop(plan.grid_thw)
+        chunks = tuple(  # a video's chunks: equal shares of its tubelets' cost
+            MediaItem(
+                scoped_key(key, scope),
+                data.plan.grid_thw,
+                data.plan.num_tokens,
+                self.video_token_id,
+                message=message,
+                cost=cost / len(v.chunks),
+                patches=_patches(data.plan.grid_thw),
+                data=data,
+            )
             for data, key in v.chunks
-        ]
-        media = MediaItem(
+        )
+        return MediaItem(
             scoped_key(v.key, scope),
             plan.grid_thw,
             plan.num_tokens,
+            self.video_token_id,
             plan.second_per_grid_t,
             tubelet_runs=bool(plan.timestamps),
+            message=message,
+            size=v.size,
+            cost=cost,
+            patches=_patches(plan.grid_thw),
+            data=v.video,
+            chunks=chunks if len(chunks) > 1 else (),
+            probe_s=v.probe_s,
+            run=self._timed_run(plan) if plan.timestamps else None,
         )
-        run = self._timed_run(plan) if plan.timestamps else None
-        return Item(message, -1, v.size, v.video, media, self.video_token_id, jobs, v.probe_s, run)
 
     def _timed_run(self, plan: VideoPlan) -> list[int]:
         """Qwen3-VL's video in the prompt: each tubelet's `<t seconds>` then its tokens in vision markers, all in the
@@ -150,7 +238,7 @@ class Preparer:
             run += [start, *[self.video_token_id] * per_tubelet, end]
         return run
 
-    def _items(self, req: ChatCompletionRequest, fetched: dict[str, bytes], scope: str) -> list[Item]:
+    def _items(self, req: ChatCompletionRequest, fetched: dict[str, bytes], scope: str) -> list[MediaItem]:
         """The request's images and videos, probed and planned, in prompt order."""
         params = enumerate(image_params(req))
         images = [self._image(n, i, param, url, fetched, scope) for n, (i, param, url) in params]
@@ -186,13 +274,13 @@ class Preparer:
         return self._with_video_stats(self._checked(req, p, grammar, scope), images)
 
     def _build(
-        self, req: ChatCompletionRequest, images: list[Item], n_system: int, start: int, generation_prompt=True
+        self, req: ChatCompletionRequest, images: list[MediaItem], n_system: int, start: int, generation_prompt=True
     ) -> Prepared:
         kept: list[Message] = req.messages[:n_system] + req.messages[start:]
         kept_items = [im for im in images if im.message < n_system or im.message >= start]
         out = Prepared(items=kept_items, dropped_messages=start - n_system)
         out.routing_key = first_turn_key(
-            kept[: n_system + 1], [im.media.key for im in images if im.message < n_system or im.message == start]
+            kept[: n_system + 1], [im.key for im in images if im.message < n_system or im.message == start]
         )
         out.prompt = build_prompt(
             self.tokenizer,
@@ -215,9 +303,9 @@ class Preparer:
         return req.requested_max_tokens or (room if cap is None else min(cap, room))
 
     @staticmethod
-    def _with_video_stats(p: Prepared, items: list[Item]) -> Prepared:
+    def _with_video_stats(p: Prepared, items: list[MediaItem]) -> Prepared:
         """The request's videos (kept or not) for the metrics: (frames sampled, tokens, probe seconds) each."""
-        p.video_stats = [(len(v.data.plan.indices), v.media.num_tokens, v.probe_s) for v in items if v.is_video]
+        p.video_stats = [(len(v.data.plan.indices), v.num_tokens, v.probe_s) for v in items if v.is_video]
         return p
 
     def _fits(self, req: GenerationRequest, p: Prepared) -> bool:
@@ -321,4 +409,4 @@ def sampling_params(
     )
 
 
-__all__ = ["Prepared", "Preparer", "first_turn_key", "image_params", "sampling_params"]
+__all__ = ["Prepared", "Preparer", "first_turn_key", "image_params", "in_prompt_order", "sampling_params", "scoped_key"]

@@ -189,7 +189,7 @@ def test_llm_refuses_embeddings_that_are_not_refs(base_url):
         request_id="r",
         prompt_token_ids=[1, 2, 3],
         sampling=SamplingParams(max_tokens=1),
-        items=[MediaItem("k", (1, 2, 2), 1, pieces=((0, 0),))],
+        items=[MediaItem("k", (1, 2, 2), 1, 2, pieces=((0, 0),))],
     )
     with pytest.raises(Exception, match="must arrive as ObjectRefs, got Tensor"):
         list(llm.options(stream=True).generate.remote(request, [torch.zeros(1, 64)]))

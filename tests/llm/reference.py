@@ -68,7 +68,9 @@ def request_for(
             ids += [cfg.vision_end_token_id, 14]
     embeds = vision.encode(images) if images else []
     params = SamplingParams(**{"max_tokens": max_tokens, "temperature": 0.0, **sampling})
-    items = [MediaItem(f"image-{seed}-{i}", g, g[0] * g[1] * g[2] // 4) for i, g in enumerate(grids)]
+    items = [
+        MediaItem(f"image-{seed}-{i}", g, g[0] * g[1] * g[2] // 4, cfg.image_token_id) for i, g in enumerate(grids)
+    ]
     ref["input_ids"] = torch.tensor([ids])
     return Case(GenerateRequest(request_id=f"r{seed}", prompt_token_ids=ids, sampling=params, items=items), embeds), ref
 

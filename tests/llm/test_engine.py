@@ -215,10 +215,10 @@ def test_embedding_rows_must_match_the_image_grid(model, reference):
     request = GenerateRequest(
         request_id="r", prompt_token_ids=[5, pad, pad, pad, pad, 6], sampling=SamplingParams(max_tokens=2)
     )
-    rows = Case(replace(request, items=[MediaItem("", (1, 4, 4), 4)]), [torch.zeros(3, 64)])
+    rows = Case(replace(request, items=[MediaItem("", (1, 4, 4), 4, pad)]), [torch.zeros(3, 64)])
     with pytest.raises(ValueError, match="image 0: 3 embedding rows for 4 placeholder tokens"):
         asyncio.run(collect(engine, rows))
-    grid = Case(replace(request, items=[MediaItem("", (1, 4, 4), 3)]), [torch.zeros(3, 64)])
+    grid = Case(replace(request, items=[MediaItem("", (1, 4, 4), 3, pad)]), [torch.zeros(3, 64)])
     with pytest.raises(AssertionError, match="image 0: 3 tokens for a grid of 16 patches"):  # the ingress's count
         asyncio.run(collect(engine, grid))
     assert asyncio.run(collect(engine, _seq([5, 6, 7], max_tokens=2)))[1] == "length"  # and it goes on

@@ -64,7 +64,7 @@ def llava_request(llava: Llava, seed: int) -> tuple[Case, list[int]]:
     assert [int(e.shape[0]) for e in embeds] == counts  # the encoder's rows: what the ingress counted
     assert ids.count(llava.reference.config.image_token_id) == sum(counts)  # and what transformers' processor did
     items = [
-        MediaItem(f"image-{seed}-{i}", processing.grid_thw(w, h), n)
+        MediaItem(f"image-{seed}-{i}", processing.grid_thw(w, h), n, llava.reference.config.image_token_id)
         for i, ((w, h), n) in enumerate(zip(LLAVA_SIZES, counts, strict=True))
     ]
     params = SamplingParams(max_tokens=12, temperature=0.0)

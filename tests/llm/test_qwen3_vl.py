@@ -188,7 +188,9 @@ def _video_case(ckpt, reference, vision, *, seed: int, budget_frames: int = 6):
         ids += [cfg.vision_start_token_id] + [cfg.video_token_id] * per + [cfg.vision_end_token_id]
     ids += [cfg.vision_end_token_id, 14, 15]
     embeds = vision.forward([(pixel_values, grid)])
-    item = MediaItem(f"video-{seed}", grid, plan.num_tokens, plan.second_per_grid_t, tubelet_runs=True)
+    item = MediaItem(
+        f"video-{seed}", grid, plan.num_tokens, cfg.video_token_id, plan.second_per_grid_t, tubelet_runs=True
+    )
     request = GenerateRequest(request_id=f"v{seed}", prompt_token_ids=ids, items=[item],
                               sampling=SamplingParams(max_tokens=8, temperature=0.0))  # fmt: skip
     input_ids = torch.tensor([ids])

@@ -261,7 +261,7 @@ def test_the_llm_replica_counts_its_colocated_encodes():
 
     replica = SimpleNamespace(engine=SimpleNamespace(encoding=0), vision=Vision(), vision_cache=EmbeddingLRU(1 << 20))
     encode_here = LLM.func_or_class._encode_here
-    items = lambda n: [MediaItem("", (1, 2, 2), 1) for _ in range(n)]  # noqa: E731  (no key: never cached)
+    items = lambda n: [MediaItem("", (1, 2, 2), 1, placeholder_id=0) for _ in range(n)]  # noqa: E731  (no key: never cached)
     assert len(asyncio.run(encode_here(replica, items(2), [b"a", b"b"]))) == 2
     assert seen == [1, 1] and replica.engine.encoding == 0
     with pytest.raises(RuntimeError, match="broken"):

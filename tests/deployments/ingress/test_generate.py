@@ -14,7 +14,7 @@ import pytest
 
 from deployments.ingress.channel import ChannelHub
 from deployments.ingress.generate import Generator
-from deployments.ingress.items import EncoderJob, Item, Prepared
+from deployments.ingress.prepare import Prepared
 from schemas import (
     AppArgs,
     EncoderUnavailable,
@@ -126,17 +126,22 @@ def _generator(encoder=None, llm=None, cache_gib: float = 0.0, max_batch_patches
     return Generator(encoder, llm, ChannelHub(llm, "ing"), args, _Tokenizer(), embedding_row_bytes=ROW_BYTES), llm
 
 
-def _image(name: str, patches: int = 40, tokens: int = 10) -> Item:
-    job = EncoderJob(name.encode(), f"key-{name}", 1.0, patches, tokens)
-    return Item(0, 0, (28, 28), job.data, MediaItem(job.key, (1, 2, patches // 2), tokens), 7, [job])
+def _image(name: str, patches: int = 40, tokens: int = 10) -> MediaItem:
+    grid = (1, 2, patches // 2)
+    return MediaItem(f"key-{name}", grid, tokens, 7, number=0, cost=1.0, patches=patches, data=name.encode())
 
 
-def _video(name: str, chunks: int) -> Item:
-    jobs = [EncoderJob(f"{name}{k}".encode(), f"key-{name}@{k}", 1.0, 40, 10) for k in range(chunks)]
-    return Item(0, -1, (28, 28), b"", MediaItem(f"key-{name}", (chunks, 2, 20), 10 * chunks, 0.5), 8, jobs)
+def _video(name: str, chunks: int) -> MediaItem:
+    parts = tuple(
+        MediaItem(f"key-{name}@{k}", (1, 2, 20), 10, 8, cost=1.0, patches=40, data=f"{name}{k}".encode())
+        for k in range(chunks)
+    )
+    return MediaItem(
+        f"key-{name}", (chunks, 2, 20), 10 * chunks, 8, 0.5, cost=chunks, patches=40 * chunks, chunks=parts
+    )
 
 
-def _start(gen: Generator, items: list[Item], n: int = 1):
+def _start(gen: Generator, items: list[MediaItem], n: int = 1):
     async def run():
         streams, firsts = await gen.start(Prepared(prompt=[1], items=items), [SamplingParams(1)] * n, "r")
         await asyncio.gather(*(s.aclose() for s in streams))
@@ -157,6 +162,9 @@ def test_images_go_in_calls_of_one_forward_and_the_llm_gets_their_records():
     assert [item.pieces for item in request.items] == [((0, 0),), ((0, 1),), ((1, 0),), ((1, 1), (2, 0))]
     assert [item.key for item in request.items] == ["key-a", "key-b", "key-c", "key-v"]  # the video's, not chunks'
     assert request.items[3].num_tokens == 20 and request.items[3].second_per_grid_t == 0.5
+    assert [item.placeholder_id for item in request.items] == [7, 7, 7, 8]
+    # the same record the ingress made, without the bytes (an encoder has them) or the video's chunks (its pieces)
+    assert all(item.data is None and item.chunks == () for item in request.items) and items[0].data == b"a"
     assert request1.items == request.items and request.request_id != request1.request_id
 
 
@@ -164,7 +172,7 @@ def test_colocated_sends_each_items_bytes_to_the_llm():
     gen, llm = _generator(encoder=None)
     _start(gen, [_image("a"), _image("b")])
     [(request, media)] = llm.sent
-    assert media == [b"a", b"b"] and all(item.pieces == () for item in request.items)
+    assert media == [b"a", b"b"] and all(item.pieces == () and item.data is None for item in request.items)
 
 
 def test_a_cache_hit_makes_no_encoder_call_and_sends_the_first_ref():

@@ -34,11 +34,11 @@ def _conversation(turns: int) -> list[dict]:
 
 
 def _keys(p) -> list[str]:
-    return [item.media.key for item in p.items]
+    return [item.key for item in p.items]
 
 
 def _grids(p) -> list[tuple[int, int, int]]:
-    return [item.media.grid_thw for item in p.items]
+    return [item.grid_thw for item in p.items]
 
 
 def _prepare(prep: Preparer, messages: list[dict], **fields):
@@ -85,7 +85,7 @@ def test_dropped_images_go_with_their_turns(prep):
     expected = sum(t * h * w // 4 for t, h, w in _grids(p))
     assert sum(1 for t in p.prompt if t == image_token_id) == expected
     # the kept images' counts, sent to the LLM
-    assert [item.media.num_tokens for item in p.items] == [t * h * w // 4 for t, h, w in _grids(p)]
+    assert [item.num_tokens for item in p.items] == [t * h * w // 4 for t, h, w in _grids(p)]
 
 
 def test_a_last_turn_over_the_context_is_still_an_error(prep):

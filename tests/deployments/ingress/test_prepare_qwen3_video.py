@@ -30,8 +30,8 @@ def test_each_tubelet_is_its_timestamp_and_its_run(ckpt):
     prep = Preparer(AppArgs(model=str(ckpt), llm={"max_model_len": 512}))
     p = _prepare(prep, max_tokens=8)
     (item,) = p.items
-    assert item.is_video and item.media.tubelet_runs and item.media.grid_thw == (3, 6, 8)
-    assert item.media.num_tokens == 36 == p.prompt.count(prep.video_token_id)
+    assert item.is_video and item.tubelet_runs and item.grid_thw == (3, 6, 8)
+    assert item.num_tokens == 36 == p.prompt.count(prep.video_token_id)
     run = "<|vision_start|>" + "<|video_pad|>" * 12 + "<|vision_end|>"
     expected = f"<|vision_start|><0.3 seconds>{run}<1.4 seconds>{run}<2.6 seconds>{run}<|vision_end|>What?"
     assert expected in prep.tokenizer.decode(p.prompt)
@@ -57,4 +57,4 @@ def test_the_video_limits_hold(ckpt):
         _prepare(prep, max_tokens=8)
     assert e.value.param == "messages[0].content[0]"
     fewer = _prepare(prep, max_tokens=8, mm_processor_kwargs={"fps": 1.0})  # 4 frames: 2 tubelets, 24 tokens
-    assert fewer.items[0].media.grid_thw[0] == 2 and fewer.prompt.count(prep.video_token_id) == 24
+    assert fewer.items[0].grid_thw[0] == 2 and fewer.prompt.count(prep.video_token_id) == 24

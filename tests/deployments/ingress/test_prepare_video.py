@@ -30,15 +30,15 @@ def _video_part(data: bytes = VIDEO) -> dict:
 
 
 def _keys(p) -> list[str]:
-    return [item.media.key for item in p.items]
+    return [item.key for item in p.items]
 
 
 def _grids(p) -> list[tuple[int, int, int]]:
-    return [item.media.grid_thw for item in p.items]
+    return [item.grid_thw for item in p.items]
 
 
 def _timing(p) -> list[float | None]:
-    return [item.media.second_per_grid_t for item in p.items]
+    return [item.second_per_grid_t for item in p.items]
 
 
 def _prepare(prep: Preparer, content: list, fetched: dict | None = None, **fields):
