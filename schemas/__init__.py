@@ -3,40 +3,25 @@ the errors that cross them. Importing it loads no torch, transformers or Ray: th
 `encoders.ModelSpec`, its weights' reader `encoders.weights`, and what needs Ray is in `deployments`."""
 
 from schemas.config import AppArgs, AuthArgs, EncoderArgs, ImageURLArgs, Limits, LLMArgs, VideoArgs
-from schemas.engine import (
-    Batch,
-    ChannelOpen,
-    FinishReason,
-    GenerateRequest,
-    Item,
-    MediaItem,
-    Routed,
-    SamplingParams,
-    TokenChunk,
-    TokenLogprob,
-)
+from schemas.engine import FinishReason, GenerateRequest, MediaItem, SamplingParams, TokenChunk, TokenLogprob
 from schemas.errors import ChannelLost, EncoderUnavailable, InvalidRequest, Overloaded, observe
 from schemas.resolve import resolve_device, resolve_dtype, resolve_max_model_len
 
 __all__ = [
     "AppArgs",
     "AuthArgs",
-    "Batch",
     "ChannelLost",
-    "ChannelOpen",
     "EncoderArgs",
     "EncoderUnavailable",
     "FinishReason",
     "GenerateRequest",
     "ImageURLArgs",
     "InvalidRequest",
-    "Item",
     "LLMArgs",
     "MediaItem",
     "VideoArgs",
     "Limits",
     "Overloaded",
-    "Routed",
     "SamplingParams",
     "TokenChunk",
     "TokenLogprob",

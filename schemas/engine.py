@@ -116,7 +116,7 @@ class GenerateRequest:
     # A hash of the conversation's first turn: the LLM request router sends every turn to the replica holding it.
     routing_key: str | None = None
     # The calling ingress replica's id: its tokens come through that ingress's per-step channel to the replica
-    # when one is open (deployments/ingress/channel.py); None: all through this call's own stream.
+    # when one is open (deployments/channel.py); None: all through this call's own stream.
     channel: str | None = None
     # The tenant's scope of the prefix cache (encoders.cache_scope): its blocks chain from a hash of it, so two
     # scopes never share a block; "": the shared cache.
@@ -157,38 +157,4 @@ class TokenChunk:
             self.prompt_logprobs = later.prompt_logprobs
 
 
-# The per-step token channel's messages (deployments/ingress/channel.py, deployments/llm/channel.py)
-
-
-@dataclass(slots=True)
-class Routed:
-    """The first item of a generation's own stream when the ingress asked for the channel."""
-
-    replica_id: str
-    via_channel: bool
-
-
-@dataclass(slots=True)
-class ChannelOpen:
-    """The argument of `LLM.channel`: who listens, and which LLM replica the router must send it to."""
-
-    ingress_id: str
-    replica_id: str
-
-
-Item = TokenChunk | BaseException
-Batch = list[tuple[str, Item]]  # one channel message: (request id, chunk or error), in the order they were made
-
-
-__all__ = [
-    "Batch",
-    "ChannelOpen",
-    "FinishReason",
-    "GenerateRequest",
-    "Item",
-    "MediaItem",
-    "Routed",
-    "SamplingParams",
-    "TokenChunk",
-    "TokenLogprob",
-]
+__all__ = ["FinishReason", "GenerateRequest", "MediaItem", "SamplingParams", "TokenChunk", "TokenLogprob"]

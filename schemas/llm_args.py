@@ -43,7 +43,7 @@ class LLMArgs(BaseModel):
     token_channel: bool = Field(
         True,
         description="Each ingress replica gets each step's tokens of all its streams on one LLM replica as one "
-        "message (deployments/ingress/channel.py); false: one message per stream.",
+        "message (deployments/channel.py); false: one message per stream.",
     )
     token_channel_idle_s: float = Field(
         5.0,

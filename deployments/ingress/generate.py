@@ -14,8 +14,8 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from transformers import PreTrainedTokenizerBase
 
+from deployments.channel import ROUTE_TIMEOUT_S, ChannelHub, TokenStream
 from deployments.errors import LLM_GONE, root_cause
-from deployments.ingress.channel import ROUTE_TIMEOUT_S, ChannelHub, TokenStream
 from deployments.ingress.detokenize import OutputProcessor
 from deployments.ingress.embedding_cache import EmbeddingRefs
 from deployments.ingress.prepare import Prepared

@@ -16,9 +16,9 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from deployments.channel import ChannelHub
 from deployments.errors import quiet_client_errors, quiet_probe_timeouts
 from deployments.ingress.auth import Gate
-from deployments.ingress.channel import ChannelHub
 from deployments.ingress.fetch import MediaFetcher
 from deployments.ingress.generate import Generator
 from deployments.ingress.grounding import GroundingTokens, pixel_boxes
@@ -64,7 +64,7 @@ class Ingress:
         self.args = AppArgs.model_validate(args)
         quiet_client_errors()
         quiet_probe_timeouts()  # Serve's routers run here: a busy replica's late answer is one line a minute
-        self.hub = ChannelHub(llm, this_replica())  # the token channels to the LLM replicas (ingress/channel.py)
+        self.hub = ChannelHub(llm, this_replica())  # the token channels to the LLM replicas (deployments/channel.py)
         spec = ModelSpec.from_args(self.args)  # the checkpoint's facts, read once here
         self.prep = Preparer(self.args, spec)
         self.tokenizer, self.max_model_len = self.prep.tokenizer, self.prep.max_model_len

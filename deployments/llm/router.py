@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from deployments.channel import ChannelOpen
 from deployments.ray_private import OwnCallMixin
-from schemas import ChannelOpen
 
 # The idea (route on the prompt's prefix, fall back to load balancing when the load is uneven) is Ray Serve LLM's
 # PrefixCacheAffinityRouter (ray/llm/_internal/serve/routing_policies/prefix_aware); that one keeps a prefix tree
@@ -42,7 +42,7 @@ def rank_replicas(
 
 
 def pinned_replica(request: PendingRequest | None, replicas: Sequence[RunningReplica]) -> list[RunningReplica] | None:
-    """A token channel (deployments/ingress/channel.py) names the replica it is for: that one alone, while it is there
+    """A token channel (deployments/channel.py) names the replica it is for: that one alone, while it is there
     (else any: the replica that gets it refuses it, and the ingress opens it again when it needs it)."""
     if request is None or not request.args or not isinstance(request.args[0], ChannelOpen):
         return None

@@ -14,8 +14,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from transformers import AutoTokenizer
 
+from deployments.channel import Batch, ChannelOpen, Outbox, Routed
 from deployments.errors import quiet_client_errors
-from deployments.llm.channel import Outbox
 from deployments.llm.images import ImageArrivals, bad_image
 from deployments.llm.router import PrefixAffinityRouter
 from deployments.llm.tp import COLLECTIVE_TIMEOUT_S, Ranks
@@ -24,18 +24,7 @@ from deployments.replica import DRAIN_POLL_S, this_replica
 from encoders import EmbeddingLRU, EncoderRunner, ModelSpec
 from llm import Engine, EngineConfig, Qwen2LM, TextConfig, num_kv_blocks
 from llm.model.parallel import ParallelLM, TPGroup, init_process_group
-from schemas import (
-    AppArgs,
-    Batch,
-    ChannelOpen,
-    EncoderUnavailable,
-    GenerateRequest,
-    InvalidRequest,
-    MediaItem,
-    Overloaded,
-    Routed,
-    TokenChunk,
-)
+from schemas import AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, MediaItem, Overloaded, TokenChunk
 
 logger = logging.getLogger("ray.serve")
 # Errors the ingress answers (4xx, or a retry / 503) and that are no fault of this replica: sent down the stream as
@@ -123,7 +112,7 @@ class LLM:
         )
         self.metrics = LLMMetrics(self.engine.stats, self.engine.drain_timings)
         self.replica_id = this_replica() if llm_args.token_channel else None  # None: own streams only, no channels
-        self.channels: dict[str, Outbox] = {}  # ingress id -> its open channel here (deployments/ingress/channel.py)
+        self.channels: dict[str, Outbox] = {}  # ingress id -> its open channel here (deployments/channel.py)
         # Messages sent back to ingress replicas: chunks on generations' own streams, and channel messages
         self.sent = {"stream_messages": 0, "channel_messages": 0, "channel_generations": 0, "channels_opened": 0}
         self._metrics_task: asyncio.Task | None = None
@@ -213,7 +202,7 @@ class LLM:
         self, request: GenerateRequest, media: list[Any] | None = None
     ) -> AsyncIterator[TokenChunk | Routed | Exception]:
         """The chunks of one generation; with `request.channel` a `Routed` first, and the chunks through that
-        ingress's channel when it has one open here (deployments/ingress/channel.py). `media`: the ObjectRefs of the
+        ingress's channel when it has one open here (deployments/channel.py). `media`: the ObjectRefs of the
         encoder calls that hold its items' embeddings (`MediaItem.pieces` says where), or colocated, each item's
         bytes. An error the ingress answers (`_ANSWERED`) is the stream's last item, with one log line here."""
         try:

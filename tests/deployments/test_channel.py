@@ -1,4 +1,4 @@
-"""The per-step token channel's two ends without Ray (deployments/ingress/channel.py): what goes in one message, when it
+"""The per-step token channel's two ends without Ray (deployments/channel.py): what goes in one message, when it
 goes, and that every way a channel or a generation can end leaves nobody waiting."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from deployments.ingress.channel import ChannelHub, TokenStream
-from deployments.llm.channel import Outbox
-from schemas import ChannelLost, InvalidRequest, Routed, TokenChunk
+from deployments.channel import ChannelHub, Outbox, Routed, TokenStream
+from schemas import ChannelLost, InvalidRequest, TokenChunk
 
 INTERVAL = 0.05
 

@@ -1,4 +1,4 @@
-"""The token channel served (deployments/ingress/channel.py): 64 streams at once through one channel, a quarter of them
+"""The token channel served (deployments/channel.py): 64 streams at once through one channel, a quarter of them
 (asking for 600 tokens) closed by their clients after 3, then the LLM replica killed under load. No token is lost,
 no request is stuck, no sequence is left in the engine, and the replica that replaces the dead one gets a channel of
 its own."""

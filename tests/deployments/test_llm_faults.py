@@ -16,8 +16,8 @@ import pytest
 import ray
 from ray import serve
 
+from deployments.channel import ROUTE_TIMEOUT_S
 from deployments.ingress import Ingress
-from deployments.ingress.channel import ROUTE_TIMEOUT_S
 from deployments.llm.server import LLM
 
 pytestmark = pytest.mark.e2e

@@ -43,7 +43,7 @@ def routed(ray_serve, app_args):
 def _per_replica(port: int, name: str) -> dict[str, float]:
     # NOTE: Serve counts a finished call of any method as a request, the token channel's too: one that closed for
     # being idle during the test was counted as a 41st request of 40 on a slow machine. A channel is opened outside
-    # any request's context (deployments/ingress/channel.py), so its calls carry no route; requests carry the app's.
+    # any request's context (deployments/channel.py), so its calls carry no route; requests carry the app's.
     if name == REQUESTS:
         return per_replica(port, APP, name, route=f"/{APP}")
     return per_replica(port, APP, name)

@@ -12,19 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.ingress.channel import ChannelHub
+from deployments.channel import ChannelHub, Routed
 from deployments.ingress.generate import Generator
 from deployments.ingress.prepare import Prepared
-from schemas import (
-    AppArgs,
-    EncoderUnavailable,
-    InvalidRequest,
-    MediaItem,
-    Overloaded,
-    Routed,
-    SamplingParams,
-    TokenChunk,
-)
+from schemas import AppArgs, EncoderUnavailable, InvalidRequest, MediaItem, Overloaded, SamplingParams, TokenChunk
 
 ROW_BYTES = 256  # what one embedding row counts against the cache
 

@@ -92,7 +92,7 @@ def test_surrogate_pairs_and_escaped_backslashes_are_kept(body):
 )
 def test_a_lost_replica_is_a_503_to_retry_and_not_a_500(caplog, lost):
     """What a request sees when its replica (or node) went away after the ingress's one retry, or mid-stream; also
-    when the token channel of its LLM replica was what said so (deployments/ingress/channel.py)."""
+    when the token channel of its LLM replica was what said so (deployments/channel.py)."""
     with caplog.at_level(logging.WARNING, logger="ray.serve"):
         status, headers, body = error_body(lost, "chatcmpl-x")
     assert (status, headers, body.error.code) == (503, {"Retry-After": "5"}, "replica_lost")

@@ -17,8 +17,8 @@ same between its engine core and its front end (one output batch per step); this
   stream that ends on the ingress fails the generations still attached to it.
 - Messages: at most one per `interval_s` per channel; a first token, a last one and an error go at once.
 
-This module is the ingress half (`ChannelHub`, `TokenStream`); the LLM half is `deployments/llm/channel.py`
-(`Outbox`), and the messages (`Routed`, `ChannelOpen`, `Batch`) are in `schemas/engine.py`.
+Both ends are here: the ingress's (`ChannelHub`, `TokenStream`), the LLM replica's (`Outbox`), and their messages
+(`Routed`, `ChannelOpen`, `Batch`).
 """
 
 from __future__ import annotations
@@ -27,11 +27,34 @@ import asyncio
 import contextvars
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from deployments.ray_private import assigned
-from schemas import ChannelLost, ChannelOpen, Item, Overloaded, Routed, TokenChunk
+from schemas import ChannelLost, Overloaded, TokenChunk
+
+# The channel's messages
+
+
+@dataclass(slots=True)
+class Routed:
+    """The first item of a generation's own stream when the ingress asked for the channel."""
+
+    replica_id: str
+    via_channel: bool
+
+
+@dataclass(slots=True)
+class ChannelOpen:
+    """The argument of `LLM.channel`: who listens, and which LLM replica the router must send it to."""
+
+    ingress_id: str
+    replica_id: str
+
+
+Output = TokenChunk | BaseException  # what a generation sends: a chunk, or the error that ended it
+Batch = list[tuple[str, Output]]  # one channel message: (request id, chunk or error), in the order they were made
 
 logger = logging.getLogger("ray.serve")
 
@@ -42,7 +65,7 @@ class ChannelHub:
 
     def __init__(self, llm: Any, ingress_id: str | None = None):
         self.llm, self.id = llm, ingress_id or uuid.uuid4().hex
-        self.routes: dict[str, Callable[[Item], None]] = {}  # request id -> its TokenStream's queue
+        self.routes: dict[str, Callable[[Output], None]] = {}  # request id -> its TokenStream's queue
         self.readers: dict[str, asyncio.Task] = {}  # LLM replica id -> the task reading its channel
         self.calls: dict[str, Any] = {}  # LLM replica id -> its channel's streaming call
         self.closed = False
@@ -152,4 +175,74 @@ class TokenStream:
             self.call.cancel()
 
 
-__all__ = ["ROUTE_TIMEOUT_S", "ChannelHub", "TokenStream"]
+def _final(item: Output) -> bool:
+    return isinstance(item, BaseException) or item.finish_reason is not None
+
+
+class Outbox:
+    """LLM side: one ingress's channel on this replica. The engine's sinks (on the event loop) put chunks in, merged
+    per generation; `stream` sends them as one message per step (or per `interval_s` when steps are shorter)."""
+
+    def __init__(self, replica_id: str, interval_s: float, idle_s: float):
+        self.replica_id, self.interval_s, self.idle_s = replica_id, interval_s, idle_s
+        self.items: dict[str, list[Output]] = {}  # per generation: one merged chunk, then maybe an error
+        self.attached: dict[str, asyncio.Future[None]] = {}  # done once its last item is handed over
+        self.wake, self.urgent, self.open = asyncio.Event(), False, True
+
+    def attach(self, request_id: str) -> tuple[asyncio.Future[None], Callable[[Output], None]]:
+        """(a future done when the generation's last item has gone out, the engine sink that sends its items)."""
+        assert self.open and request_id not in self.attached, request_id
+        done = asyncio.get_running_loop().create_future()
+        self.attached[request_id] = done
+
+        def put(item: Output) -> None:
+            if request_id not in self.attached:
+                return
+            items = self.items.setdefault(request_id, [])
+            if items and isinstance(item, TokenChunk) and isinstance(items[-1], TokenChunk):
+                items[-1].merge(item)
+            else:
+                items.append(item)
+            if _final(item) or (isinstance(item, TokenChunk) and item.num_cached_tokens is not None):  # first token
+                self.urgent = True
+            self.wake.set()
+
+        return done, put
+
+    def detach(self, request_id: str) -> None:
+        """A generation that ended early (cancelled): nothing more of it goes out."""
+        self.attached.pop(request_id, None)
+        self.items.pop(request_id, None)
+
+    async def stream(self) -> AsyncIterator[Batch]:
+        loop, last = asyncio.get_running_loop(), 0.0
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self.idle_s):  # NOTE: not wait_for: see tests/test_house.py
+                        await self.wake.wait()
+                except TimeoutError:
+                    if not self.attached:
+                        return  # idle: closed; the ingress reopens it when it needs it
+                    continue
+                if not self.urgent and (wait := last + self.interval_s - loop.time()) > 0:
+                    await asyncio.sleep(wait)
+                self.wake.clear()
+                self.urgent, items, self.items = False, self.items, {}
+                batch = [(rid, item) for rid, its in items.items() for item in its]
+                if not batch:
+                    continue
+                last = loop.time()
+                yield batch
+                for rid, item in batch:
+                    if _final(item) and (done := self.attached.pop(rid, None)) is not None and not done.done():
+                        done.set_result(None)
+        finally:
+            self.open = False
+            for done in self.attached.values():
+                if not done.done():
+                    done.set_exception(ChannelLost(self.replica_id))
+            self.attached.clear()
+
+
+__all__ = ["ROUTE_TIMEOUT_S", "Batch", "ChannelHub", "ChannelOpen", "Outbox", "Routed", "TokenStream"]
