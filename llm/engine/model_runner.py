@@ -14,8 +14,7 @@ from torch import nn
 
 from llm.engine.decode_step import StaticDecode
 from llm.engine.grammar import fill_bitmask
-from llm.engine.logits import RowState
-from llm.engine.sampling import on_device, prompt_logprobs, sample, sample_tokens
+from llm.engine.sampling import RowState, on_device, prompt_logprobs, sample, sample_tokens
 from llm.engine.scheduler import Chunk
 from llm.engine.sequence import Sequence
 from llm.model import cpu_kernels

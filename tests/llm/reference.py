@@ -10,7 +10,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from demo.inputs import make_image
 from llm import Engine, EngineConfig
-from llm.engine.logits import RowState
+from llm.engine.sampling import RowState
 from schemas import GenerateRequest, MediaItem, SamplingParams
 
 

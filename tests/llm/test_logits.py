@@ -1,4 +1,4 @@
-"""The logits processors (llm/engine/logits.py) against transformers' own on the same logits, rows with different
+"""The logits processors (llm/engine/sampling.py) against transformers' own on the same logits, rows with different
 settings in one batch: repetition penalty, min_p, min_tokens, logit_bias, and their order."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from transformers import (
 )
 
 from llm.engine import sample
-from llm.engine.logits import RowState, apply_before_temperature, apply_min_p
+from llm.engine.sampling import RowState, apply_before_temperature, apply_min_p
 from schemas import SamplingParams
 from tests.llm.reference import states_for
 
