@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llm.engine.arrivals import Arrival, on_arrival, split_pending, take_arrival
 from llm.engine.block_pool import BlockPool
 from llm.engine.delivery import Delivery, Sink, coalesced
 from llm.engine.grammar import Grammars, OffGrammar
@@ -45,6 +44,26 @@ if TYPE_CHECKING:
     from llm.model import Qwen2LM
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Arrival:
+    """An image's embeddings (or the error that ended its encoding), for a sequence that waits for them."""
+
+    seq: Sequence
+    index: int
+    embeds: torch.Tensor | BaseException
+
+
+def _on_arrival(seq: Sequence, index: int, put: Callable[[Arrival], None]) -> Callable[[asyncio.Future], None]:
+    """A done-callback (on the event loop) that hands the worker what the future holds. A cancelled future: the
+    generation ended, and its sequence with it."""
+
+    def done(future: asyncio.Future) -> None:
+        if not future.cancelled():
+            put(Arrival(seq, index, future.exception() or future.result()))
+
+    return done
 
 
 @dataclass(slots=True)
@@ -194,7 +213,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         grammar = self.grammars.compile(g) if (g := inp.sampling.grammar) is not None else None
         assert len(embeds) == len(inp.items), (len(embeds), len(inp.items))
-        arrived, pending = split_pending(list(embeds))
+        pending = {i: f for i, f in enumerate(embeds) if isinstance(f, asyncio.Future)}  # still encoding
+        arrived = [None if i in pending else e for i, e in enumerate(embeds)]
         seq = make_sequence(
             inp, arrived, next(self._ids), grammar=grammar, eos_token_ids=self.eos_token_ids, **self._sequence_kwargs
         )
@@ -206,7 +226,7 @@ class Engine:
         self.delivery.attach(seq, loop, sink)
         self._inbox.put(seq)
         for i, future in pending.items():  # queued after the sequence: the worker sees them in that order
-            future.add_done_callback(on_arrival(seq, i, self._inbox.put))
+            future.add_done_callback(_on_arrival(seq, i, self._inbox.put))
         return seq
 
     def cancel(self, seq: Sequence) -> None:
@@ -303,9 +323,21 @@ class Engine:
             pass
 
     def _image_arrived(self, a: Arrival) -> None:
-        if (error := take_arrival(a, self.scheduler)) is not None:  # EncoderUnavailable: the ingress retries it
+        """On the worker: the image joins its sequence; or its sequence fails with the error (it ends, its blocks
+        back in the pool). Nothing for a sequence that has ended already (cancelled, or failed on another image)."""
+        seq = a.seq
+        if seq.cancelled.is_set() or not self.scheduler.holds(seq):
+            return
+        error = a.embeds if isinstance(a.embeds, BaseException) else None
+        if error is None:
+            try:
+                seq.set_image(a.index, a.embeds)
+            except ValueError as e:
+                error = e
+        if error is not None:  # EncoderUnavailable: the ingress retries it
+            self.scheduler.finish(seq)
             self.counts["failed"] += not isinstance(error, InvalidRequest)  # a client's bad image is no engine fault
-            self.delivery.emit(a.seq, error)
+            self.delivery.emit(seq, error)
             self.delivery.flush()
 
     def _step(self, chunks: list[Chunk]) -> None:
