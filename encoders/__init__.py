@@ -3,7 +3,6 @@ token counts (which the ingress and the LLM replica use too), and `ModelSpec`, t
 once per process from its config and its family here. No Ray: the Serve deployment that runs the encoder is
 `deployments.encoder.server:Encoder`."""
 
-from encoders.batching import ImageBatcher, Preprocessed
 from encoders.cache import EmbeddingLRU, cache_scope, embedding_key
 from encoders.cost import VisionCost
 from encoders.family import Family, ImageProcessing, ImageTokens, VisionEncoder
@@ -15,7 +14,7 @@ from encoders.model_spec import ModelSpec
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionEncoder
 from encoders.qwen2_vl import Qwen2VLImageProcessing, Qwen2VLVisionEncoder, smart_resize
 from encoders.registry import FAMILIES, family_for, family_of, image_tokens_of
-from encoders.runner import EncoderRunner
+from encoders.runner import EncoderRunner, ImageBatcher, Preprocessed
 
 __all__ = [
     "FAMILIES",
