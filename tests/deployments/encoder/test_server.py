@@ -14,8 +14,7 @@ import torch
 from demo.inputs import image_bytes, make_image
 from deployments.encoder import server
 from deployments.encoder.autoscaling import ARRIVING_COST, MEAN_COST, PENDING_COST, TARGET_COST, WINDOW_S
-from deployments.encoder.server import WARM_KEEP_ALIVE_S, Encoder
-from deployments.transfer import _from_numpy, _to_numpy
+from deployments.encoder.server import WARM_KEEP_ALIVE_S, Encoder, _from_numpy, _to_numpy
 from encoders import Qwen2VLVisionEncoder
 from schemas import InvalidRequest
 
@@ -154,7 +153,7 @@ def test_encoder_cpu_threads_are_the_threads_its_forward_runs_on(checkpoint):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_out_of_band_tensor_round_trip(dtype):
-    """What deployments/transfer.py sends for an embedding comes back equal, dtype and shape included."""
+    """What deployments/encoder/server.py sends for an embedding comes back equal, dtype and shape included."""
     embeds = torch.randn(37, 24).to(dtype)[:, 4:20]  # not contiguous
     payload = _to_numpy(embeds)
     back = _from_numpy(pickle.loads(pickle.dumps(payload, protocol=5)))
