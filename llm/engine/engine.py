@@ -1,15 +1,15 @@
 """The generation engine: requests in, token chunks out, and the worker loop between them.
 
 The async side (`submit`) takes a `GenerateRequest` with its image embeddings, checks it and makes its `Sequence`
-(sequence.py), queues it (bounded), and hands its `TokenChunk`s to a sink on the caller's event loop: one callback
-per step for all the sequences of that loop (the LLM deployment sends them on through a per-ingress channel,
-deployments/llm/). `generate` is a stream of one sequence's chunks on top of it, coalescing tokens that arrive within
-`stream_interval_s`. The worker loops, one `run` per step: the scheduler picks the step (decodes + prefill chunks +
-admissions), the model runner builds its inputs (embeddings with the images merged in), runs the forward and
-samples, the scheduler applies the stop rules, and the engine emits each sequence's new token. `cancel` (or closing
-a stream) frees a sequence's blocks at the next step. An image's embeddings may be a future (still encoding): the
-sequence is queued at once, its prefill runs up to the first image not arrived, and each arrives through the inbox
-in any order; one that fails fails its sequence with the future's error.
+(sequence.py), queues it (bounded), and hands its `TokenChunk`s to a sink on the caller's event loop: one callback per
+step for all the sequences of that loop (the LLM deployment sends them on through a per-ingress channel,
+deployments/channel.py). `generate` is a stream of one sequence's chunks on top of it, coalescing tokens that arrive
+within `stream_interval_s`. The worker loops, one `run` per step: the scheduler picks the step (decodes + prefill chunks
++ admissions), the model runner builds its inputs (embeddings with the images merged in), runs the forward and samples,
+the scheduler applies the stop rules, and the engine emits each sequence's new token. `cancel` (or closing a stream)
+frees a sequence's blocks at the next step. An image's embeddings may be a future (still encoding): the sequence is
+queued at once, its prefill runs up to the first image not arrived, and each arrives through the inbox in any order; one
+that fails fails its sequence with the future's error.
 """
 
 from __future__ import annotations
