@@ -30,6 +30,9 @@ from schemas.requests import GenerationRequest
 
 @dataclass(slots=True)
 class Prepared:
+    """A prompt as preparing gives it: its ids, its images and videos (each its record to the engine), what a choice
+    may generate, and where it goes. Each choice's GenerateRequest is built from it."""
+
     prompt: list[int] = field(default_factory=list)
     items: list[MediaItem] = field(default_factory=list)  # the images and videos the prompt keeps, in prompt order
     video_stats: list[tuple[int, int, float]] = field(default_factory=list)  # (frames, tokens, probe s) received
