@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 "the producer's just before its return, median; 'ms over floor' subtracts the empty tensor's "
                 "time; MB/s = MB / ms (whole trip). 'zero-copy': the same with "
                 "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1 in the workers; 'ours': the producer registers "
-                "deployments/encoder/server.py's serializer, as Encoder replicas do.",
+                "deployments/transfer.py's serializer, as Encoder replicas do.",
                 rows,
             )
         )

@@ -37,7 +37,7 @@ def _actors():
         def __init__(self, ours: bool):
             self.stamps: dict[int, float] = {}
             if ours:
-                from deployments.encoder.server import send_tensors_out_of_band
+                from deployments.transfer import send_tensors_out_of_band
 
                 send_tensors_out_of_band()
 
@@ -73,7 +73,7 @@ def transfer(
 
     `zero_copy`: Ray's RAY_ENABLE_ZERO_COPY_TORCH_TENSORS in the workers (a tensor goes out of band, as numpy
     arrays do; the receiver gets a read-only view of shared memory). Off by default in Ray 2.60.
-    `ours`: the producer registers deployments/encoder/server.py's serializer, as the Encoder replicas do."""
+    `ours`: the producer registers deployments/transfer.py's serializer, as the Encoder replicas do."""
     import ray
 
     env = {"PYTHONWARNINGS": "ignore"}  # with zero-copy, torch warns on each receiver that its tensor is read-only

@@ -1,5 +1,4 @@
-"""Encoder deployment: image bytes in, projected embeddings (num_image_tokens, llm_hidden) out, through the object
-store out of band (`send_tensors_out_of_band`).
+"""Encoder deployment: image bytes in, projected embeddings (num_image_tokens, llm_hidden) out.
 
 Serve autoscales this deployment on its own; the ingress fans each request's images out to it, as many to a call as
 one ViT forward takes, and keeps the references to what comes back (its embedding cache: the ingress's, keyed where
@@ -11,12 +10,9 @@ import asyncio
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-import ray
 import torch
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -35,6 +31,7 @@ from deployments.errors import quiet_client_errors
 from deployments.metrics import EncoderMetrics, heap_census
 from deployments.ray_private import idle_workers, my_raylet, prestart_workers
 from deployments.replica import DRAIN_POLL_S, StartTimeline, this_replica
+from deployments.transfer import send_tensors_out_of_band
 from encoders import EncoderRunner, ModelSpec, VisionEncoder
 from encoders.checkpoint_config import ConfigView
 from encoders.startup_checks import StartupChecks
@@ -46,31 +43,6 @@ GAUGE_EVERY_S = 10.0
 DEFAULT_TARGET_COST = 10.0  # GFLOP: about 0.4 s of a 2-core CPU replica on the demo model
 WARM_KEEP_ALIVE_S = 3600  # how long the raylet keeps a warm worker above its idle limit (then it may reap it)
 WARM_EVERY_S = 5.0  # how often a replica tops its node's warm workers up
-
-
-# Embeddings cross Ray without being copied: a torch tensor is pickled as a numpy array, whose buffer pickle
-# protocol 5 carries out of band, so the receiver maps it from the object store instead of unpickling a copy.
-# Ray pickles torch tensors in band by default (`make bench-encoder`: a 25 MB embedding took 75-210 ms from encoder
-# to LLM, against about 6 ms out of band). Ray's own switch for this, RAY_ENABLE_ZERO_COPY_TORCH_TENSORS, is an
-# environment variable of the worker; registering the reducer here keeps it with the code that needs it.
-def _to_numpy(tensor: torch.Tensor) -> tuple[str, np.ndarray]:
-    t = tensor.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: send the bits
-        return "bfloat16", t.view(torch.int16).numpy()
-    return "", t.numpy()
-
-
-def _from_numpy(payload: tuple[str, np.ndarray]) -> torch.Tensor:
-    dtype, array = payload
-    with warnings.catch_warnings():  # read-only: the buffer is the object store's; receivers only read it
-        warnings.simplefilter("ignore", UserWarning)
-        tensor = torch.from_numpy(array)
-    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
-
-
-def send_tensors_out_of_band() -> None:
-    """For tensors this process serializes (returns, and arguments it passes); any process can deserialize them."""
-    ray.util.register_serializer(torch.Tensor, serializer=_to_numpy, deserializer=_from_numpy)
 
 
 class EncoderReplica:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import subprocess
+import sys
 import time
 import uuid
 
@@ -14,7 +16,8 @@ import torch
 from demo.inputs import image_bytes, make_image
 from deployments.encoder import server
 from deployments.encoder.autoscaling import ARRIVING_COST, MEAN_COST, PENDING_COST, TARGET_COST, WINDOW_S
-from deployments.encoder.server import WARM_KEEP_ALIVE_S, Encoder, _from_numpy, _to_numpy
+from deployments.encoder.server import WARM_KEEP_ALIVE_S, Encoder
+from deployments.transfer import _from_numpy, _to_numpy
 from encoders import Qwen2VLVisionEncoder
 from schemas import InvalidRequest
 
@@ -153,8 +156,25 @@ def test_encoder_cpu_threads_are_the_threads_its_forward_runs_on(checkpoint):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_out_of_band_tensor_round_trip(dtype):
-    """What deployments/encoder/server.py sends for an embedding comes back equal, dtype and shape included."""
+    """What deployments/transfer.py sends for an embedding comes back equal, dtype and shape included."""
     embeds = torch.randn(37, 24).to(dtype)[:, 4:20]  # not contiguous
     payload = _to_numpy(embeds)
     back = _from_numpy(pickle.loads(pickle.dumps(payload, protocol=5)))
     assert back.dtype == dtype and back.shape == embeds.shape and back.equal(embeds)
+
+
+def test_a_receiver_unpickles_an_embedding_with_the_light_transfer_module_alone():
+    """The pickle of an embedding names its deserializer by module: a receiver (the LLM replica) imports that module,
+    and no more than torch, numpy and Ray with it, not the Encoder deployment's imports."""
+    code = (
+        "import sys, pickle, ray, torch\n"
+        "from deployments.transfer import _from_numpy, _to_numpy\n"
+        "blob = pickle.dumps((_from_numpy, _to_numpy(torch.ones(2, 3))))\n"
+        "for name in [m for m in sys.modules if m.startswith(('deployments', 'encoders', 'llm'))]:\n"
+        "    del sys.modules[name]\n"
+        "load, payload = pickle.loads(blob)\n"
+        "assert load(payload).sum() == 6\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('deployments', 'encoders', 'llm', 'transformers'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['deployments', 'deployments.transfer']"
