@@ -199,7 +199,7 @@ class Preparer:
         v = self.videos.prepare(param, part, req, fetched)
         plan = v.video.plan
         cost = self.image_cost.gflop(plan.grid_thw)
-        chunks = tuple(  # a video's chunks: equal shares of its tubelets' cost
+        chunks = tuple(  # a video split into chunks of tubelets (one chunk: the video itself), each an equal share
             MediaItem(
                 scoped_key(key, scope),
                 data.plan.grid_thw,
@@ -210,7 +210,7 @@ class Preparer:
                 patches=_patches(data.plan.grid_thw),
                 data=data,
             )
-            for data, key in v.chunks
+            for data, key in (v.chunks if len(v.chunks) > 1 else ())
         )
         return MediaItem(
             scoped_key(v.key, scope),
@@ -224,7 +224,7 @@ class Preparer:
             cost=cost,
             patches=_patches(plan.grid_thw),
             data=v.video,
-            chunks=chunks if len(chunks) > 1 else (),
+            chunks=chunks,
             probe_s=v.probe_s,
             run=self._timed_run(plan) if plan.timestamps else None,
         )
