@@ -1,4 +1,8 @@
-"""LLM deployment: token ids + ObjectRefs of image embeddings in, a stream of TokenChunks out."""
+"""LLM deployment: token ids + ObjectRefs of image embeddings in, a stream of TokenChunks out.
+
+A request's images arrive as ObjectRefs (one per encoder call, each the list of the embeddings that call made): they
+are fetched here, one future per image or video (`ImageArrivals`), so that the engine's prefill can run up to the
+first one not here yet."""
 
 from __future__ import annotations
 
@@ -11,12 +15,12 @@ from typing import Any
 import ray
 import torch
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from ray.serve.config import RequestRouterConfig
 from transformers import AutoTokenizer
 
 from deployments.channel import Batch, ChannelOpen, Outbox, Routed
-from deployments.errors import quiet_client_errors
-from deployments.llm.images import ImageArrivals, bad_image
+from deployments.errors import REPLICA_GONE, quiet_client_errors, root_cause
 from deployments.llm.router import PrefixAffinityRouter
 from deployments.llm.tp import COLLECTIVE_TIMEOUT_S, Ranks
 from deployments.metrics import EncoderMetrics, LLMMetrics, heap_census
@@ -24,12 +28,83 @@ from deployments.replica import DRAIN_POLL_S, this_replica
 from encoders import EmbeddingLRU, EncoderRunner, ModelSpec
 from llm import Engine, EngineConfig, Qwen2LM, TextConfig, num_kv_blocks
 from llm.model.parallel import ParallelLM, TPGroup, init_process_group
-from schemas import AppArgs, EncoderUnavailable, GenerateRequest, InvalidRequest, MediaItem, Overloaded, TokenChunk
+from schemas import (
+    AppArgs,
+    EncoderUnavailable,
+    GenerateRequest,
+    InvalidRequest,
+    MediaItem,
+    Overloaded,
+    TokenChunk,
+    observe,
+)
 
 logger = logging.getLogger("ray.serve")
 # Errors the ingress answers (4xx, or a retry / 503) and that are no fault of this replica: sent down the stream as
 # an item, not raised, so that Serve does not log each as a failed request with a traceback.
 _ANSWERED = (InvalidRequest, EncoderUnavailable, Overloaded)
+# Errors that mean "the encoder replica (or its node) went away", not "this image is bad".
+_ENCODER_GONE = (*REPLICA_GONE, TaskCancelledError)
+
+
+def bad_image(index: int, e: InvalidRequest) -> InvalidRequest:
+    """An image the encoder could not read is the client's error; say which one."""
+    return InvalidRequest(f"image {index}: {e.message}", param="messages")
+
+
+def check_refs(refs: list[Any]) -> None:
+    for ref in refs:  # invariant: the ingress passes references, never embeddings
+        if not isinstance(ref, ray.ObjectRef):
+            raise TypeError(f"image embeddings must arrive as ObjectRefs, got {type(ref).__name__}")
+
+
+async def _fetch_call(ref: ray.ObjectRef, call: int, timeout_s: float) -> list[torch.Tensor | InvalidRequest]:
+    """What encoder call `call` returned. EncoderUnavailable when its replica went away or it did not come in
+    `timeout_s`: the ingress encodes its images once more, on another replica."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await ref
+    except TimeoutError:
+        raise EncoderUnavailable(f"encoder call {call} did not answer in {timeout_s:g} s", [call]) from None
+    except Exception as e:
+        cause = root_cause(e)
+        if isinstance(cause, _ENCODER_GONE):
+            raise EncoderUnavailable(f"encoder call {call} was lost ({type(cause).__name__})", [call]) from None
+        if isinstance(cause, InvalidRequest):
+            raise cause from None
+        raise
+
+
+async def _item(index: int, item: MediaItem, calls: list[asyncio.Future]) -> torch.Tensor:
+    pieces = []
+    try:
+        for call, position in item.pieces:
+            out = (await calls[call])[position]  # a tensor, or the client's error with this image
+            if isinstance(out, BaseException):
+                raise out
+            pieces.append(out)
+    except InvalidRequest as e:
+        raise bad_image(index, e) from None
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # a video's chunks, in order, are its embedding
+
+
+class ImageArrivals:
+    """One future per image or video (`items`), done with its (num_tokens, D) embedding, or failed: EncoderUnavailable
+    naming the encoder calls lost, or the client's InvalidRequest naming the image. Each encoder call is fetched
+    once, whatever the number of items it holds. `cancel` when the generation ends."""
+
+    def __init__(self, items: list[MediaItem], refs: list[Any], timeout_s: float):
+        check_refs(refs)  # here, before the generation starts
+        self.calls = [asyncio.ensure_future(_fetch_call(ref, c, timeout_s)) for c, ref in enumerate(refs)]
+        for call in self.calls:  # one that no item awaits any more (an earlier piece failed) fails unobserved
+            call.add_done_callback(observe)
+        self.items = [asyncio.ensure_future(_item(i, item, self.calls)) for i, item in enumerate(items)]
+
+    def cancel(self) -> None:
+        """Nothing of the request's images is waited for any more."""
+        for future in self.items + self.calls:
+            future.cancel()
+            future.add_done_callback(observe)
 
 
 def reserved_cpus() -> int:

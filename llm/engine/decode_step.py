@@ -17,8 +17,7 @@ import time
 import numpy as np
 import torch
 
-from llm.model.attention import StaticMeta
-from llm.model.kv_cache import KVCache
+from llm.model.attention import KVCache, StaticMeta
 
 logger = logging.getLogger(__name__)
 

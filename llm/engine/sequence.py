@@ -15,7 +15,7 @@ from xgrammar import CompiledGrammar, GrammarMatcher
 from llm.engine.block_pool import block_hash, chain_root
 from llm.engine.grammar import new_matcher
 from llm.engine.sampling import RowState, make_generator
-from llm.model.positions import linear_positions, mrope_positions, video_time_interval
+from llm.model.model import linear_positions, mrope_positions, video_time_interval
 from schemas import GenerateRequest, InvalidRequest, MediaItem, SamplingParams, TokenLogprob
 
 

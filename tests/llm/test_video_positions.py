@@ -14,7 +14,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
 from encoders.video_processing import Qwen2VLVideoProcessing, SamplingRequest, VideoMeta
-from llm.model.positions import mrope_positions, video_time_interval
+from llm.model.model import mrope_positions, video_time_interval
 
 IMG, VID = 9, 10
 
