@@ -40,7 +40,8 @@ class IngressMetrics:
         self.video_probe = Histogram(
             "vlm_video_probe_seconds", "Reading a video's container at the ingress.", boundaries=LATENCY_S
         )
-        # The embedding cache (deployments/ingress/embedding_cache.py): each image, or chunk of a video, looked up
+        # The embedding cache (deployments/ingress/generate.py `EmbeddingRefs`): each image, or chunk of a video,
+        # looked up
         self.cache_queries = Counter("vlm_embedding_cache_queries_total", "Embedding cache lookups.")
         self.cache_hits = Counter("vlm_embedding_cache_hits_total", "Embedding cache lookups that found the image.")
 

@@ -3,7 +3,7 @@ token counts (which the ingress and the LLM replica use too), and `ModelSpec`, t
 once per process from its config and its family here. No Ray: the Serve deployment that runs the encoder is
 `deployments.encoder.server:Encoder`."""
 
-from encoders.cache import EmbeddingLRU, cache_scope, embedding_key
+from encoders.cache import EmbeddingLRU
 from encoders.cost import VisionCost
 from encoders.family import Family, ImageProcessing, ImageTokens, VisionEncoder
 from encoders.images import FORMATS, ImageInfo, data_url_format, decode_data_url, image_size, load_rgb, probe_image
@@ -37,10 +37,8 @@ __all__ = [
     "Qwen2VLVisionEncoder",
     "VisionCost",
     "VisionEncoder",
-    "cache_scope",
     "data_url_format",
     "decode_data_url",
-    "embedding_key",
     "family_for",
     "family_of",
     "image_tokens_of",

@@ -1,29 +1,12 @@
-"""A byte-bounded LRU of image embeddings, keyed by everything that determines an embedding."""
+"""A byte-bounded LRU of image embeddings by their keys (made by the ingress: deployments/ingress/prepare.py
+`embedding_key`): the colocated encoder's, in the LLM replica. The encoder tier's cache is the ingress's references
+(deployments/ingress/generate.py `EmbeddingRefs`)."""
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
 import torch
-
-
-def embedding_key(
-    content_sha256: str, width: int, height: int, mode: str, preprocessing: str, model: str, scope: str = ""
-) -> str:
-    """Not the bytes alone: size and mode are in the key (a 30x100 and a 100x30 image with the same pixel bytes
-    differ), and so are the preprocessing settings and the model; and the tenant's cache scope, so that two tenants
-    never share an entry (`cache_scope`; "" for the shared one)."""
-    key = f"{content_sha256}:{width}x{height}:{mode}:{preprocessing}:{model}"
-    return f"{key}:{scope}" if scope else key
-
-
-def cache_scope(tenant: str | None, salt: str | None) -> str:
-    """The scope of a request's cache entries, embeddings and prefix KV: its API key's tenant and its `cache_salt`
-    (vLLM's field); "" (shared) when it has neither."""
-    if tenant is None and salt is None:
-        return ""
-    return hashlib.blake2b(f"{tenant or ''}\0{salt or ''}".encode(), digest_size=16).hexdigest()
 
 
 class EmbeddingLRU:
@@ -63,4 +46,4 @@ class EmbeddingLRU:
         }
 
 
-__all__ = ["EmbeddingLRU", "cache_scope", "embedding_key"]
+__all__ = ["EmbeddingLRU"]

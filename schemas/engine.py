@@ -118,8 +118,8 @@ class GenerateRequest:
     # The calling ingress replica's id: its tokens come through that ingress's per-step channel to the replica
     # when one is open (deployments/channel.py); None: all through this call's own stream.
     channel: str | None = None
-    # The tenant's scope of the prefix cache (encoders.cache_scope): its blocks chain from a hash of it, so two
-    # scopes never share a block; "": the shared cache.
+    # The tenant's scope of the prefix cache (deployments/ingress/prepare.py `cache_scope`): its blocks chain from a
+    # hash of it, so two scopes never share a block; "": the shared cache.
     cache_scope: str = ""
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
@@ -17,7 +19,6 @@ from transformers import PreTrainedTokenizerBase
 from deployments.channel import ROUTE_TIMEOUT_S, ChannelHub, TokenStream
 from deployments.errors import LLM_GONE, root_cause
 from deployments.ingress.detokenize import OutputProcessor
-from deployments.ingress.embedding_cache import EmbeddingRefs
 from deployments.ingress.prepare import Prepared
 from deployments.metrics import IngressMetrics
 from deployments.ray_private import object_ref
@@ -36,6 +37,7 @@ logger = logging.getLogger("ray.serve")
 
 Started = tuple[list[AsyncIterator[TokenChunk]], list[TokenChunk]]  # each choice's text deltas, and its first
 Job = tuple[int, int]  # (item, job): a prompt's item's encoder job (an image, or a chunk of a video)
+Ref = Any  # a ray.ObjectRef (anything hashable in tests)
 
 
 class Generator:
@@ -147,9 +149,9 @@ class Generator:
 
     async def _encode_and_generate(self, p, params, request_id, first, calls, made) -> Started:
         """The generations start as soon as every image is on an encoder replica (or in the cache): the LLM fetches
-        each embedding as it is made and prefills up to the first not there yet (deployments/llm/images.py). An
-        image lost on the way (its replica went away) fails the generations; it is encoded once more, each image at
-        most once more."""
+        each embedding as it is made and prefills up to the first not there yet (deployments/llm/server.py,
+        `ImageArrivals`). An image lost on the way (its replica went away) fails the generations; it is encoded once
+        more, each image at most once more."""
         jobs = [(i, j) for i, item in enumerate(p.items) for j in range(len(item.jobs))]
         where, retried = await self._locate(p, jobs, calls, made), set()
         while True:
@@ -261,4 +263,88 @@ def _pack(jobs: list[tuple[Job, MediaItem]], max_patches: int) -> list[list[tupl
     return groups
 
 
-__all__ = ["Generator", "Started"]
+@dataclass(slots=True)
+class _Object:
+    nbytes: int
+    entries: int = 0
+
+
+class EmbeddingRefs:
+    """LRU by bytes of (ref, position) by key. Not thread-safe: the ingress's event loop is its one user.
+
+    The embedding cache of the encoder tier: by content key, the ObjectRefs of embeddings the Encoder replicas made,
+    held by the ingress replica that asked for them (and owns them). The embeddings stay where Ray put them (the object
+    store of the node that encoded them, or under Ray's inline limit in this process's store); a hit costs a dict
+    lookup here and no call anywhere: the ref goes to the LLM as a fresh one would. It sits where the key is known,
+    so no image's path crosses a shared process (the shared EmbeddingCache replica it replaces was one hop and one copy
+    per image, and capped the whole tier).
+
+    An entry is one job's place in what one encoder call returned (a call returns a list: the request's images, as many
+    as one ViT forward takes). The call's object lives while any of its entries is here, and counts whole against the
+    budget. Bytes are counted at 4 a value (float32): the ingress does not know the encoders' dtype, so a bfloat16 tier
+    holds at most the budget and perhaps half of what it could. Each ingress replica has its own: a conversation whose
+    turns reach another ingress replica misses once there.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.nbytes = max_bytes, 0
+        self._entries: OrderedDict[str, tuple[Ref, int]] = OrderedDict()
+        self._objects: dict[Ref, _Object] = {}
+        self.hits = self.misses = self.evictions = 0
+
+    def get(self, key: str) -> tuple[Ref, int] | None:
+        """(the call's ref, the job's position in what it returned), or None."""
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry
+
+    def put(self, keys: list[str], ref: Ref, nbytes: int) -> None:
+        """What one call returned: `keys[i]` is the job at position i; `nbytes`, the whole object's. A call bigger
+        than the budget is not kept; a key already here keeps its entry."""
+        if nbytes > self.max_bytes or ref in self._objects:
+            return
+        new = [(i, key) for i, key in enumerate(keys) if key not in self._entries]
+        if not new:
+            return
+        obj = self._objects[ref] = _Object(nbytes)
+        self.nbytes += nbytes
+        for i, key in new:
+            self._entries[key] = (ref, i)
+            obj.entries += 1
+        while self.nbytes > self.max_bytes:
+            key, _ = next(iter(self._entries.items()))
+            self._remove(key)
+            self.evictions += 1
+
+    def discard(self, refs: Iterable[Ref]) -> None:
+        """Forget every entry in these calls' results (they failed, were cancelled, or their replica is gone)."""
+        gone = {ref for ref in refs if ref in self._objects}
+        if gone:
+            for key in [k for k, (ref, _) in self._entries.items() if ref in gone]:
+                self._remove(key)
+
+    def _remove(self, key: str) -> None:
+        ref, _ = self._entries.pop(key)
+        obj = self._objects[ref]
+        obj.entries -= 1
+        if obj.entries == 0:  # the last entry of the call: its object goes (when the LLM holds it no more)
+            del self._objects[ref]
+            self.nbytes -= obj.nbytes
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "entries": len(self._entries),
+            "objects": len(self._objects),
+            "bytes": self.nbytes,
+            "max_bytes": self.max_bytes,
+        }
+
+
+__all__ = ["EmbeddingRefs", "Generator", "Started"]

@@ -20,7 +20,7 @@ from deployments.ingress.prompt import (
 from deployments.ingress.structured import response_grammar
 from deployments.ingress.tools import check_tools, renders_tools, template_tools, tool_grammar, tools_as_text
 from deployments.ingress.videos import VideoPreparer, video_params
-from encoders import ModelSpec, data_url_format, decode_data_url, embedding_key, probe_image
+from encoders import ModelSpec, data_url_format, decode_data_url, probe_image
 from encoders.video_processing import VideoPlan
 from schemas import AppArgs, InvalidRequest, MediaItem, SamplingParams
 from schemas.completions import CompletionRequest
@@ -41,7 +41,7 @@ class Prepared:
     routing_key: str = ""  # the conversation's first turn: which LLM replica holds its prefix (deployments/llm/)
     grammar: str | None = None  # structured outputs: the grammar every choice must match (ingress/structured.py)
     text: str = ""  # a text completion's prompt as text, for echo
-    cache_scope: str = ""  # the tenant's scope of the embedding and prefix caches (encoders.cache_scope)
+    cache_scope: str = ""  # the tenant's scope of the embedding and prefix caches (`cache_scope`)
 
     @property
     def images(self) -> list[MediaItem]:
@@ -60,9 +60,24 @@ def image_params(req: ChatCompletionRequest) -> list[tuple[int, str, str]]:
     ]
 
 
+def embedding_key(content_sha256: str, width: int, height: int, mode: str, preprocessing: str, model: str) -> str:
+    """An image's key in the embedding and prefix caches: everything that determines its embedding. Not the bytes
+    alone: size and mode are in the key (a 30x100 and a 100x30 image with the same pixel bytes differ), and so are
+    the preprocessing settings and the model. A video's is made alike (videos.py), with its sampling."""
+    return f"{content_sha256}:{width}x{height}:{mode}:{preprocessing}:{model}"
+
+
+def cache_scope(tenant: str | None, salt: str | None) -> str:
+    """The scope of a request's cache entries, embeddings and prefix KV: its API key's tenant and its `cache_salt`
+    (vLLM's field); "" (shared) when it has neither."""
+    if tenant is None and salt is None:
+        return ""
+    return hashlib.blake2b(f"{tenant or ''}\0{salt or ''}".encode(), digest_size=16).hexdigest()
+
+
 def scoped_key(key: str, scope: str) -> str:
-    """A video's (or chunk's) cache key within a tenant's scope (encoders.cache_scope; "": the shared cache), as
-    embedding_key scopes an image's."""
+    """An image's or a video's (or chunk's) cache key within a tenant's scope (`cache_scope`; "": the shared cache),
+    so that two tenants never share an entry."""
     return key if not scope else hashlib.blake2b(f"{scope}|{key}".encode(), digest_size=16).hexdigest()
 
 
@@ -169,15 +184,9 @@ class Preparer:
         except InvalidRequest as e:
             raise InvalidRequest(f"{param}: {e.message}", param=param, code=e.code, status=e.status) from e
         # One key for the embedding cache and for the prefix cache of the image's tokens.
-        key = embedding_key(
-            hashlib.sha256(data).hexdigest(),
-            info.width,
-            info.height,
-            info.mode,
-            self.preprocessing_id,
-            self.model_id,
-            scope,
-        )
+        sha = hashlib.sha256(data).hexdigest()
+        key = embedding_key(sha, info.width, info.height, info.mode, self.preprocessing_id, self.model_id)
+        key = scoped_key(key, scope)
         grid = self.processing.grid_thw(info.width, info.height)
         num_tokens = self.processing.num_image_tokens(info.width, info.height)
         return MediaItem(
@@ -250,7 +259,7 @@ class Preparer:
 
     def prepare(self, req: ChatCompletionRequest, fetched: dict[str, bytes], scope: str = "") -> Prepared:
         """Image headers, prompt ids and the output's grammar, after `check`; `fetched` holds the bytes of remote
-        images by JSON path; `scope`: the tenant's cache scope (encoders.cache_scope), in every image's key."""
+        images by JSON path; `scope`: the tenant's cache scope (`cache_scope`), in every image's key."""
         # First: a schema xgrammar refuses costs no image work. check_tools refused a tool grammar with a format.
         grammar = tool_grammar(req) or response_grammar(req)
         images = self._items(req, fetched, scope)
@@ -412,4 +421,14 @@ def sampling_params(
     )
 
 
-__all__ = ["Prepared", "Preparer", "first_turn_key", "image_params", "in_prompt_order", "sampling_params", "scoped_key"]
+__all__ = [
+    "Prepared",
+    "Preparer",
+    "cache_scope",
+    "embedding_key",
+    "first_turn_key",
+    "image_params",
+    "in_prompt_order",
+    "sampling_params",
+    "scoped_key",
+]

@@ -18,14 +18,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.channel import ChannelHub
 from deployments.errors import quiet_client_errors, quiet_probe_timeouts
-from deployments.ingress.auth import Gate
 from deployments.ingress.fetch import MediaFetcher
 from deployments.ingress.generate import Generator
 from deployments.ingress.grounding import GroundingTokens, pixel_boxes
-from deployments.ingress.http import error_response, head_only, parse, read_json, route_path
+from deployments.ingress.http import Gate, error_response, head_only, parse, read_json, route_path
 from deployments.ingress.info import InfoRoutes
 from deployments.ingress.messages_api import MESSAGES, anthropic_error
-from deployments.ingress.prepare import Prepared, Preparer, sampling_params
+from deployments.ingress.prepare import Prepared, Preparer, cache_scope, sampling_params
 from deployments.ingress.responses import (
     ChoiceState,
     Rendering,
@@ -42,7 +41,7 @@ from deployments.ingress.tokens import TokenRoutes
 from deployments.ingress.tools import parses_tools
 from deployments.metrics import IngressMetrics, heap_census
 from deployments.replica import DRAIN_POLL_S, this_replica
-from encoders import ModelSpec, cache_scope
+from encoders import ModelSpec
 from schemas import AppArgs, InvalidRequest
 from schemas.anthropic import MessagesRequest
 from schemas.completions import CompletionRequest

@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from deployments.ingress import Ingress
-from deployments.ingress.auth import Gate
+from deployments.ingress.http import Gate
 from schemas import AuthArgs
 
 ORIGIN = "https://chat.example"

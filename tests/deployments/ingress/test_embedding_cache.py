@@ -3,7 +3,7 @@ least recently used out first, and a failed call's entries forgotten together.""
 
 from __future__ import annotations
 
-from deployments.ingress.embedding_cache import EmbeddingRefs
+from deployments.ingress.generate import EmbeddingRefs
 
 
 def test_a_calls_object_counts_once_and_goes_with_its_last_entry():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from demo.inputs import data_url, make_image
-from deployments.ingress.prepare import Preparer
+from deployments.ingress.prepare import Preparer, cache_scope, embedding_key, scoped_key
 from schemas import AppArgs, InvalidRequest
 from schemas.completions import CompletionRequest
 from schemas.openai import ChatCompletionRequest
@@ -161,6 +161,29 @@ def test_each_kept_image_has_its_cost_from_its_header(prep):
     assert [job.cost for item in dropped.items for job in item.jobs] == [
         prep.image_cost.gflop(g) for g in _grids(dropped)
     ]
+
+
+def test_an_image_key_has_its_size_mode_preprocessing_and_model_not_only_its_bytes():
+    sha = "0" * 64  # the same bytes
+    keys = {
+        embedding_key(sha, 30, 100, "RGB", "p", "m"),
+        embedding_key(sha, 100, 30, "RGB", "p", "m"),
+        embedding_key(sha, 30, 100, "L", "p", "m"),
+        embedding_key(sha, 30, 100, "RGB", "p2", "m"),
+        embedding_key(sha, 30, 100, "RGB", "p", "m2"),
+    }
+    assert len(keys) == 5
+
+
+def test_two_scopes_never_share_a_key_and_one_keeps_its_own():
+    """Two tenants (or two cache_salts): two scopes, two keys for the same image; the same one again: the same key.
+    No scope: the shared key."""
+    scopes = [cache_scope(None, None), cache_scope("tenant-a", None), cache_scope("tenant-b", None)]
+    scopes += [cache_scope(None, "salt"), cache_scope("tenant-a", "salt"), cache_scope("tenant-a", "other")]
+    assert scopes[0] == "" and len(set(scopes)) == len(scopes)
+    assert cache_scope("tenant-a", "salt") == cache_scope("tenant-a", "salt")
+    key = embedding_key("0" * 64, 30, 100, "RGB", "p", "m")
+    assert len({scoped_key(key, scope) for scope in scopes}) == len(scopes) and scoped_key(key, "") == key
 
 
 def test_the_cache_scope_is_in_every_image_key(prep):
